@@ -1,0 +1,103 @@
+"""The engine interface the sidecar drives: one small async contract, three kinds.
+
+An engine is started and stopped by its owner (``async with engine``), generates
+token deltas for one request at a time per call (``generate``), says whether it is
+alive (``check_health``) and how busy it is (``stats``). Cancelling or closing the
+iterator returned by ``generate`` aborts the request inside the engine.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int | None = None  # None: the engine's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One generation. Exactly one of prompt, prompt_token_ids and messages is set."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output since the previous delta. The last delta has a finish_reason."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int  # cumulative, including this delta
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = -1.0  # 0..1, -1 when unknown
+
+
+class Engine(abc.ABC):
+    """Base of every engine kind. Subclasses implement the five abstract methods."""
+
+    #: the model name served, as /v1/models and responses show it
+    model_name: str
+    #: true for the simulator, so it can say so everywhere it shows up
+    is_simulator: bool = False
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Stream deltas for ``request``; raises proxy.errors.EngineError on failure."""
+
+    @abc.abstractmethod
+    async def check_health(self) -> None:
+        """Return if the engine is alive; raise proxy.errors.EngineError if not."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()

@@ -1,0 +1,372 @@
+"""A continuous-batching simulator of an LLM engine: tests, demos, benchmarks, capacity planning.
+
+It models what a router can see of a vLLM-like engine: ``max_num_seqs`` batch slots, a
+FIFO waiting queue, a prefill cost per prompt token, and a decode step whose time grows
+with the batch; every running sequence gets one token per step. The text is made-up
+words, the same for the same request and seeds in any process. Fault knobs make every
+request fail after N tokens (error), the scheduler stop stepping (hang) or the whole
+engine die (crash).
+
+The hang and crash knobs count requests admitted since ``start()`` (``generate()``
+calls that began); a knob of N trips as the N-th begins, and 0 trips at ``start()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections import deque
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
+from proxy.errors import EngineDeadError, EngineError
+from proxy.settings import SimSettings
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "unitproxy-sim"
+
+# Behind schedule by more than this (a paused loop), the debt is dropped instead of
+# being paid back as a burst of instant steps.
+_MAX_LAG_S = 0.1
+# Chat template overhead per message, in tokens.
+_TOKENS_PER_MESSAGE = 4
+
+
+def _build_vocab(size: int = 1000) -> tuple[str, ...]:
+    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
+    n = len(syllables)
+    words = []
+    for i in range(size):
+        # 97 is coprime to n*n, so the pairs are distinct and spread over the alphabet
+        j = i * 97 % (n * n)
+        word = syllables[j // n] + syllables[j % n]
+        words.append(word + syllables[i % n] if i % 3 == 0 else word)
+    return tuple(words)
+
+
+_VOCAB = _build_vocab()
+_VOCAB_SIZE = len(_VOCAB)
+# Built once so that a token costs no string or tuple allocation.
+_TOKEN_TEXT = tuple(" " + word for word in _VOCAB)
+_TOKEN_IDS = tuple((i,) for i in range(_VOCAB_SIZE))
+
+
+def _count_words(text: str) -> int:
+    return len(text.split())
+
+
+def count_prompt_tokens(request: EngineRequest) -> int:
+    """The simulator's prompt length: ids as given, else whitespace-separated words."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    if request.messages is not None:
+        return sum(_count_words(m.content) + _TOKENS_PER_MESSAGE for m in request.messages)
+    return max(1, _count_words(request.prompt or ""))
+
+
+def _request_seed(engine_seed: int, request: EngineRequest) -> int:
+    # hashlib, not hash(): str hashes are salted per process
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{engine_seed}/{request.sampling.seed}/".encode())
+    if request.prompt_token_ids is not None:
+        h.update(b"ids:" + ",".join(map(str, request.prompt_token_ids)).encode())
+    elif request.messages is not None:
+        for m in request.messages:
+            h.update(f"msg:{m.role}\0{m.content}\0".encode(errors="surrogatepass"))
+    else:
+        h.update(b"text:" + (request.prompt or "").encode(errors="surrogatepass"))
+    return int.from_bytes(h.digest(), "big")
+
+
+class _StopFilter:
+    """Holds back text that may begin a stop string, so no stop string is ever emitted."""
+
+    __slots__ = ("_longest", "_pending", "_stops")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._longest = max(len(s) for s in stops)
+        self._pending = ""
+
+    def feed(self, piece: str, *, check: bool, final: bool) -> tuple[str, bool]:
+        """The text to emit now, and whether a stop string ended the output."""
+        text = self._pending + piece
+        self._pending = ""
+        if not check:
+            return text, False
+        cut = self._first_stop(text)
+        if cut >= 0:
+            return text[:cut], True
+        keep = 0 if final else self._partial_stop_len(text)
+        if keep:
+            self._pending = text[-keep:]
+            text = text[:-keep]
+        return text, False
+
+    def _first_stop(self, text: str) -> int:
+        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        return min(hits, default=-1)
+
+    def _partial_stop_len(self, text: str) -> int:
+        for n in range(min(len(text), self._longest - 1), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
+
+
+@dataclass(slots=True, eq=False)  # eq=False: hashed by identity, a key of the running dict
+class _Seq:
+    prompt_tokens: int
+    max_tokens: int
+    min_tokens: int
+    rng: random.Random
+    stop: _StopFilter | None
+    state: Literal["waiting", "running", "done"] = "waiting"
+    completion_tokens: int = 0
+    deltas: deque[TokenDelta] = field(default_factory=deque)
+    waiter: asyncio.Future[None] | None = None
+    error: EngineError | None = None
+
+    def next_delta(self) -> TokenDelta:
+        token_id = int(self.rng.random() * _VOCAB_SIZE)
+        self.completion_tokens = n = self.completion_tokens + 1
+        finish = "length" if n >= self.max_tokens else None
+        text = _TOKEN_TEXT[token_id]
+        if self.stop is not None:
+            text, stopped = self.stop.feed(
+                text, check=n >= self.min_tokens, final=finish is not None
+            )
+            if stopped:
+                finish = "stop"
+        return TokenDelta(text, _TOKEN_IDS[token_id], self.prompt_tokens, n, finish)
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class SimEngine(Engine):
+    """A simulated vLLM-like engine; says it is one in its log line and ``is_simulator``."""
+
+    is_simulator = True
+
+    def __init__(self, settings: SimSettings, model_name: str | None = None) -> None:
+        self.model_name = model_name or DEFAULT_MODEL_NAME
+        self._settings = settings
+        self._running: dict[_Seq, None] = {}  # insertion-ordered set with O(1) removal
+        self._waiting: deque[_Seq] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = "engine not started"
+        self._hung = False
+        self._admitted = 0
+        self._last_progress = 0.0
+
+    @property
+    def last_progress(self) -> float:
+        """``loop.time()`` of the last step that produced tokens (or of ``start()``)."""
+        return self._last_progress
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._loop = loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._dead, self._hung, self._admitted = None, False, 0
+        self._last_progress = loop.time()
+        logger.info(
+            "engine sim: a SIMULATOR, no real model runs; model name %r, knobs %s",
+            self.model_name,
+            self._settings.model_dump(),
+        )
+        self._task = loop.create_task(self._run(), name="sim-engine-scheduler")
+        self._check_faults()
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if self._dead is None:
+            self._die("engine stopped")
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+
+    async def check_health(self) -> None:
+        # A hung engine passes on purpose: only a progress watchdog can tell.
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def stats(self) -> EngineStats:
+        running = len(self._running)
+        return EngineStats(
+            running=running,
+            waiting=len(self._waiting),
+            kv_cache_usage=running / self._settings.max_num_seqs,
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
+        seq = self._accept(request)
+        try:
+            while True:
+                while seq.deltas:
+                    delta = seq.deltas.popleft()
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                if seq.error is not None:
+                    raise seq.error
+                seq.waiter = self._new_future()
+                await seq.waiter
+        finally:
+            # Runs on cancel and aclose too: the slot frees at once.
+            self._discard(seq)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _accept(self, request: EngineRequest) -> _Seq:
+        if self._dead is None:
+            self._admitted += 1
+            self._check_faults()
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        seq = self._new_seq(request)
+        if seq.max_tokens <= 0:
+            seq.state = "done"
+            seq.deltas.append(TokenDelta("", (), seq.prompt_tokens, 0, "length"))
+        else:
+            self._waiting.append(seq)
+            self._wake.set()
+        return seq
+
+    def _new_seq(self, request: EngineRequest) -> _Seq:
+        sampling = request.sampling
+        stops = tuple(s for s in sampling.stop if s)
+        max_tokens = sampling.max_tokens
+        return _Seq(
+            prompt_tokens=count_prompt_tokens(request),
+            max_tokens=self._settings.default_max_tokens if max_tokens is None else max_tokens,
+            min_tokens=sampling.min_tokens,
+            rng=random.Random(_request_seed(self._settings.seed, request)),
+            stop=_StopFilter(stops) if stops else None,
+        )
+
+    def _new_future(self) -> asyncio.Future[None]:
+        assert self._loop is not None  # set by start(), before any request is accepted
+        return self._loop.create_future()
+
+    def _discard(self, seq: _Seq) -> None:
+        if seq.state == "running":
+            del self._running[seq]
+        elif seq.state == "waiting":
+            self._waiting.remove(seq)
+        seq.state = "done"
+
+    # -- faults -----------------------------------------------------------------------
+
+    def _check_faults(self) -> None:
+        s = self._settings
+        if s.crash_after_requests is not None and self._admitted >= s.crash_after_requests:
+            logger.warning("engine sim: simulated crash after %d requests", self._admitted)
+            self._die(f"simulated crash after {s.crash_after_requests} requests")
+        elif (
+            s.hang_after_requests is not None
+            and not self._hung
+            and self._admitted >= s.hang_after_requests
+        ):
+            logger.warning("engine sim: simulated hang after %d requests", self._admitted)
+            self._hung = True
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        for seq in (*self._running, *self._waiting):
+            seq.state = "done"
+            seq.error = EngineDeadError(reason)
+            seq.wake()
+        self._running.clear()
+        self._waiting.clear()
+        self._wake.set()  # let an idle scheduler see it and end
+
+    # -- scheduler --------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._schedule()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("engine sim: scheduler failed; the engine is dead")
+            self._die("simulator scheduler failed")
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while self._dead is None:
+            if not (self._running or self._waiting):
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = loop.time()  # idle time is not owed to the next step
+                continue
+            if self._hung:
+                await loop.create_future()  # never done: only stop() ends a hung engine
+            deadline += self._step_seconds(self._fill_slots())
+            now = loop.time()
+            if deadline < now - _MAX_LAG_S:
+                deadline = now
+            # sleep(0) when costs are 0: still yields to the loop every step
+            await asyncio.sleep(max(0.0, deadline - now))
+            if self._dead is None and not self._hung:
+                self._decode(loop)
+
+    def _fill_slots(self) -> int:
+        """Move waiting requests into free slots; returns the prompt tokens to prefill."""
+        prefill = 0
+        free = self._settings.max_num_seqs - len(self._running)
+        while free > 0 and self._waiting:
+            seq = self._waiting.popleft()
+            seq.state = "running"
+            self._running[seq] = None
+            prefill += seq.prompt_tokens
+            free -= 1
+        return prefill
+
+    def _step_seconds(self, prefill_tokens: int) -> float:
+        s = self._settings
+        ms = (
+            prefill_tokens * s.prefill_ms_per_token
+            + s.decode_step_ms
+            + s.decode_ms_per_seq * len(self._running)
+        )
+        return ms / 1000.0
+
+    def _decode(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._running:
+            return  # every sequence was aborted during the step
+        finished = [seq for seq in self._running if self._advance(seq)]
+        for seq in finished:
+            del self._running[seq]
+            seq.state = "done"
+        self._last_progress = loop.time()
+
+    def _advance(self, seq: _Seq) -> bool:
+        """One token (or the simulated error) for ``seq``; true when it is finished."""
+        fail_after = self._settings.error_after_tokens
+        if fail_after is not None and seq.completion_tokens >= fail_after:
+            seq.error = EngineError(f"simulated engine error after {fail_after} tokens")
+            done = True
+        else:
+            delta = seq.next_delta()
+            seq.deltas.append(delta)
+            done = delta.finish_reason is not None
+        seq.wake()
+        return done

@@ -1,0 +1,149 @@
+"""The ``unitproxy`` command: parses flags into settings and runs one role.
+
+Each flag names one settings key; flags not given stay out of the way, so the
+environment and the TOML file can set that key instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from engine import EngineUnavailable
+from proxy import settings as config
+from proxy.serving import run_loop, wait_for_signal
+
+log = logging.getLogger("unitproxy")
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str
+    key: str  # dotted settings path
+    metavar: str | None = None
+    choices: Sequence[str] | None = None
+
+
+COMMON = (
+    Flag("--host", "server.host"),
+    Flag("--http-port", "server.http_port", "PORT"),
+    Flag("--grpc-port", "server.grpc_port", "PORT"),
+    Flag("--log-level", "server.log_level", choices=("debug", "info", "warning", "error")),
+    Flag("--max-body-bytes", "server.max_body_bytes", "BYTES"),
+)
+ENGINE = (
+    Flag("--engine", "engine.kind", choices=("sim", "vllm", "openai")),
+    Flag("--model", "engine.model"),
+    Flag("--device", "engine.device", choices=("neuron", "cuda", "cpu")),
+    Flag("--upstream-url", "engine.upstream_url", "URL"),
+    Flag("--sim-max-num-seqs", "engine.sim.max_num_seqs", "N"),
+    Flag("--sim-prefill-ms-per-token", "engine.sim.prefill_ms_per_token", "MS"),
+    Flag("--sim-decode-step-ms", "engine.sim.decode_step_ms", "MS"),
+    Flag("--sim-decode-ms-per-seq", "engine.sim.decode_ms_per_seq", "MS"),
+    Flag("--sim-default-max-tokens", "engine.sim.default_max_tokens", "N"),
+    Flag("--sim-seed", "engine.sim.seed", "N"),
+    Flag("--sim-error-after-tokens", "engine.sim.error_after_tokens", "N"),
+    Flag("--sim-hang-after-requests", "engine.sim.hang_after_requests", "N"),
+    Flag("--sim-crash-after-requests", "engine.sim.crash_after_requests", "N"),
+)
+SIDECAR = (
+    Flag("--unit-id", "sidecar.unit_id", "ID"),
+    Flag("--capacity", "sidecar.capacity", "N"),
+    Flag("--report-interval", "sidecar.report_interval_s", "SECONDS"),
+    Flag("--health-interval", "health.interval_s", "SECONDS"),
+    Flag("--health-timeout", "health.timeout_s", "SECONDS"),
+    Flag("--unhealthy-threshold", "health.unhealthy_threshold", "N"),
+    Flag("--healthy-threshold", "health.healthy_threshold", "N"),
+    Flag("--stall-timeout", "health.stall_timeout_s", "SECONDS"),
+)
+
+
+def _describe(key: str) -> str:
+    model: type[BaseModel] = config.Settings
+    *sections, name = key.split(".")
+    for section in sections:
+        annotation = model.model_fields[section].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        model = annotation
+    return model.model_fields[name].description or ""
+
+
+def _add(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+    for f in flags:
+        parser.add_argument(
+            f.flag,
+            dest=f.key,
+            metavar=f.metavar,
+            choices=f.choices,
+            default=argparse.SUPPRESS,
+            help=f"{_describe(f.key)} [{f.key}]".replace("%", "%%"),
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="unitproxy",
+        description="Health-checking, load-aware routing proxy for multi-node LLM inference units.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sidecar = commands.add_parser(
+        "sidecar", help="serve one unit: embed the engine, probe its nodes, report load"
+    )
+    sidecar.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    _add(sidecar, COMMON + ENGINE + SIDECAR)
+    return parser
+
+
+def cli_values(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The flags given, as the nested dict settings expect."""
+    nested: dict[str, Any] = {}
+    for key, value in vars(namespace).items():
+        if "." not in key:
+            continue
+        *sections, name = key.split(".")
+        target = nested
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[name] = value
+    return nested
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = config.load(cli_values(args), args.config)
+    except config.ConfigError as exc:
+        for problem in exc.problems:
+            print(f"unitproxy: invalid configuration: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(run_loop(lambda: _run(args.command, settings)))
+    except EngineUnavailable as exc:
+        print(f"unitproxy: invalid configuration: engine.kind: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _run(command: str, settings: config.Settings) -> int:
+    from proxy.sidecar.server import Sidecar
+
+    async with Sidecar(settings):
+        sig = await wait_for_signal()
+        log.info("received %s, stopping", sig.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The unitproxy error tree, and its one mapping to HTTP status and gRPC code.
+
+    UnitProxyError                 500  INTERNAL
+    ├── InvalidRequest             400  INVALID_ARGUMENT   malformed JSON, bad field (``param`` names it)
+    ├── Unauthenticated            401  UNAUTHENTICATED    missing or bad API key
+    ├── NotFound                   404  NOT_FOUND          unknown model or path
+    ├── PayloadTooLarge            413  INVALID_ARGUMENT   body or prompt over the limit
+    ├── Overloaded                 429  RESOURCE_EXHAUSTED at capacity: retry elsewhere
+    ├── Unavailable                503  UNAVAILABLE        not SERVING, draining, no unit can serve
+    ├── DeadlineExceeded           504  DEADLINE_EXCEEDED  the request's deadline passed
+    └── EngineError                500  INTERNAL           the engine failed this request
+        └── EngineDeadError        503  UNAVAILABLE        the engine is gone: nothing more will run
+
+Lower-layer exceptions are turned into these once, at the edge that sees them, with
+``raise ... from exc``. The HTTP and gRPC front ends read ``http_status`` and
+``grpc_code`` from the class and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import grpc
+
+
+class UnitProxyError(Exception):
+    http_status: ClassVar[int] = 500
+    grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    error_type: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.error_type
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(UnitProxyError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "invalid_request_error"
+
+
+class Unauthenticated(UnitProxyError):
+    http_status = 401
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    error_type = "authentication_error"
+
+
+class NotFound(UnitProxyError):
+    http_status = 404
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(UnitProxyError):
+    http_status = 413
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "request_too_large"
+
+
+class Overloaded(UnitProxyError):
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    error_type = "overloaded_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(UnitProxyError):
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "unavailable_error"
+
+
+class DeadlineExceeded(UnitProxyError):
+    http_status = 504
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    error_type = "timeout_error"
+
+
+class EngineError(UnitProxyError):
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    error_type = "engine_error"
+
+
+class EngineDeadError(EngineError):
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "engine_dead"

@@ -1,0 +1,46 @@
+"""HTTP pieces shared by the sidecar and the gateway: header names, JSON and error responses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from proxy.errors import Overloaded, Unavailable, UnitProxyError
+
+UNIT_HEADER = "x-unitproxy-unit"
+REQUEST_ID_HEADER = "x-request-id"
+# The request's remaining time budget in milliseconds; passed on, reduced, at each hop.
+DEADLINE_HEADER = "x-unitproxy-timeout-ms"
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its response was being written."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__("client closed the connection")
+        self.response = response
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        text=json.dumps(data, separators=(",", ":")),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def error_response(
+    exc: UnitProxyError, request_id: str | None, unit_id: str | None = None
+) -> web.Response:
+    response = json_response(exc.body(), status=exc.http_status)
+    if request_id:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    if unit_id:
+        response.headers[UNIT_HEADER] = unit_id
+    if isinstance(exc, Overloaded):
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    elif isinstance(exc, Unavailable):
+        response.headers["Retry-After"] = "1"
+    return response

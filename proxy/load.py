@@ -1,0 +1,107 @@
+"""The load report: what a unit says about its state and load, on every wire.
+
+One dataclass, converted to the gRPC message, the ``/load`` JSON and the Redis value
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from proxy.pb.unitproxy.v1 import load_pb2
+
+
+class UnitState(StrEnum):
+    STARTING = "STARTING"
+    SERVING = "SERVING"
+    NOT_SERVING = "NOT_SERVING"
+    DRAINING = "DRAINING"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    name: str
+    role: str  # "leader" | "follower"
+    address: str
+    healthy: bool
+    reason: str
+    since_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    unit_id: str
+    state: UnitState
+    outstanding: int
+    capacity: int
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = -1.0
+    nodes: tuple[NodeStatus, ...] = field(default_factory=tuple)
+    seq: int = 0
+    timestamp_ms: int = 0
+    http_url: str = ""
+    grpc_target: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = str(self.state)
+        data["nodes"] = [asdict(n) for n in self.nodes]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def to_pb(self) -> load_pb2.LoadReport:
+        return load_pb2.LoadReport(
+            unit_id=self.unit_id,
+            state=load_pb2.UnitState.Value(str(self.state)),
+            outstanding=self.outstanding,
+            capacity=self.capacity,
+            running=self.running,
+            waiting=self.waiting,
+            kv_cache_usage=self.kv_cache_usage,
+            nodes=[load_pb2.NodeStatus(**asdict(n)) for n in self.nodes],
+            seq=self.seq,
+            timestamp_ms=self.timestamp_ms,
+            http_url=self.http_url,
+            grpc_target=self.grpc_target,
+        )
+
+    @classmethod
+    def from_pb(cls, msg: load_pb2.LoadReport) -> LoadReport:
+        return cls(
+            unit_id=msg.unit_id,
+            state=_state(load_pb2.UnitState.Name(msg.state)),
+            outstanding=msg.outstanding,
+            capacity=msg.capacity,
+            running=msg.running,
+            waiting=msg.waiting,
+            kv_cache_usage=msg.kv_cache_usage,
+            nodes=tuple(
+                NodeStatus(n.name, n.role, n.address, n.healthy, n.reason, n.since_ms)
+                for n in msg.nodes
+            ),
+            seq=msg.seq,
+            timestamp_ms=msg.timestamp_ms,
+            http_url=msg.http_url,
+            grpc_target=msg.grpc_target,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoadReport:
+        values = dict(data)
+        values["state"] = _state(values["state"])
+        values["nodes"] = tuple(NodeStatus(**n) for n in values.get("nodes", ()))
+        return cls(**values)
+
+
+def _state(name: str) -> UnitState:
+    # A state this build does not know (a newer peer) is treated as not serving.
+    try:
+        return UnitState(name)
+    except ValueError:
+        return UnitState.NOT_SERVING

@@ -1,0 +1,130 @@
+"""Every metric unitproxy exports, declared once, on a registry the caller injects.
+
+Names carry the ``unitproxy_`` prefix. Label values come from small fixed sets: a
+route name, a status code, a state, a node or unit id from configuration; never
+request data.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "unitproxy"
+
+# Time to first token and request durations span 1 ms (loopback, idle) to minutes.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+)  # fmt: skip
+TOKEN_GAP_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+UNIT_STATES = ("STARTING", "SERVING", "NOT_SERVING", "DRAINING")
+
+
+class ServingMetrics:
+    """What any process that serves inference requests exports (sidecar and gateway)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.requests = Counter(
+            "requests",
+            "Inference requests answered, by route and status code.",
+            ["route", "code"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.outstanding = Gauge(
+            "outstanding_requests",
+            "Requests admitted and not yet finished.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "request_duration_seconds",
+            "Time from admission to the end of the response.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "time_to_first_token_seconds",
+            "Time from admission to the first token sent.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "inter_token_latency_seconds",
+            "Time between two token deltas of one stream.",
+            buckets=TOKEN_GAP_BUCKETS,
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.generated_tokens = Counter(
+            "generated_tokens",
+            "Tokens generated and sent.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+
+
+class UnitMetrics:
+    """Unit health and engine load, exported by the sidecar."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.node_healthy = Gauge(
+            "node_healthy",
+            "1 while the node is healthy, else 0.",
+            ["node", "role"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.unit_state = Gauge(
+            "unit_state",
+            "1 for the unit's current state, 0 for the others.",
+            ["state"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.probe_duration = Histogram(
+            "health_probe_duration_seconds",
+            "Time one health probe of a node took.",
+            ["node"],
+            buckets=PROBE_BUCKETS,
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.health_transitions = Counter(
+            "health_transitions",
+            "Changes of a node's health, by the health it changed to.",
+            ["node", "to"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.engine_running = Gauge(
+            "engine_running",
+            "Sequences the engine is running.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.engine_waiting = Gauge(
+            "engine_waiting",
+            "Sequences waiting in the engine's queue.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.engine_kv_cache_usage = Gauge(
+            "engine_kv_cache_usage",
+            "Share of the engine's KV cache in use (0..1; -1 when unknown).",
+            namespace=PREFIX,
+            registry=registry,
+        )
+
+    def set_state(self, state: str) -> None:
+        for name in UNIT_STATES:
+            self.unit_state.labels(name).set(1 if name == state else 0)

@@ -1,0 +1,371 @@
+"""The OpenAI-compatible wire format: request validation in, response bodies out.
+
+Parsing turns a request body into an ``EngineRequest`` or raises ``InvalidRequest``
+naming the field; unknown fields are ignored, as vLLM's server does. Encoding builds
+the byte strings of SSE chunks with the per-request constant parts prepared once,
+so a token costs one ``json.dumps`` of its text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
+from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
+
+Route = Literal["completions", "chat"]
+MAX_STOP_SEQUENCES = 16
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("must be a string or a list of strings")
+        if len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        return value
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_tokens=self.min_tokens,
+            stop=tuple(s for s in stop if s),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(_SamplingFields):
+    prompt: str | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        # One prompt per request: a string, a list of token ids, or a batch of one.
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("must not be empty")
+            return value
+        if isinstance(value, list) and value and all(_is_token_id(t) for t in value):
+            return value
+        if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+            raise ValueError("batched prompts are not supported: send one request per prompt")
+        raise ValueError("must be a non-empty string or a non-empty list of token ids")
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionBody:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs: not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: only 1 is supported")
+        return self
+
+
+class MessageBody(_Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value not in CHAT_ROLES:
+            raise ValueError(f"must be one of {', '.join(sorted(CHAT_ROLES))}")
+        return value
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(
+                    "messages: only text content parts are supported", param="messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatBody(_SamplingFields):
+    messages: list[MessageBody] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatBody:
+        if self.logprobs:
+            raise ValueError("logprobs: not supported")
+        return self
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    route: Route
+    engine_request: EngineRequest
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def parse(
+    route: Route,
+    body: bytes,
+    *,
+    request_id: str,
+    served_model: str,
+    max_prompt_chars: int,
+) -> ParsedRequest:
+    """Validate an OpenAI request body; raise InvalidRequest/NotFound/PayloadTooLarge."""
+    schema = _schema(route)
+    try:
+        req = schema.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from exc
+    return _parsed(route, req, request_id, served_model, max_prompt_chars)
+
+
+def parse_fields(
+    route: Route,
+    fields: dict[str, Any],
+    *,
+    request_id: str,
+    served_model: str,
+    max_prompt_chars: int,
+) -> ParsedRequest:
+    """Like ``parse``, for fields that arrived another way (the gRPC request)."""
+    try:
+        req = _schema(route).model_validate(fields)
+    except ValidationError as exc:
+        raise _invalid(exc) from exc
+    return _parsed(route, req, request_id, served_model, max_prompt_chars)
+
+
+def _schema(route: Route) -> type[CompletionBody | ChatBody]:
+    return CompletionBody if route == "completions" else ChatBody
+
+
+def _parsed(
+    route: Route,
+    req: CompletionBody | ChatBody,
+    request_id: str,
+    served_model: str,
+    max_prompt_chars: int,
+) -> ParsedRequest:
+    if req.model not in (None, "", served_model):
+        raise NotFound(
+            f"model '{req.model}' is not served here (this unit serves '{served_model}')",
+            param="model",
+            code="model_not_found",
+        )
+    if isinstance(req, CompletionBody):
+        max_tokens = req.max_tokens
+        prompt, ids, messages = _completion_input(req, max_prompt_chars)
+    else:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        prompt, ids, messages = None, None, _chat_input(req, max_prompt_chars)
+    engine_request = EngineRequest(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=ids,
+        messages=messages,
+        sampling=req.sampling(max_tokens),
+    )
+    return ParsedRequest(route, engine_request, served_model, req.stream, req.include_usage)
+
+
+def _completion_input(
+    req: CompletionBody, max_chars: int
+) -> tuple[str | None, tuple[int, ...] | None, None]:
+    if isinstance(req.prompt, str):
+        if len(req.prompt) > max_chars:
+            raise PayloadTooLarge(
+                f"prompt: {len(req.prompt)} characters, over the limit of {max_chars}",
+                param="prompt",
+            )
+        return req.prompt, None, None
+    if len(req.prompt) > max_chars:
+        raise PayloadTooLarge(
+            f"prompt: {len(req.prompt)} tokens, over the limit of {max_chars}", param="prompt"
+        )
+    return None, tuple(req.prompt), None
+
+
+def _chat_input(req: ChatBody, max_chars: int) -> tuple[ChatMessage, ...]:
+    messages = tuple(ChatMessage(m.role, m.text()) for m in req.messages)
+    size = sum(len(m.content) for m in messages)
+    if size > max_chars:
+        raise PayloadTooLarge(
+            f"messages: {size} characters, over the limit of {max_chars}", param="messages"
+        )
+    return messages
+
+
+def _invalid(exc: ValidationError) -> InvalidRequest:
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return InvalidRequest(f"request body is not valid JSON: {err['ctx']['error']}")
+    if err["type"] in ("model_type", "model_attributes_type") and not err["loc"]:
+        return InvalidRequest("request body must be a JSON object")
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str"))]
+    field = ".".join(loc)
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return InvalidRequest(f"{field}: required field is missing", param=field or None)
+    if not field:
+        return InvalidRequest(msg)
+    return InvalidRequest(f"{field}: {msg}", param=field)
+
+
+# --- responses -------------------------------------------------------------------
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def usage(delta: TokenDelta) -> dict[str, int]:
+    return {
+        "prompt_tokens": delta.prompt_tokens,
+        "completion_tokens": delta.completion_tokens,
+        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+    }
+
+
+def response_body(parsed: ParsedRequest, text: str, last: TokenDelta, created: int) -> bytes:
+    """The whole non-streaming response."""
+    rid = parsed.engine_request.request_id
+    choice: dict[str, Any]
+    if parsed.route == "completions":
+        obj, rid = "text_completion", f"cmpl-{rid}"
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+    else:
+        obj, rid = "chat.completion", f"chatcmpl-{rid}"
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": last.finish_reason,
+        }
+    body = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": parsed.model,
+        "choices": [choice],
+        "usage": usage(last),
+    }
+    return _dumps(body).encode()
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+class StreamEncoder:
+    """SSE chunks of one stream; per-request parts are built once."""
+
+    def __init__(self, parsed: ParsedRequest, created: int | None = None):
+        created = int(time.time()) if created is None else created
+        rid = parsed.engine_request.request_id
+        model = _dumps(parsed.model)
+        self._chat = parsed.route == "chat"
+        self._include_usage = parsed.include_usage
+        if self._chat:
+            head = f'{{"id":"chatcmpl-{rid}","object":"chat.completion.chunk","created":{created},"model":{model},'
+            self._prefix = f'data: {head}"choices":[{{"index":0,"delta":{{"content":'.encode()
+            self._first = (
+                f'data: {head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+                f'"logprobs":null,"finish_reason":null}}]'
+            )
+            self._mid = b'},"logprobs":null,"finish_reason":'
+        else:
+            head = f'{{"id":"cmpl-{rid}","object":"text_completion","created":{created},"model":{model},'
+            self._prefix = f'data: {head}"choices":[{{"index":0,"text":'.encode()
+            self._first = ""
+            self._mid = b',"logprobs":null,"finish_reason":'
+        self._usage_head = f'data: {head}"choices":[],"usage":'.encode()
+        self._tail = b'}],"usage":null}\n\n' if self._include_usage else b"}]}\n\n"
+
+    def start(self) -> bytes:
+        """What goes before the first token: the role chunk for chat, nothing else."""
+        if not self._first:
+            return b""
+        usage_part = ',"usage":null' if self._include_usage else ""
+        return f"{self._first}{usage_part}}}\n\n".encode()
+
+    def chunk(self, delta: TokenDelta) -> bytes:
+        reason = b"null" if delta.finish_reason is None else f'"{delta.finish_reason}"'.encode()
+        return b"".join((self._prefix, _dumps(delta.text).encode(), self._mid, reason, self._tail))
+
+    def end(self, last: TokenDelta | None) -> bytes:
+        """The usage chunk when asked for, then [DONE]."""
+        if self._include_usage and last is not None:
+            return self._usage_head + _dumps(usage(last)).encode() + b"}\n\n" + DONE
+        return DONE
+
+
+def sse_error(error_body: dict[str, Any]) -> bytes:
+    """An error after the stream started: one SSE event, then the caller ends the stream."""
+    return b"data: " + _dumps(error_body).encode() + b"\n\n"

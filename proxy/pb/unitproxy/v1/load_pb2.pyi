@@ -1,0 +1,73 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class UnitState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UNIT_STATE_UNSPECIFIED: _ClassVar[UnitState]
+    STARTING: _ClassVar[UnitState]
+    SERVING: _ClassVar[UnitState]
+    NOT_SERVING: _ClassVar[UnitState]
+    DRAINING: _ClassVar[UnitState]
+UNIT_STATE_UNSPECIFIED: UnitState
+STARTING: UnitState
+SERVING: UnitState
+NOT_SERVING: UnitState
+DRAINING: UnitState
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("name", "role", "address", "healthy", "reason", "since_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SINCE_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    address: str
+    healthy: bool
+    reason: str
+    since_ms: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., since_ms: _Optional[int] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target")
+    UNIT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    GRPC_TARGET_FIELD_NUMBER: _ClassVar[int]
+    unit_id: str
+    state: UnitState
+    outstanding: int
+    capacity: int
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    seq: int
+    timestamp_ms: int
+    http_url: str
+    grpc_target: str
+    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,134 @@
+"""The sidecar's gRPC services: Inference.Generate and LoadReporting."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from engine.base import TokenDelta
+from proxy import openai_api
+from proxy.broadcast import Broadcast
+from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.metrics import ServingMetrics
+from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
+from proxy.sidecar.core import SidecarCore
+
+log = logging.getLogger(__name__)
+
+ROUTE = "grpc_generate"
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_tokens",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def request_fields(msg: inference_pb2.GenerateRequest) -> tuple[openai_api.Route, dict[str, Any]]:
+    """The GenerateRequest as OpenAI fields, so both wires share one validation."""
+    fields: dict[str, Any] = {"model": msg.model or None}
+    sampling = msg.sampling
+    for name in _SAMPLING_FIELDS:
+        if sampling.HasField(name):
+            fields[name] = getattr(sampling, name)
+    if sampling.stop:
+        fields["stop"] = list(sampling.stop)
+    kind = msg.WhichOneof("input")
+    if kind == "prompt":
+        return "completions", {**fields, "prompt": msg.prompt}
+    if kind == "prompt_token_ids":
+        return "completions", {**fields, "prompt": list(msg.prompt_token_ids.ids)}
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        return "chat", {**fields, "messages": messages}
+    raise InvalidRequest(
+        "input: one of prompt, chat or prompt_token_ids is required", param="input"
+    )
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, core: SidecarCore, metrics: ServingMetrics, max_prompt_chars: int):
+        self._core = core
+        self._metrics = metrics
+        self._max_prompt_chars = max_prompt_chars
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        code = "OK"
+        try:
+            await self._generate(request, context)
+        except UnitProxyError as exc:
+            code = exc.grpc_code.name
+            await context.abort(exc.grpc_code, exc.message)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            self._metrics.requests.labels(ROUTE, code).inc()
+
+    async def _generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        core = self._core
+        request_id = request.request_id or uuid.uuid4().hex
+        route, fields = request_fields(request)
+        parsed = openai_api.parse_fields(
+            route,
+            fields,
+            request_id=request_id,
+            served_model=core.engine.model_name,
+            max_prompt_chars=self._max_prompt_chars,
+        )
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        lease = core.admit()
+        unit_id = core.unit_id
+
+        async def send(delta: TokenDelta) -> None:
+            chunk = inference_pb2.GenerateChunk(
+                request_id=request_id,
+                text=delta.text,
+                token_ids=delta.token_ids,
+                unit_id=unit_id,
+            )
+            if delta.finish_reason is not None:
+                chunk.finish_reason = delta.finish_reason
+                chunk.usage.prompt_tokens = delta.prompt_tokens
+                chunk.usage.completion_tokens = delta.completion_tokens
+                chunk.usage.total_tokens = delta.prompt_tokens + delta.completion_tokens
+            await context.write(chunk)
+
+        await core.run(lease, parsed.engine_request, ROUTE, send, deadline)
+
+
+class LoadService(load_pb2_grpc.LoadReportingServicer):
+    def __init__(self, core: SidecarCore, changes: Broadcast, interval_s: float):
+        self._core = core
+        self._changes = changes
+        self._interval_s = interval_s
+
+    async def GetLoad(
+        self, request: load_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> load_pb2.LoadReport:
+        return self._core.report().to_pb()
+
+    async def WatchLoad(
+        self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[load_pb2.LoadReport]:
+        # Changes that arrive while a report is being sent fold into the next one.
+        while True:
+            seen = self._changes.version
+            yield self._core.report().to_pb()
+            await self._changes.wait(seen, self._interval_s)

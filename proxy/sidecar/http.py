@@ -1,0 +1,246 @@
+"""The sidecar's HTTP API: OpenAI routes, health, readiness, load and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from engine.base import TokenDelta
+from proxy import openai_api
+from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge, UnitProxyError
+from proxy.httputil import (
+    DEADLINE_HEADER,
+    REQUEST_ID_HEADER,
+    UNIT_HEADER,
+    ClientGone,
+    error_response,
+    json_response,
+)
+from proxy.load import UnitState
+from proxy.metrics import ServingMetrics
+from proxy.sidecar.core import SidecarCore
+
+log = logging.getLogger(__name__)
+
+CORE = web.AppKey("core", SidecarCore)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
+MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(
+    core: SidecarCore,
+    registry: CollectorRegistry,
+    metrics: ServingMetrics,
+    *,
+    max_body_bytes: int,
+    max_prompt_chars: int,
+) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    app[CORE] = core
+    app[REGISTRY] = registry
+    app[SERVING_METRICS] = metrics
+    app[MAX_PROMPT_CHARS] = max_prompt_chars
+    app.router.add_post("/v1/completions", _inference("completions"))
+    app.router.add_post("/v1/chat/completions", _inference("chat"))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/load", _load)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except UnitProxyError as exc:
+        return error_response(exc, request.get("request_id"), request.app[CORE].unit_id)
+    except web.HTTPException as exc:
+        return error_response(_http_error(request, exc), request.get("request_id"))
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> UnitProxyError:
+    """aiohttp's own refusals, as our error bodies."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return PayloadTooLarge(f"request body over the limit of {request.client_max_size} bytes")
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFound(f"no route {request.method} {request.path}", code="unknown_path")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return InvalidRequest(f"method {request.method} is not allowed on {request.path}")
+    return InvalidRequest(f"{exc.status} {exc.reason}")
+
+
+def _inference(route: openai_api.Route) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        core = request.app[CORE]
+        metrics = request.app[SERVING_METRICS]
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request["request_id"] = request_id
+        code = "500"
+        try:
+            response = await _serve(request, route, request_id, core)
+            code = str(response.status)
+            return response
+        except UnitProxyError as exc:
+            code = str(exc.http_status)
+            raise
+        except ClientGone as gone:
+            code = "499"  # client closed the connection
+            return gone.response
+        except asyncio.CancelledError:
+            code = "499"
+            raise
+        finally:
+            metrics.requests.labels(route, code).inc()
+
+    return handle
+
+
+async def _serve(
+    request: web.Request, route: openai_api.Route, request_id: str, core: SidecarCore
+) -> web.StreamResponse:
+    body = await request.read()
+    parsed = openai_api.parse(
+        route,
+        body,
+        request_id=request_id,
+        served_model=core.engine.model_name,
+        max_prompt_chars=request.app[MAX_PROMPT_CHARS],
+    )
+    deadline = _deadline(request)
+    lease = core.admit()
+    if parsed.stream:
+        return await _stream(request, parsed, core, lease, deadline)
+    return await _complete(parsed, core, lease, deadline)
+
+
+def _deadline(request: web.Request) -> float | None:
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise InvalidRequest(f"header {DEADLINE_HEADER}: not a number of milliseconds") from None
+    if not ms > 0:
+        raise InvalidRequest(f"header {DEADLINE_HEADER}: must be above 0 ms")
+    return asyncio.get_running_loop().time() + ms / 1000
+
+
+async def _complete(
+    parsed: openai_api.ParsedRequest, core: SidecarCore, lease: Any, deadline: float | None
+) -> web.Response:
+    parts: list[str] = []
+
+    async def collect(delta: TokenDelta) -> None:
+        parts.append(delta.text)
+
+    last = await core.run(lease, parsed.engine_request, parsed.route, collect, deadline)
+    body = openai_api.response_body(parsed, "".join(parts), last, int(time.time()))
+    return web.Response(
+        body=body,
+        content_type="application/json",
+        headers=_headers(core, parsed.engine_request.request_id),
+    )
+
+
+async def _stream(
+    request: web.Request,
+    parsed: openai_api.ParsedRequest,
+    core: SidecarCore,
+    lease: Any,
+    deadline: float | None,
+) -> web.StreamResponse:
+    encoder = openai_api.StreamEncoder(parsed)
+    response = web.StreamResponse(headers=_headers(core, parsed.engine_request.request_id))
+    response.content_type = "text/event-stream"
+    response.headers["Cache-Control"] = "no-cache"
+
+    async def send(delta: TokenDelta) -> None:
+        if not response.prepared:
+            # Headers go out with the first token, so an error before it is still
+            # a plain status code that a gateway can retry elsewhere.
+            await response.prepare(request)
+            await response.write(encoder.start() + encoder.chunk(delta))
+        else:
+            await response.write(encoder.chunk(delta))
+
+    try:
+        try:
+            last = await core.run(lease, parsed.engine_request, parsed.route, send, deadline)
+        except UnitProxyError as exc:
+            if not response.prepared:
+                raise
+            log.warning("request %s failed mid-stream: %s", parsed.engine_request.request_id, exc)
+            await response.write(openai_api.sse_error(exc.body()))
+            await response.write_eof()
+            return response
+        await response.write(encoder.end(last))
+        await response.write_eof()
+    except ConnectionResetError as exc:
+        raise ClientGone(response) from exc
+    return response
+
+
+def _headers(core: SidecarCore, request_id: str) -> dict[str, str]:
+    return {UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id}
+
+
+async def _models(request: web.Request) -> web.Response:
+    core = request.app[CORE]
+    engine = core.engine
+    model: dict[str, Any] = {
+        "id": engine.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "unitproxy-simulator" if engine.is_simulator else "unitproxy",
+    }
+    if engine.is_simulator:
+        model["simulator"] = True
+        model["description"] = "unitproxy's simulated engine: generates synthetic text, no model"
+    return json_response({"object": "list", "data": [model]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    core = request.app[CORE]
+    body = {
+        "state": str(core.health.state),
+        "unit_id": core.unit_id,
+        "nodes": [
+            {
+                "name": n.name,
+                "role": n.role,
+                "address": n.address,
+                "healthy": n.healthy,
+                "reason": n.reason,
+                "since_ms": n.since_ms,
+            }
+            for n in core.health.nodes()
+        ],
+    }
+    status = 200 if core.health.state is UnitState.SERVING else 503
+    return json_response(body, status=status)
+
+
+async def _load(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[CORE].report().to_json(), content_type="application/json")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[REGISTRY])
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,173 @@
+"""The sidecar's composition root: builds every object from settings and owns lifetimes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Self
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import CollectorRegistry
+
+from engine import create_engine
+from engine.base import Engine
+from proxy.broadcast import Broadcast
+from proxy.checks import Checker, CheckPolicy, ProbeFailed
+from proxy.errors import EngineError
+from proxy.load import UnitState
+from proxy.metrics import ServingMetrics, UnitMetrics
+from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
+from proxy.serving import advertised_host, cancel_tasks, start_grpc, start_http
+from proxy.settings import Settings
+from proxy.sidecar import grpc_api, http
+from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.health import UnitHealth
+
+log = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = "unitproxy.v1.Inference"
+LEADER = "leader"
+
+
+class Sidecar:
+    """A running sidecar: ``async with Sidecar(settings) as sidecar`` serves until exit."""
+
+    def __init__(self, settings: Settings, engine: Engine | None = None):
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self.changes = Broadcast()
+        self.serving_metrics = ServingMetrics(self.registry)
+        self.unit_metrics = UnitMetrics(self.registry)
+        self.engine = engine or create_engine(settings.engine)
+        unit_id = settings.sidecar.unit_id
+        self.health = UnitHealth(unit_id, self.unit_metrics, self.changes)
+        self.core = SidecarCore(
+            unit_id=unit_id,
+            engine=self.engine,
+            health=self.health,
+            metrics=self.serving_metrics,
+            changes=self.changes,
+            capacity=settings.sidecar.capacity,
+            retry_after_s=settings.sidecar.retry_after_s,
+        )
+        self.health_service = HealthServicer()
+        self.http_url = ""
+        self.grpc_target = ""
+        self._stack = AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stack.aclose()
+
+    async def _start(self) -> None:
+        s = self.settings
+        stack = self._stack
+        self._watch_engine_gauges()
+        await stack.enter_async_context(self.engine)
+        http_port, grpc_port = s.ports("sidecar")
+        app = http.build_app(
+            self.core,
+            self.registry,
+            self.serving_metrics,
+            max_body_bytes=s.server.max_body_bytes,
+            max_prompt_chars=s.server.max_prompt_chars,
+        )
+        await self.health_service.set(INFERENCE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, self._register_grpc)
+        bound_http = await start_http(stack, app, s.server.host, http_port)
+        host = advertised_host(s.server.host)
+        self.http_url = self.core.http_url = f"http://{host}:{bound_http}"
+        self.grpc_target = self.core.grpc_target = f"{host}:{bound_grpc}"
+        self.health.add_node(LEADER, "leader", self.grpc_target)
+        stack.push_async_callback(cancel_tasks, self._tasks)
+        self._spawn(self._leader_checker().run(), "leader health")
+        self._spawn(self._publish_health(), "grpc health")
+        log.info(
+            "sidecar %s: HTTP %s, gRPC %s, engine %s%s",
+            s.sidecar.unit_id, self.http_url, self.grpc_target, self.engine.model_name,
+            " (simulator)" if self.engine.is_simulator else "",
+        )  # fmt: skip
+
+    def _register_grpc(self, server: grpc.aio.Server) -> None:
+        s = self.settings
+        inference = grpc_api.InferenceService(
+            self.core, self.serving_metrics, s.server.max_prompt_chars
+        )
+        load = grpc_api.LoadService(self.core, self.changes, s.sidecar.report_interval_s)
+        inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
+        load_pb2_grpc.add_LoadReportingServicer_to_server(load, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
+
+    def _spawn(self, coro: object, name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
+
+    def _leader_checker(self) -> Checker:
+        h = self.settings.health
+        policy = CheckPolicy(h.interval_s, h.timeout_s, h.unhealthy_threshold, h.healthy_threshold)
+        core, stall_timeout = self.core, h.stall_timeout_s
+
+        async def probe() -> None:
+            try:
+                await core.engine.check_health()
+            except EngineError as exc:
+                raise ProbeFailed(f"engine: {exc.message}") from exc
+            stalled = core.stalled_for()
+            if stalled > stall_timeout:
+                raise ProbeFailed(
+                    f"engine made no progress for {stalled:.1f} s "
+                    f"with {core.outstanding} requests outstanding"
+                )
+
+        def verdict(ok: bool, reason: str) -> None:
+            self.health.set_node(LEADER, ok, reason)
+
+        return Checker(
+            LEADER,
+            probe,
+            policy,
+            verdict,
+            observe=self.unit_metrics.probe_duration.labels(LEADER).observe,
+            rng=random.Random(),
+        )
+
+    async def _publish_health(self) -> None:
+        """Keep grpc.health.v1 in step with the unit state, at once on each change."""
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        published: UnitState | None = None
+        while True:
+            seen = self.health.state_changes.version
+            state = self.health.state
+            if state is not published:
+                await self.health_service.set(
+                    INFERENCE_SERVICE, serving if state is UnitState.SERVING else not_serving
+                )
+                await self.health_service.set(
+                    "", not_serving if state is UnitState.DRAINING else serving
+                )
+                published = state
+            await self.health.state_changes.wait(seen)
+
+    def _watch_engine_gauges(self) -> None:
+        m, engine = self.unit_metrics, self.engine
+        m.engine_running.set_function(lambda: engine.stats().running)
+        m.engine_waiting.set_function(lambda: engine.stats().waiting)
+        m.engine_kv_cache_usage.set_function(lambda: engine.stats().kv_cache_usage)

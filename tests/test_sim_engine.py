@@ -1,0 +1,417 @@
+"""The simulator engine: batching, timing, determinism, stop strings, aborts and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
+from engine.sim import SimEngine
+from proxy.errors import EngineDeadError, EngineError
+from proxy.settings import SimSettings
+
+pytestmark = pytest.mark.timeout(10)
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT_S = 3.0  # every await on the engine is bounded by this
+
+Factory = Callable[..., Awaitable[SimEngine]]
+
+
+def settings(**knobs: Any) -> SimSettings:
+    base: dict[str, Any] = {
+        "decode_step_ms": 1.0,
+        "decode_ms_per_seq": 0.0,
+        "prefill_ms_per_token": 0.0,
+    }
+    return SimSettings(**(base | knobs))
+
+
+def req(prompt: str = "hello there world", rid: str = "r", **sampling: Any) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt=prompt, sampling=SamplingParams(**sampling))
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[Factory]:
+    engines: list[SimEngine] = []
+
+    async def make(**knobs: Any) -> SimEngine:
+        engine = SimEngine(settings(**knobs))
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.stop()
+
+
+async def collect(engine: SimEngine, request: EngineRequest) -> list[TokenDelta]:
+    async def run() -> list[TokenDelta]:
+        return [delta async for delta in engine.generate(request)]
+
+    return await asyncio.wait_for(run(), LIMIT_S)
+
+
+def text_of(deltas: list[TokenDelta]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    async def poll() -> None:
+        # stats have no change event to wait on: poll them
+        while True:
+            if predicate():
+                return
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), LIMIT_S)
+
+
+async def first_delta(gen: AsyncGenerator[TokenDelta, None]) -> TokenDelta:
+    return await asyncio.wait_for(anext(gen), LIMIT_S)
+
+
+# -- output ----------------------------------------------------------------------------
+
+
+async def test_exact_token_count_and_length_finish(make_engine: Factory) -> None:
+    engine = await make_engine()
+    deltas = await collect(engine, req(max_tokens=7))
+    assert len(deltas) == 7
+    assert [d.completion_tokens for d in deltas] == list(range(1, 8))
+    assert all(len(d.token_ids) == 1 and d.text.startswith(" ") for d in deltas)
+    assert all(d.prompt_tokens == 3 for d in deltas)
+    assert [d.finish_reason for d in deltas] == [None] * 6 + ["length"]
+
+
+async def test_default_max_tokens(make_engine: Factory) -> None:
+    engine = await make_engine(default_max_tokens=5)
+    deltas = await collect(engine, req())
+    assert len(deltas) == 5
+    assert deltas[-1].finish_reason == "length"
+
+
+async def test_max_tokens_zero_finishes_at_once(make_engine: Factory) -> None:
+    engine = await make_engine()
+    deltas = await collect(engine, req(max_tokens=0))
+    assert deltas == [TokenDelta("", (), 3, 0, "length")]
+    assert engine.stats().running == 0
+
+
+async def test_prompt_token_counts(make_engine: Factory) -> None:
+    engine = await make_engine()
+    by_ids = EngineRequest(
+        "a", prompt_token_ids=(1, 2, 3, 4, 5), sampling=SamplingParams(max_tokens=1)
+    )
+    chat = EngineRequest(
+        "b",
+        messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hi there you")),
+        sampling=SamplingParams(max_tokens=1),
+    )
+    assert (await collect(engine, by_ids))[0].prompt_tokens == 5
+    assert (await collect(engine, chat))[0].prompt_tokens == (2 + 4) + (3 + 4)
+    assert (await collect(engine, req("", max_tokens=1)))[0].prompt_tokens == 1
+
+
+# -- determinism -----------------------------------------------------------------------
+
+
+async def test_same_seed_same_text_across_engines(make_engine: Factory) -> None:
+    a, b = await make_engine(seed=7), await make_engine(seed=7)
+    one = await collect(a, req(max_tokens=20))
+    two = await collect(b, req(max_tokens=20))
+    assert one == two
+    assert len(set(d.token_ids for d in one)) > 5  # not one word repeated
+
+
+async def test_different_seeds_or_prompts_give_different_text(make_engine: Factory) -> None:
+    a, b = await make_engine(seed=1), await make_engine(seed=2)
+    base = text_of(await collect(a, req(max_tokens=20)))
+    assert text_of(await collect(b, req(max_tokens=20))) != base
+    assert text_of(await collect(a, req(max_tokens=20, seed=99))) != base
+    assert text_of(await collect(a, req("another prompt", max_tokens=20))) != base
+
+
+def test_same_text_across_processes() -> None:
+    script = (
+        "import asyncio\n"
+        "from engine.base import EngineRequest, SamplingParams\n"
+        "from engine.sim import SimEngine\n"
+        "from proxy.settings import SimSettings\n"
+        "async def main():\n"
+        "    async with SimEngine(SimSettings(decode_step_ms=0, seed=3)) as e:\n"
+        "        sampling = SamplingParams(max_tokens=12)\n"
+        "        r = EngineRequest('x', prompt='same prompt', sampling=sampling)\n"
+        "        print(''.join([d.text async for d in e.generate(r)]))\n"
+        "asyncio.run(main())\n"
+    )
+
+    def run(hash_seed: str) -> str:
+        env = os.environ | {"PYTHONHASHSEED": hash_seed}
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=8,
+            check=True,
+        )
+        return done.stdout
+
+    first = run("1")
+    assert first.strip()
+    assert run("2") == first
+
+
+# -- stop strings ----------------------------------------------------------------------
+
+
+async def test_stop_string_truncates_and_finishes_with_stop(make_engine: Factory) -> None:
+    engine = await make_engine()
+    full = await collect(engine, req(max_tokens=30))
+    stop = full[5].text  # a whole word, " xyz"
+    cut = text_of(full).find(stop)
+    deltas = await collect(engine, req(max_tokens=30, stop=(stop,)))
+    assert text_of(deltas) == text_of(full)[:cut]
+    assert deltas[-1].finish_reason == "stop"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert [d.token_ids for d in deltas] == [d.token_ids for d in full[: len(deltas)]]
+
+
+async def test_stop_string_spanning_tokens_is_never_emitted(make_engine: Factory) -> None:
+    engine = await make_engine()
+    full = await collect(engine, req(max_tokens=30))
+    full_text = text_of(full)
+    start = len(text_of(full[:4])) - 2  # the end of token 4 and the start of token 5
+    stop = full_text[start : start + 5]
+    cut = full_text.find(stop)
+    deltas = await collect(engine, req(max_tokens=30, stop=("never-there", stop)))
+    assert text_of(deltas) == full_text[:cut]
+    assert deltas[-1].finish_reason == "stop"
+    streamed = ""
+    for delta in deltas:
+        streamed += delta.text
+        assert stop not in streamed
+
+
+async def test_min_tokens_holds_off_stop_checks(make_engine: Factory) -> None:
+    engine = await make_engine()
+    full = await collect(engine, req(max_tokens=10))
+    stop = full[0].text
+    deltas = await collect(engine, req(max_tokens=10, min_tokens=10, stop=(stop,)))
+    assert text_of(deltas) == text_of(full)
+    assert deltas[-1].finish_reason == "length"
+
+
+# -- batching and timing ---------------------------------------------------------------
+
+
+async def test_continuous_batching_queues_beyond_max_num_seqs(make_engine: Factory) -> None:
+    engine = await make_engine(max_num_seqs=2, decode_step_ms=2.0)
+    tasks = [asyncio.create_task(collect(engine, req(rid=str(i), max_tokens=10))) for i in range(4)]
+    await wait_until(lambda: engine.stats().running == 2 and engine.stats().waiting == 2)
+    assert engine.stats().kv_cache_usage == 1.0
+    results = await asyncio.gather(*tasks)
+    assert [len(r) for r in results] == [10] * 4
+    assert engine.stats().running == engine.stats().waiting == 0
+    assert not engine.has_work
+
+
+async def test_kv_cache_usage_is_running_over_slots(make_engine: Factory) -> None:
+    engine = await make_engine(max_num_seqs=4, decode_step_ms=2.0)
+    assert engine.stats().kv_cache_usage == 0.0
+    gen = engine.generate(req(max_tokens=1000))
+    await first_delta(gen)
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.kv_cache_usage) == (1, 0, 0.25)
+    await gen.aclose()
+
+
+async def test_prefill_delays_first_token(make_engine: Factory) -> None:
+    engine = await make_engine(prefill_ms_per_token=1.0, decode_step_ms=1.0)
+    loop = asyncio.get_running_loop()
+
+    async def ttft(prompt: str) -> float:
+        began = loop.time()
+        gen = engine.generate(req(prompt, max_tokens=2))
+        await first_delta(gen)
+        await gen.aclose()
+        return loop.time() - began
+
+    short = await ttft("hi")
+    long = await ttft(" ".join(["word"] * 100))  # 100 ms of prefill
+    assert long >= 0.09
+    assert long > short + 0.05
+
+
+async def test_decode_steps_take_their_time(make_engine: Factory) -> None:
+    engine = await make_engine(decode_step_ms=5.0)
+    began = asyncio.get_running_loop().time()
+    await collect(engine, req(max_tokens=20))
+    assert asyncio.get_running_loop().time() - began >= 0.09
+
+
+async def test_zero_cost_is_fast_and_yields(make_engine: Factory) -> None:
+    engine = await make_engine(decode_step_ms=0.0, max_num_seqs=64)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    tick_task = asyncio.create_task(ticker())
+    began = asyncio.get_running_loop().time()
+    requests = [req(rid=str(i), max_tokens=200) for i in range(50)]
+    results = await asyncio.gather(*(collect(engine, r) for r in requests))
+    elapsed = asyncio.get_running_loop().time() - began
+    tick_task.cancel()
+    assert all(len(r) == 200 for r in results)
+    assert elapsed < 2.0
+    assert ticks >= 100  # the scheduler let other tasks run between steps
+
+
+# -- aborts ----------------------------------------------------------------------------
+
+
+async def test_cancel_frees_the_slot(make_engine: Factory) -> None:
+    engine = await make_engine(max_num_seqs=1, decode_step_ms=2.0)
+    started = asyncio.Event()
+
+    async def consume(request: EngineRequest) -> None:
+        async for _ in engine.generate(request):
+            started.set()
+
+    running = asyncio.create_task(consume(req(rid="a", max_tokens=10_000)))
+    waiting = asyncio.create_task(consume(req(rid="b", max_tokens=10_000)))
+    await asyncio.wait_for(started.wait(), LIMIT_S)
+    await wait_until(lambda: engine.stats().waiting == 1)
+    assert engine.stats().running == 1
+    waiting.cancel()
+    running.cancel()
+    await asyncio.gather(running, waiting, return_exceptions=True)
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+async def test_aclose_frees_the_slot_and_engine_keeps_serving(make_engine: Factory) -> None:
+    engine = await make_engine()
+    gen = engine.generate(req(max_tokens=10_000))
+    await first_delta(gen)
+    assert engine.stats().running == 1
+    await gen.aclose()
+    assert engine.stats().running == 0
+    assert len(await collect(engine, req(max_tokens=3))) == 3
+
+
+# -- faults ----------------------------------------------------------------------------
+
+
+async def test_error_after_tokens(make_engine: Factory) -> None:
+    engine = await make_engine(error_after_tokens=3)
+    got: list[TokenDelta] = []
+    with pytest.raises(EngineError, match="after 3 tokens") as info:
+        async for delta in engine.generate(req(max_tokens=10)):
+            got.append(delta)
+    assert not isinstance(info.value, EngineDeadError)
+    assert len(got) == 3
+    assert engine.stats().running == 0
+    await engine.check_health()
+    assert len(await collect(engine, req(max_tokens=2))) == 2  # shorter than N: fine
+
+
+async def test_error_after_zero_tokens_fails_before_the_first(make_engine: Factory) -> None:
+    engine = await make_engine(error_after_tokens=0)
+    with pytest.raises(EngineError):
+        await first_delta(engine.generate(req(max_tokens=10)))
+
+
+async def test_hang_after_requests(make_engine: Factory) -> None:
+    engine = await make_engine(hang_after_requests=2)
+    assert len(await collect(engine, req(max_tokens=3))) == 3
+    progress = engine.last_progress
+    gen = engine.generate(req(max_tokens=3))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(gen), 0.1)
+    # hung, not dead: health passes, the work is still reported
+    await engine.check_health()
+    hung = engine.generate(req(rid="h", max_tokens=3))
+    task = asyncio.create_task(first_delta(hung))
+    await wait_until(lambda: engine.stats().waiting + engine.stats().running == 1)
+    assert engine.has_work
+    assert engine.last_progress == progress
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert not engine.has_work
+
+
+async def test_crash_after_requests(make_engine: Factory) -> None:
+    engine = await make_engine(crash_after_requests=2, decode_step_ms=2.0)
+    in_flight = engine.generate(req(rid="a", max_tokens=10_000))
+    await first_delta(in_flight)
+    with pytest.raises(EngineDeadError, match="crash"):
+        await first_delta(engine.generate(req(rid="b")))
+    with pytest.raises(EngineDeadError):
+        async for _ in in_flight:
+            pass
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    with pytest.raises(EngineDeadError):
+        await first_delta(engine.generate(req(rid="c")))
+    assert engine.stats().running == engine.stats().waiting == 0
+
+
+async def test_crash_after_zero_requests_is_dead_from_start(make_engine: Factory) -> None:
+    engine = await make_engine(crash_after_requests=0)
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+
+
+# -- lifecycle -------------------------------------------------------------------------
+
+
+async def test_stop_ends_in_flight_requests(make_engine: Factory) -> None:
+    engine = await make_engine(max_num_seqs=1, decode_step_ms=2.0)
+    running = engine.generate(req(rid="a", max_tokens=10_000))
+    await first_delta(running)
+    waiting = asyncio.create_task(first_delta(engine.generate(req(rid="b"))))
+    await wait_until(lambda: engine.stats().waiting == 1)
+    await asyncio.wait_for(engine.stop(), LIMIT_S)
+    with pytest.raises(EngineDeadError, match="stopped"):
+        async for _ in running:
+            pass
+    with pytest.raises(EngineDeadError, match="stopped"):
+        await waiting
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    await engine.stop()  # idempotent
+
+
+async def test_not_started_is_dead() -> None:
+    engine = SimEngine(settings())
+    assert engine.is_simulator
+    assert engine.model_name == "unitproxy-sim"
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    with pytest.raises(EngineDeadError):
+        await first_delta(engine.generate(req()))
+    await engine.stop()
+
+
+async def test_context_manager_and_model_name() -> None:
+    async with SimEngine(settings(), model_name="my-sim") as engine:
+        assert engine.model_name == "my-sim"
+        await engine.check_health()
+        assert len(await collect(engine, req(max_tokens=2))) == 2
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
