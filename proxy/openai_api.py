@@ -269,7 +269,7 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
         return InvalidRequest(f"request body is not valid JSON: {err['ctx']['error']}")
     if err["type"] in ("model_type", "model_attributes_type") and not err["loc"]:
         return InvalidRequest("request body must be a JSON object")
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str"))]
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(str(p))]
     field = ".".join(loc)
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "missing":
@@ -277,6 +277,15 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     if not field:
         return InvalidRequest(msg)
     return InvalidRequest(f"{field}: {msg}", param=field)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names the union member that failed inside the location; users
+    # want the field, not the member.
+    return part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-", "nullable["))
 
 
 # --- responses -------------------------------------------------------------------

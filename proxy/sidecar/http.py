@@ -33,6 +33,9 @@ CORE = web.AppKey("core", SidecarCore)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
+REQUEST_ID = web.RequestKey("request_id", str)
+# The status that the requests metric counts, when it differs from the response's.
+OUTCOME = web.RequestKey("outcome", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -65,9 +68,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except UnitProxyError as exc:
-        return error_response(exc, request.get("request_id"), request.app[CORE].unit_id)
+        return error_response(exc, request.get(REQUEST_ID), request.app[CORE].unit_id)
     except web.HTTPException as exc:
-        return error_response(_http_error(request, exc), request.get("request_id"))
+        return error_response(_http_error(request, exc), request.get(REQUEST_ID))
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> UnitProxyError:
@@ -86,11 +89,11 @@ def _inference(route: openai_api.Route) -> Handler:
         core = request.app[CORE]
         metrics = request.app[SERVING_METRICS]
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        request["request_id"] = request_id
+        request[REQUEST_ID] = request_id
         code = "500"
         try:
             response = await _serve(request, route, request_id, core)
-            code = str(response.status)
+            code = request.get(OUTCOME) or str(response.status)
             return response
         except UnitProxyError as exc:
             code = str(exc.http_status)
@@ -183,6 +186,7 @@ async def _stream(
             if not response.prepared:
                 raise
             log.warning("request %s failed mid-stream: %s", parsed.engine_request.request_id, exc)
+            request[OUTCOME] = str(exc.http_status)
             await response.write(openai_api.sse_error(exc.body()))
             await response.write_eof()
             return response

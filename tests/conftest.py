@@ -1,0 +1,69 @@
+"""Shared fixtures: real servers on 127.0.0.1 with ephemeral ports, stopped after each test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.settings import Settings, load
+from proxy.sidecar.server import Sidecar
+
+SidecarFactory = Callable[..., Awaitable[Sidecar]]
+
+
+def sidecar_settings(**sections: dict[str, Any]) -> Settings:
+    """Settings for a test sidecar: loopback, free ports, fast health checks, fast sim."""
+    base: dict[str, dict[str, Any]] = {
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        "health": {"interval_s": 0.05, "timeout_s": 0.5},
+        "engine": {
+            "sim": {"decode_step_ms": 1.0, "decode_ms_per_seq": 0.0, "prefill_ms_per_token": 0.0}
+        },
+    }
+    for name, values in sections.items():
+        if name == "sim":
+            base["engine"]["sim"].update(values)
+        else:
+            base.setdefault(name, {}).update(values)
+    return load(base)
+
+
+async def wait_until(
+    predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition"
+) -> None:
+    """Poll ``predicate`` every 10 ms; fail the test after ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            # Polling on purpose: the predicate reads state that has no event to wait on.
+            while not predicate():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+async def start_sidecar() -> AsyncIterator[SidecarFactory]:
+    """Start sidecars in this test's loop; wait until SERVING; stop them afterwards."""
+    running: list[Sidecar] = []
+
+    async def start(serving: bool = True, **sections: dict[str, Any]) -> Sidecar:
+        sidecar = Sidecar(sidecar_settings(**sections))
+        await sidecar.__aenter__()
+        running.append(sidecar)
+        if serving:
+            await wait_until(lambda: str(sidecar.health.state) == "SERVING", what="sidecar SERVING")
+        return sidecar
+
+    yield start
+    for sidecar in reversed(running):
+        await sidecar.__aexit__(None, None, None)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        yield session
