@@ -342,7 +342,7 @@ class StreamEncoder:
         self._chat = parsed.route == "chat"
         self._include_usage = parsed.include_usage
         if self._chat:
-            head = f'{{"id":"chatcmpl-{rid}","object":"chat.completion.chunk","created":{created},"model":{model},'
+            head = f'{{"id":{_dumps("chatcmpl-" + rid)},"object":"chat.completion.chunk","created":{created},"model":{model},'
             self._prefix = f'data: {head}"choices":[{{"index":0,"delta":{{"content":'.encode()
             self._first = (
                 f'data: {head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
@@ -350,7 +350,7 @@ class StreamEncoder:
             )
             self._mid = b'},"logprobs":null,"finish_reason":'
         else:
-            head = f'{{"id":"cmpl-{rid}","object":"text_completion","created":{created},"model":{model},'
+            head = f'{{"id":{_dumps("cmpl-" + rid)},"object":"text_completion","created":{created},"model":{model},'
             self._prefix = f'data: {head}"choices":[{{"index":0,"text":'.encode()
             self._first = ""
             self._mid = b',"logprobs":null,"finish_reason":'

@@ -1,0 +1,243 @@
+"""Settings: CLI beats env beats the TOML file beats defaults; bad values exit 2, one line each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy import settings as config
+from proxy.cli import build_parser, cli_values
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBPROCESS_TIMEOUT_S = 30
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Settings read the environment: start each test from none of our variables.
+    for name in list(os.environ):
+        if name.upper().startswith("UNITPROXY_"):
+            monkeypatch.delenv(name)
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "unitproxy.toml"
+    path.write_text(text)
+    return path
+
+
+def _cli(*argv: str) -> tuple[dict[str, Any], Path | None]:
+    args = build_parser().parse_args(["sidecar", *argv])
+    return cli_values(args), args.config
+
+
+def _problems(exc: pytest.ExceptionInfo[config.ConfigError]) -> list[str]:
+    problems = exc.value.problems
+    assert str(exc.value).splitlines() == problems
+    return problems
+
+
+def _one_problem(problems: list[str], key: str) -> str:
+    lines = [p for p in problems if p.startswith(f"{key}:")]
+    assert len(lines) == 1, f"want one line about {key} in {problems}"
+    return lines[0]
+
+
+# --- precedence ------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    s = config.load({})
+    assert s.sidecar.capacity == 64
+    assert s.sidecar.unit_id == "unit-0"
+    assert s.engine.kind == "sim"
+    assert s.engine.sim.max_num_seqs == 32
+    assert s.engine.sim.seed == 0
+    assert s.server.host == "0.0.0.0"
+    assert s.ports("sidecar") == (8080, 50051)
+    assert s.ports("gateway") == (8000, 50050)
+    assert s.ports("follower") == (8081, 50052)
+
+
+def test_file_beats_default(tmp_path: Path) -> None:
+    path = _toml(
+        tmp_path,
+        '[sidecar]\ncapacity = 7\nunit_id = "from-file"\n'
+        "[engine.sim]\nmax_num_seqs = 3\nseed = 11\n"
+        '[server]\nlog_level = "WARNING"\nhttp_port = 0\n',
+    )
+    s = config.load({}, path)
+    assert s.sidecar.capacity == 7
+    assert s.sidecar.unit_id == "from-file"
+    assert s.engine.sim.max_num_seqs == 3
+    assert s.engine.sim.seed == 11
+    assert s.engine.sim.decode_step_ms == 10.0  # untouched keys keep their default
+    assert s.server.log_level == "warning"
+    assert s.ports("sidecar") == (0, 50051)
+
+
+def test_env_beats_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _toml(
+        tmp_path, '[sidecar]\ncapacity = 7\nunit_id = "from-file"\n[engine.sim]\nseed = 11\n'
+    )
+    monkeypatch.setenv("UNITPROXY_SIDECAR__CAPACITY", "9")
+    monkeypatch.setenv("UNITPROXY_ENGINE__SIM__SEED", "22")
+    s = config.load({}, path)
+    assert s.sidecar.capacity == 9
+    assert s.sidecar.unit_id == "from-file"  # same section, key set only in the file
+    assert s.engine.sim.seed == 22
+
+
+def test_env_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNITPROXY_SIDECAR__CAPACITY", "5")
+    monkeypatch.setenv("UNITPROXY_ENGINE__SIM__MAX_NUM_SEQS", "4")
+    monkeypatch.setenv("UNITPROXY_SERVER__LOG_LEVEL", "DEBUG")
+    s = config.load({})
+    assert s.sidecar.capacity == 5
+    assert s.engine.sim.max_num_seqs == 4
+    assert s.server.log_level == "debug"
+
+
+def test_cli_beats_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _toml(
+        tmp_path,
+        '[sidecar]\ncapacity = 7\nunit_id = "from-file"\n[engine.sim]\nseed = 11\nmax_num_seqs = 3\n',
+    )
+    monkeypatch.setenv("UNITPROXY_SIDECAR__CAPACITY", "9")
+    monkeypatch.setenv("UNITPROXY_ENGINE__SIM__SEED", "22")
+    monkeypatch.setenv("UNITPROXY_ENGINE__SIM__MAX_NUM_SEQS", "4")
+    cli, config_file = _cli(
+        "--config", str(path), "--capacity", "1", "--sim-seed", "33", "--unit-id", "from-cli"
+    )
+    assert config_file == path
+    s = config.load(cli, config_file)
+    assert s.sidecar.capacity == 1
+    assert s.sidecar.unit_id == "from-cli"
+    assert s.engine.sim.seed == 33
+    assert s.engine.sim.max_num_seqs == 4  # not on the command line: env still wins over file
+
+
+def test_flags_not_given_leave_keys_alone() -> None:
+    cli, config_file = _cli("--sim-decode-step-ms", "2.5")
+    assert cli == {"engine": {"sim": {"decode_step_ms": "2.5"}}}
+    assert config_file is None
+    assert config.load(cli).engine.sim.decode_step_ms == 2.5
+
+
+# --- invalid values --------------------------------------------------------------
+
+
+def test_two_bad_values_give_two_lines() -> None:
+    with pytest.raises(config.ConfigError) as exc:
+        config.load({"sidecar": {"capacity": "-3"}, "engine": {"sim": {"max_num_seqs": "0"}}})
+    problems = _problems(exc)
+    assert len(problems) == 2
+    assert "-3" in _one_problem(problems, "sidecar.capacity")
+    assert "0" in _one_problem(problems, "engine.sim.max_num_seqs")
+
+
+def test_bad_values_from_env_and_file_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _toml(tmp_path, '[server]\nlog_level = "loud"\n')
+    monkeypatch.setenv("UNITPROXY_SIDECAR__CAPACITY", "lots")
+    with pytest.raises(config.ConfigError) as exc:
+        config.load({}, path)
+    problems = _problems(exc)
+    assert len(problems) == 2
+    assert "lots" in _one_problem(problems, "sidecar.capacity")
+    level = _one_problem(problems, "server.log_level")
+    assert "loud" in level
+    assert "info" in level  # says what is allowed
+
+
+def test_unknown_toml_keys_are_reported(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "bogus = 1\n[sidecar]\ncapacityx = 7\n[engine.sim]\nnope = 1\n")
+    with pytest.raises(config.ConfigError) as exc:
+        config.load({}, path)
+    problems = _problems(exc)
+    assert len(problems) == 3
+    for key in ("bogus", "sidecar.capacityx", "engine.sim.nope"):
+        assert "unknown" in _one_problem(problems, key)
+
+
+def test_invalid_toml_is_reported(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "capacity = [\n")
+    with pytest.raises(config.ConfigError) as exc:
+        config.load({}, path)
+    (problem,) = _problems(exc)
+    assert "--config" in problem and str(path) in problem and "TOML" in problem
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_unreadable_toml_is_reported(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "nope.toml" if kind == "missing" else tmp_path
+    with pytest.raises(config.ConfigError) as exc:
+        config.load({}, path)
+    (problem,) = _problems(exc)
+    assert "--config" in problem and str(path) in problem and "cannot read" in problem
+
+
+# --- the real command line -------------------------------------------------------
+
+
+def _unitproxy(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("UNITPROXY_")}
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+
+
+def test_cli_invalid_values_exit_2_with_one_line_each() -> None:
+    run = _unitproxy(
+        "sidecar", "--capacity", "-3", "--engine", "sim", "--sim-max-num-seqs", "0",
+        "--http-port", "0", "--grpc-port", "0",
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    # Each line: "unitproxy: invalid configuration: KEY: what was wrong (got VALUE)".
+    problems = [ln.split("invalid configuration: ", 1)[-1] for ln in run.stderr.splitlines()]
+    assert len(problems) == 2, run.stderr
+    assert "-3" in _one_problem(problems, "sidecar.capacity")
+    assert "0" in _one_problem(problems, "engine.sim.max_num_seqs")
+
+
+def test_cli_unknown_engine_is_an_argparse_error() -> None:
+    run = _unitproxy("sidecar", "--engine", "bogus")
+    assert run.returncode == 2
+    assert "--engine" in run.stderr and "invalid choice" in run.stderr and "bogus" in run.stderr
+
+
+def test_cli_engine_not_in_this_build_exits_2() -> None:
+    run = _unitproxy("sidecar", "--engine", "vllm", "--http-port", "0", "--grpc-port", "0")
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert "engine" in lines[0] and "vllm" in lines[0]
+
+
+SIDECAR_FLAGS = (
+    "--config", "--host", "--http-port", "--grpc-port", "--log-level", "--unit-id", "--engine",
+    "--capacity", "--model", "--device", "--upstream-url", "--sim-max-num-seqs",
+    "--sim-prefill-ms-per-token", "--sim-decode-step-ms", "--sim-seed",
+)  # fmt: skip
+
+
+def test_cli_sidecar_help_lists_the_contract_flags() -> None:
+    run = _unitproxy("sidecar", "--help")
+    assert run.returncode == 0, run.stderr
+    for flag in SIDECAR_FLAGS:
+        assert f"{flag} " in run.stdout or f"{flag}\n" in run.stdout, f"{flag} not in --help"
+    for choice in ("{sim,vllm,openai}", "{neuron,cuda,cpu}"):
+        assert choice in run.stdout
