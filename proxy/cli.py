@@ -29,6 +29,7 @@ class Flag:
     key: str  # dotted settings path
     metavar: str | None = None
     choices: Sequence[str] | None = None
+    many: bool = False  # repeatable: each use adds one value
 
 
 COMMON = (
@@ -57,11 +58,25 @@ SIDECAR = (
     Flag("--unit-id", "sidecar.unit_id", "ID"),
     Flag("--capacity", "sidecar.capacity", "N"),
     Flag("--report-interval", "sidecar.report_interval_s", "SECONDS"),
+    Flag("--stall-timeout", "health.stall_timeout_s", "SECONDS"),
+    Flag("--follower", "sidecar.followers", "NAME=TARGET", many=True),
+    Flag("--probe", "sidecar.probe", choices=("grpc", "grpc-watch", "http", "tcp")),
+    Flag("--recovery-command", "sidecar.recovery.command", "SHELL_COMMAND"),
+    Flag("--recovery-url", "sidecar.recovery.url", "URL"),
+    Flag("--recovery-grace", "sidecar.recovery.grace_s", "SECONDS"),
+    Flag("--recovery-backoff", "sidecar.recovery.backoff_initial_s", "SECONDS"),
+    Flag("--recovery-backoff-max", "sidecar.recovery.backoff_max_s", "SECONDS"),
+)
+HEALTH = (
     Flag("--health-interval", "health.interval_s", "SECONDS"),
     Flag("--health-timeout", "health.timeout_s", "SECONDS"),
     Flag("--unhealthy-threshold", "health.unhealthy_threshold", "N"),
     Flag("--healthy-threshold", "health.healthy_threshold", "N"),
-    Flag("--stall-timeout", "health.stall_timeout_s", "SECONDS"),
+)
+FOLLOWER = (
+    Flag("--node-name", "follower.node_name", "NAME"),
+    Flag("--check", "follower.checks", "KIND:ARGS", many=True),
+    Flag("--worker-stop-timeout", "follower.worker_stop_timeout_s", "SECONDS"),
 )
 
 
@@ -82,6 +97,7 @@ def _add(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
             dest=f.key,
             metavar=f.metavar,
             choices=f.choices,
+            action="append" if f.many else "store",
             default=argparse.SUPPRESS,
             help=f"{_describe(f.key)} [{f.key}]".replace("%", "%%"),
         )
@@ -97,7 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
         "sidecar", help="serve one unit: embed the engine, probe its nodes, report load"
     )
     sidecar.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    _add(sidecar, COMMON + ENGINE + SIDECAR)
+    _add(sidecar, COMMON + ENGINE + SIDECAR + HEALTH)
+    follower = commands.add_parser(
+        "follower",
+        help="serve grpc.health.v1 for one follower node; optionally supervise its worker",
+        usage="unitproxy follower [options] [-- CMD ARGS...]",
+        epilog="Everything after -- is the worker command: it is started and supervised, the "
+        "node is NOT_SERVING the moment it exits, and SIGTERM is forwarded to it.",
+    )
+    follower.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    _add(follower, COMMON + FOLLOWER + HEALTH)
     return parser
 
 
@@ -115,8 +140,21 @@ def cli_values(namespace: argparse.Namespace) -> dict[str, Any]:
     return nested
 
 
+def split_worker(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``[options] -- CMD ARGS`` into the options and the worker command."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    options, worker = split_worker(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(options)
+    if worker and args.command != "follower":
+        parser.error("only 'unitproxy follower' takes a worker command after --")
     try:
         settings = config.load(cli_values(args), args.config)
     except config.ConfigError as exc:
@@ -128,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(run_loop(lambda: _run(args.command, settings)))
+        return int(run_loop(lambda: _run(args.command, settings, worker)))
     except EngineUnavailable as exc:
         print(f"unitproxy: invalid configuration: engine.kind: {exc}", file=sys.stderr)
         return 2
@@ -136,12 +174,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-async def _run(command: str, settings: config.Settings) -> int:
+async def _run(command: str, settings: config.Settings, worker: list[str]) -> int:
+    if command == "follower":
+        return await _run_follower(settings, worker)
     from proxy.sidecar.server import Sidecar
 
     async with Sidecar(settings):
         sig = await wait_for_signal()
         log.info("received %s, stopping", sig.name)
+    return 0
+
+
+async def _run_follower(settings: config.Settings, worker: list[str]) -> int:
+    from proxy.follower.agent import FollowerAgent
+
+    async with FollowerAgent(settings, worker or None):
+        sig = await wait_for_signal()
+        log.info("received %s, stopping%s", sig.name, " the worker first" if worker else "")
     return 0
 
 

@@ -73,21 +73,14 @@ class ServingMetrics:
         )
 
 
-class UnitMetrics:
-    """Unit health and engine load, exported by the sidecar."""
+class HealthMetrics:
+    """Node health as seen by whoever checks it (sidecar for its unit, follower for itself)."""
 
     def __init__(self, registry: CollectorRegistry):
         self.node_healthy = Gauge(
             "node_healthy",
             "1 while the node is healthy, else 0.",
             ["node", "role"],
-            namespace=PREFIX,
-            registry=registry,
-        )
-        self.unit_state = Gauge(
-            "unit_state",
-            "1 for the unit's current state, 0 for the others.",
-            ["state"],
             namespace=PREFIX,
             registry=registry,
         )
@@ -103,6 +96,19 @@ class UnitMetrics:
             "health_transitions",
             "Changes of a node's health, by the health it changed to.",
             ["node", "to"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+
+
+class UnitMetrics:
+    """The unit's state and its engine's load, exported by the sidecar."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.unit_state = Gauge(
+            "unit_state",
+            "1 for the unit's current state, 0 for the others.",
+            ["state"],
             namespace=PREFIX,
             registry=registry,
         )

@@ -117,6 +117,59 @@ class EngineSettings(_Section):
     sim: SimSettings = Field(default_factory=SimSettings)  # type: ignore[arg-type]
 
 
+ProbeKind = Literal["grpc", "grpc-watch", "http", "tcp"]
+
+
+class FollowerTarget(BaseModel):
+    """One follower node as the sidecar sees it: ``NAME=TARGET``."""
+
+    name: str
+    target: str  # host:port of its gRPC health, or an http(s):// URL
+
+    @property
+    def is_http(self) -> bool:
+        return self.target.startswith(("http://", "https://"))
+
+    @classmethod
+    def parse(cls, spec: str) -> FollowerTarget:
+        name, sep, target = spec.partition("=")
+        name, target = name.strip(), target.strip()
+        if not sep or not name or not target:
+            raise ValueError(f"{spec!r} is not NAME=TARGET (TARGET: host:port or http://...)")
+        if not target.startswith(("http://", "https://")):
+            host, colon, port = target.rpartition(":")
+            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{spec!r}: TARGET must be host:port or an http:// URL")
+        return cls(name=name, target=target)
+
+
+class RecoverySettings(_Section):
+    command: str | None = Field(
+        None,
+        description="Shell command run when the unit stays NOT_SERVING past the grace period; it gets UNITPROXY_UNIT_ID and UNITPROXY_FAILED_NODES. Default none.",
+    )
+    url: str | None = Field(
+        None,
+        description="URL POSTed (JSON: unit_id, failed_nodes) when the unit stays NOT_SERVING past the grace period. Default none.",
+    )
+    grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long the unit must stay NOT_SERVING before the hook runs, in s. Default 30.",
+    )
+    backoff_initial_s: float = Field(
+        30.0,
+        gt=0,
+        description="Wait after the first run before another, in s; doubles each run. Default 30.",
+    )
+    backoff_max_s: float = Field(
+        600.0, gt=0, description="Longest wait between two runs, in s. Default 600."
+    )
+    timeout_s: float = Field(
+        120.0, gt=0, description="Longest time one run of the hook may take, in s. Default 120."
+    )
+
+
 class SidecarSettings(_Section):
     unit_id: str = Field(
         "unit-0", min_length=1, max_length=64, description="This unit's id. Default unit-0."
@@ -134,6 +187,105 @@ class SidecarSettings(_Section):
     retry_after_s: int = Field(
         1, ge=0, description="The retry-after header sent with 429 and 503, in s. Default 1."
     )
+    followers: list[FollowerTarget] = Field(
+        default_factory=list,
+        description="The unit's follower nodes, NAME=TARGET each (TARGET host:port of its grpc health, or http://...). Default none.",
+    )
+    probe: ProbeKind | None = Field(
+        None,
+        description="How followers are probed: grpc, grpc-watch, http or tcp. Default grpc-watch for host:port targets, http for URLs.",
+    )
+    recovery: RecoverySettings = Field(default_factory=RecoverySettings)  # type: ignore[arg-type]
+
+    @field_validator("followers", mode="before")
+    @classmethod
+    def _parse_followers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            parsed = [FollowerTarget.parse(v) if isinstance(v, str) else v for v in value]
+            names = [f.name if isinstance(f, FollowerTarget) else f.get("name") for f in parsed]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(
+                    f"follower names must be unique: {', '.join(map(str, duplicates))}"
+                )
+            return parsed
+        return value
+
+
+CheckKind = Literal["process", "tcp", "command", "heartbeat"]
+
+
+class CheckSpec(BaseModel):
+    """One follower check, written KIND:ARGS on the command line."""
+
+    kind: CheckKind
+    arg: str
+    port: int = 0  # tcp
+    max_age_s: float = 0.0  # heartbeat
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.kind != "tcp" else f"tcp:{self.arg}:{self.port}"
+
+    @classmethod
+    def parse(cls, spec: str) -> CheckSpec:
+        kind, _, rest = spec.partition(":")
+        if kind == "process":
+            if not rest.isdigit() or int(rest) <= 0:
+                raise ValueError(f"{spec!r}: process:PID needs a positive pid")
+            return cls(kind="process", arg=rest)
+        if kind == "tcp":
+            host, _, port = rest.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{spec!r}: tcp:HOST:PORT needs a host and a port 1-65535")
+            return cls(kind="tcp", arg=host, port=int(port))
+        if kind == "command":
+            if not rest.strip():
+                raise ValueError(f"{spec!r}: command:SHELL_COMMAND needs a command")
+            return cls(kind="command", arg=rest)
+        if kind == "heartbeat":
+            path, _, age = rest.rpartition(":")
+            try:
+                max_age = float(age)
+            except ValueError:
+                max_age = -1.0
+            if not path or max_age <= 0:
+                raise ValueError(
+                    f"{spec!r}: heartbeat:PATH:MAX_AGE_S needs a path and a positive age"
+                )
+            return cls(kind="heartbeat", arg=path, max_age_s=max_age)
+        raise ValueError(
+            f"{spec!r}: unknown check kind {kind!r} (process, tcp, command, heartbeat)"
+        )
+
+
+class FollowerSettings(_Section):
+    node_name: str = Field(
+        "follower-0",
+        min_length=1,
+        max_length=64,
+        description="This node's name. Default follower-0.",
+    )
+    checks: list[CheckSpec] = Field(
+        default_factory=list,
+        description="Checks that must pass for the node to be healthy: process:PID, tcp:HOST:PORT, command:SHELL_COMMAND, heartbeat:PATH:MAX_AGE_S. Default none.",
+    )
+    worker_stop_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="After forwarding SIGTERM, how long to wait for the worker before SIGKILL, in s. Default 30.",
+    )
+
+    @field_validator("checks", mode="before")
+    @classmethod
+    def _parse_checks(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [CheckSpec.parse(v) if isinstance(v, str) else v for v in value]
+        return value
 
 
 class HealthSettings(_Section):
@@ -166,6 +318,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
     sidecar: SidecarSettings = Field(default_factory=SidecarSettings)  # type: ignore[arg-type]
     health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
+    follower: FollowerSettings = Field(default_factory=FollowerSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(
@@ -244,7 +397,7 @@ class _DictSource(PydanticBaseSettingsSource):
 
 def _describe(err: Any) -> str:
     where = ".".join(str(part) for part in err["loc"]) or "settings"
-    msg = err["msg"]
+    msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         return f"{where}: unknown setting"
     shown = err.get("input")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,7 @@ import pytest
 
 from proxy.settings import Settings, load
 from proxy.sidecar.server import Sidecar
+from tests.procs import Procs
 
 SidecarFactory = Callable[..., Awaitable[Sidecar]]
 
@@ -38,8 +40,7 @@ async def wait_until(
     """Poll ``predicate`` every 10 ms; fail the test after ``timeout_s``."""
     try:
         async with asyncio.timeout(timeout_s):
-            # Polling on purpose: the predicate reads state that has no event to wait on.
-            while not predicate():  # noqa: ASYNC110
+            while not predicate():
                 await asyncio.sleep(0.01)
     except TimeoutError:
         pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
@@ -67,3 +68,13 @@ async def start_sidecar() -> AsyncIterator[SidecarFactory]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         yield session
+
+
+@pytest.fixture
+async def procs(tmp_path: Path) -> AsyncIterator[Procs]:
+    """Real unitproxy processes for this test; all stopped at its end."""
+    started = Procs(tmp_path)
+    try:
+        yield started
+    finally:
+        await started.stop_all()

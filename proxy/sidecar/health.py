@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from proxy.broadcast import Broadcast
 from proxy.load import NodeStatus, UnitState
-from proxy.metrics import UnitMetrics
+from proxy.metrics import HealthMetrics, UnitMetrics
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,13 @@ class UnitHealth:
         self,
         unit_id: str,
         metrics: UnitMetrics,
+        health_metrics: HealthMetrics,
         changes: Broadcast,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
     ):
         self.unit_id = unit_id
         self._metrics = metrics
+        self._health_metrics = health_metrics
         self._changes = changes
         self.state_changes = Broadcast()
         self._wall_ms = wall_ms
@@ -58,7 +60,7 @@ class UnitHealth:
         if name in self._nodes:
             raise ValueError(f"node {name!r} is configured twice")
         self._nodes[name] = _Node(name, role, address, since_ms=self._wall_ms())
-        self._metrics.node_healthy.labels(name, role).set(0)
+        self._health_metrics.node_healthy.labels(name, role).set(0)
         self._update_state()
 
     def set_node(self, name: str, healthy: bool, reason: str = "") -> None:
@@ -68,8 +70,8 @@ class UnitHealth:
         if node.healthy != healthy:
             node.since_ms = self._wall_ms()
             to = "healthy" if healthy else "unhealthy"
-            self._metrics.health_transitions.labels(name, to).inc()
-            self._metrics.node_healthy.labels(name, node.role).set(1 if healthy else 0)
+            self._health_metrics.health_transitions.labels(name, to).inc()
+            self._health_metrics.node_healthy.labels(name, node.role).set(1 if healthy else 0)
             log.log(
                 logging.INFO if healthy else logging.WARNING,
                 "unit %s: node %s (%s) is %s%s",

@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Self
 
+import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -20,13 +21,15 @@ from proxy.broadcast import Broadcast
 from proxy.checks import Checker, CheckPolicy, ProbeFailed
 from proxy.errors import EngineError
 from proxy.load import UnitState
-from proxy.metrics import ServingMetrics, UnitMetrics
+from proxy.metrics import HealthMetrics, ServingMetrics, UnitMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
 from proxy.serving import advertised_host, cancel_tasks, start_grpc, start_http
-from proxy.settings import Settings
+from proxy.settings import FollowerTarget, Settings
 from proxy.sidecar import grpc_api, http
 from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.followers import FollowerMonitor, probe_kind
 from proxy.sidecar.health import UnitHealth
+from proxy.sidecar.recovery import RecoveryHook
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +46,10 @@ class Sidecar:
         self.changes = Broadcast()
         self.serving_metrics = ServingMetrics(self.registry)
         self.unit_metrics = UnitMetrics(self.registry)
+        self.health_metrics = HealthMetrics(self.registry)
         self.engine = engine or create_engine(settings.engine)
         unit_id = settings.sidecar.unit_id
-        self.health = UnitHealth(unit_id, self.unit_metrics, self.changes)
+        self.health = UnitHealth(unit_id, self.unit_metrics, self.health_metrics, self.changes)
         self.core = SidecarCore(
             unit_id=unit_id,
             engine=self.engine,
@@ -56,6 +60,7 @@ class Sidecar:
             retry_after_s=settings.sidecar.retry_after_s,
         )
         self.health_service = HealthServicer()
+        self.recovery: RecoveryHook | None = None
         self.http_url = ""
         self.grpc_target = ""
         self._stack = AsyncExitStack()
@@ -97,8 +102,19 @@ class Sidecar:
         self.http_url = self.core.http_url = f"http://{host}:{bound_http}"
         self.grpc_target = self.core.grpc_target = f"{host}:{bound_grpc}"
         self.health.add_node(LEADER, "leader", self.grpc_target)
+        for follower in s.sidecar.followers:
+            self.health.add_node(follower.name, "follower", follower.target)
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
+        )
         stack.push_async_callback(cancel_tasks, self._tasks)
         self._spawn(self._leader_checker().run(), "leader health")
+        for follower in s.sidecar.followers:
+            self._spawn(self._monitor(follower, session).run(), f"follower {follower.name}")
+        recovery = s.sidecar.recovery
+        if recovery.command or recovery.url:
+            self.recovery = RecoveryHook(recovery, self.health, session)
+            self._spawn(self.recovery.run(), "recovery hook")
         self._spawn(self._publish_health(), "grpc health")
         log.info(
             "sidecar %s: HTTP %s, gRPC %s, engine %s%s",
@@ -119,9 +135,26 @@ class Sidecar:
     def _spawn(self, coro: object, name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
 
-    def _leader_checker(self) -> Checker:
+    def _policy(self) -> CheckPolicy:
         h = self.settings.health
-        policy = CheckPolicy(h.interval_s, h.timeout_s, h.unhealthy_threshold, h.healthy_threshold)
+        return CheckPolicy(h.interval_s, h.timeout_s, h.unhealthy_threshold, h.healthy_threshold)
+
+    def _monitor(self, follower: FollowerTarget, session: aiohttp.ClientSession) -> FollowerMonitor:
+        def verdict(ok: bool, reason: str) -> None:
+            self.health.set_node(follower.name, ok, reason)
+
+        return FollowerMonitor(
+            follower,
+            probe_kind(follower, self.settings.sidecar.probe),
+            self._policy(),
+            verdict,
+            session,
+            observe=self.health_metrics.probe_duration.labels(follower.name).observe,
+        )
+
+    def _leader_checker(self) -> Checker:
+        policy = self._policy()
+        h = self.settings.health
         core, stall_timeout = self.core, h.stall_timeout_s
 
         async def probe() -> None:
@@ -144,7 +177,7 @@ class Sidecar:
             probe,
             policy,
             verdict,
-            observe=self.unit_metrics.probe_duration.labels(LEADER).observe,
+            observe=self.health_metrics.probe_duration.labels(LEADER).observe,
             rng=random.Random(),
         )
 
