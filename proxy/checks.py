@@ -58,7 +58,11 @@ class Checker:
         self._streak = 0
 
     async def run(self) -> None:
+        # Probes start at a fixed rate: a probe that waits out its timeout delays the
+        # next one only by what exceeds the interval, so a hung node is declared
+        # within about interval x threshold + timeout.
         while True:
+            started = self._clock()
             try:
                 ok, reason = await self.probe_once()
                 self.record(ok, reason)
@@ -66,7 +70,7 @@ class Checker:
                 raise
             except Exception:
                 log.exception("health check of %s failed unexpectedly", self.name)
-            await asyncio.sleep(self._next_interval())
+            await asyncio.sleep(max(0.0, self._next_interval() - (self._clock() - started)))
 
     async def probe_once(self) -> tuple[bool, str]:
         started = self._clock()

@@ -73,6 +73,29 @@ HEALTH = (
     Flag("--unhealthy-threshold", "health.unhealthy_threshold", "N"),
     Flag("--healthy-threshold", "health.healthy_threshold", "N"),
 )
+GATEWAY = (
+    Flag("--unit", "gateway.units", "ID=HTTP_URL,GRPC_TARGET", many=True),
+    Flag("--policy", "gateway.policy", choices=("lor", "p2c", "round_robin", "random")),
+    Flag("--load-source", "gateway.load_source", choices=("watch", "poll", "redis")),
+    Flag("--retries", "gateway.retries", "N"),
+    Flag("--poll-interval", "gateway.poll_interval_s", "SECONDS"),
+    Flag("--stale-after", "gateway.stale_after_s", "SECONDS"),
+    Flag("--queue-size", "gateway.queue_size", "N"),
+    Flag("--queue-timeout", "gateway.queue_timeout_s", "SECONDS"),
+    Flag("--eject-after", "gateway.eject_after", "N"),
+    Flag("--eject-time", "gateway.eject_s", "SECONDS"),
+    Flag("--request-timeout", "gateway.request_timeout_s", "SECONDS"),
+    Flag("--report-delay", "gateway.report_delay_s", "SECONDS"),
+    Flag("--correct-load", "gateway.correct_load", choices=("true", "false")),
+)
+UP = (
+    Flag("--units", "up.units", "N"),
+    Flag("--followers", "up.followers", "N"),
+    Flag("--state-file", "up.state_file", "PATH"),
+    Flag("--base-port", "up.base_port", "PORT"),
+    Flag("--ready-timeout", "up.ready_timeout_s", "SECONDS"),
+    Flag("--stop-timeout", "up.stop_timeout_s", "SECONDS"),
+)
 FOLLOWER = (
     Flag("--node-name", "follower.node_name", "NAME"),
     Flag("--check", "follower.checks", "KIND:ARGS", many=True),
@@ -123,6 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     follower.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
     _add(follower, COMMON + FOLLOWER + HEALTH)
+    gateway = commands.add_parser(
+        "gateway", help="route requests across units: least outstanding requests, retries, drain"
+    )
+    gateway.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    _add(gateway, COMMON + GATEWAY)
+    up = commands.add_parser(
+        "up",
+        help="start a local cell on loopback: a gateway and units of a sidecar and followers",
+        epilog="Whether given as flags, in the environment or in --config: the engine settings "
+        "and --capacity go to every sidecar, the health settings to every sidecar and "
+        "follower, --policy to the gateway, --log-level to every process.",
+    )
+    up.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    passed = ("--log-level", "--capacity", "--policy")
+    _add(
+        up, UP + ENGINE + HEALTH + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed)
+    )
     return parser
 
 
@@ -177,9 +217,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _run(command: str, settings: config.Settings, worker: list[str]) -> int:
     if command == "follower":
         return await _run_follower(settings, worker)
+    if command == "gateway":
+        return await _run_gateway(settings)
+    if command == "up":
+        from proxy.up import run_up
+
+        return await run_up(settings)
     from proxy.sidecar.server import Sidecar
 
     async with Sidecar(settings):
+        sig = await wait_for_signal()
+        log.info("received %s, stopping", sig.name)
+    return 0
+
+
+async def _run_gateway(settings: config.Settings) -> int:
+    from proxy.gateway.server import Gateway
+
+    async with Gateway(settings):
         sig = await wait_for_signal()
         log.info("received %s, stopping", sig.name)
     return 0

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from proxy.errors import Overloaded, Unavailable, UnitProxyError
+from proxy.errors import (
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+    UnitProxyError,
+)
 
 UNIT_HEADER = "x-unitproxy-unit"
 REQUEST_ID_HEADER = "x-request-id"
@@ -44,3 +52,32 @@ def error_response(
     elif isinstance(exc, Unavailable):
         response.headers["Retry-After"] = "1"
     return response
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_middleware(unit_id: str | None = None) -> Any:
+    """Answer our errors, and aiohttp's own refusals, with the OpenAI error body."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except UnitProxyError as exc:
+            return error_response(exc, request.headers.get(REQUEST_ID_HEADER), unit_id)
+        except web.HTTPException as exc:
+            err = _from_http_exception(request, exc)
+            return error_response(err, request.headers.get(REQUEST_ID_HEADER), unit_id)
+
+    return errors
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> UnitProxyError:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return PayloadTooLarge(f"request body over the limit of {request.client_max_size} bytes")
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFound(f"no route {request.method} {request.path}", code="unknown_path")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return InvalidRequest(f"method {request.method} is not allowed on {request.path}")
+    return InvalidRequest(f"{exc.status} {exc.reason}")

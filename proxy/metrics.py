@@ -134,3 +134,49 @@ class UnitMetrics:
     def set_state(self, state: str) -> None:
         for name in UNIT_STATES:
             self.unit_state.labels(name).set(1 if name == state else 0)
+
+
+class GatewayMetrics:
+    """Routing, retries and the gateway's view of each unit's load."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.routed = Counter(
+            "routed_requests",
+            "Attempts sent to a unit (a retried request counts once per unit tried).",
+            ["unit"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.retries = Counter(
+            "retries",
+            "Attempts retried on another unit, by why the previous one was refused.",
+            ["reason"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.no_unit_available = Counter(
+            "no_unit_available",
+            "Requests answered 503 because no unit was SERVING.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.unit_load = Gauge(
+            "unit_load",
+            "Estimated outstanding requests of a unit (its report corrected by this gateway's own).",
+            ["unit"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.report_age = Gauge(
+            "load_report_age_seconds",
+            "Age of the last load report of a unit, in seconds (-1: none yet).",
+            ["unit"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.queue_waiting = Gauge(
+            "queue_waiting_requests",
+            "Requests waiting because every SERVING unit is full.",
+            namespace=PREFIX,
+            registry=registry,
+        )

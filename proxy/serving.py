@@ -24,11 +24,23 @@ GRPC_OPTIONS: Sequence[tuple[str, Any]] = (
 )
 
 
-async def start_http(stack: AsyncExitStack, app: web.Application, host: str, port: int) -> int:
-    """Serve ``app``; return the bound port. Cleanup is pushed onto ``stack``."""
+async def start_http(
+    stack: AsyncExitStack,
+    app: web.Application,
+    host: str,
+    port: int,
+    shutdown_timeout_s: float = 1.0,
+) -> int:
+    """Serve ``app``; return the bound port. Cleanup is pushed onto ``stack``.
+
+    At cleanup, requests still running get ``shutdown_timeout_s`` before they are
+    cancelled (a graceful drain waits for them before that).
+    """
     # handler_cancellation: a client that goes away cancels its handler, so the
     # engine request is aborted and the outstanding count drops.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    )
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -12,7 +12,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -261,6 +268,106 @@ class CheckSpec(BaseModel):
         )
 
 
+class UnitTarget(BaseModel):
+    """One unit as a gateway sees it: ``ID=HTTP_URL,GRPC_TARGET``."""
+
+    id: str
+    http_url: str
+    grpc_target: str
+
+    @classmethod
+    def parse(cls, spec: str) -> UnitTarget:
+        unit_id, sep, rest = spec.partition("=")
+        http_url, comma, grpc_target = rest.partition(",")
+        unit_id, http_url, grpc_target = unit_id.strip(), http_url.strip(), grpc_target.strip()
+        if not sep or not comma or not unit_id:
+            raise ValueError(f"{spec!r} is not ID=HTTP_URL,GRPC_TARGET")
+        if not http_url.startswith(("http://", "https://")):
+            raise ValueError(f"{spec!r}: HTTP_URL must start with http:// or https://")
+        host, colon, port = grpc_target.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"{spec!r}: GRPC_TARGET must be host:port")
+        return cls(id=unit_id, http_url=http_url.rstrip("/"), grpc_target=grpc_target)
+
+
+class GatewaySettings(_Section):
+    units: list[UnitTarget] = Field(
+        default_factory=list,
+        description="The units to route to, ID=HTTP_URL,GRPC_TARGET each. Default none.",
+    )
+    policy: Literal["lor", "p2c", "round_robin", "random"] = Field(
+        "lor",
+        description="How a unit is chosen: lor (least outstanding / capacity), p2c (power of two choices), round_robin, random. Default lor.",
+    )
+    load_source: Literal["watch", "poll", "redis"] = Field(
+        "watch",
+        description="Where unit load comes from: watch (a WatchLoad stream per unit), poll (GET /load), redis. Default watch.",
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Retries on another unit before the first byte (connection failure, 429, 503). Default 2.",
+    )
+    poll_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="Time between two GET /load of a unit with load_source poll, in s. Default 1.",
+    )
+    stale_after_s: float = Field(
+        5.0,
+        gt=0,
+        description="A unit whose last report is older than this gets no new requests, in s. Default 5.",
+    )
+    queue_size: int = Field(
+        1024,
+        ge=0,
+        description="Requests that may wait when every SERVING unit is full; more get 429. Default 1024.",
+    )
+    queue_timeout_s: float = Field(
+        10.0, ge=0, description="Longest wait in that queue before 429, in s. Default 10."
+    )
+    eject_after: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failures (connection errors, 5xx) that eject a unit. Default 3.",
+    )
+    eject_s: float = Field(
+        5.0, gt=0, description="How long an ejected unit gets no requests, in s. Default 5."
+    )
+    connections_per_unit: int = Field(
+        512,
+        gt=0,
+        description="Most open HTTP connections from this gateway to one unit. Default 512.",
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Deadline of a request that brings none, in s. Default none."
+    )
+    report_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="For benchmarks only: apply each load report this much later, in s, to show what stale load costs. Default 0.",
+    )
+    correct_load: bool = Field(
+        True,
+        description="Correct each unit's last report by this gateway's own starts and finishes since. Off only in benchmarks. Default true.",
+    )
+
+    @field_validator("units", mode="before")
+    @classmethod
+    def _parse_units(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            parsed = [UnitTarget.parse(v) if isinstance(v, str) else v for v in value]
+            ids = [u.id if isinstance(u, UnitTarget) else u.get("id") for u in parsed]
+            duplicates = sorted({i for i in ids if ids.count(i) > 1})
+            if duplicates:
+                raise ValueError(f"unit ids must be unique: {', '.join(map(str, duplicates))}")
+            return parsed
+        return value
+
+
 class FollowerSettings(_Section):
     node_name: str = Field(
         "follower-0",
@@ -286,6 +393,45 @@ class FollowerSettings(_Section):
         if isinstance(value, list):
             return [CheckSpec.parse(v) if isinstance(v, str) else v for v in value]
         return value
+
+
+class UpSettings(_Section):
+    units: int = Field(2, ge=1, le=256, description="Units in the local cell. Default 2.")
+    followers: int = Field(1, ge=0, le=64, description="Follower nodes per unit. Default 1.")
+    state_file: Path = Field(
+        Path(".unitproxy/cell.json"),
+        description="Where the cell's processes and endpoints are written as JSON; the children's logs go to logs/ beside it. Default .unitproxy/cell.json.",
+    )
+    base_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="First port of the cell; every port is counted up from it. Default: free ports picked at start.",
+    )
+    ready_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for the gateway and every sidecar to be ready, in s. Default 60.",
+    )
+    stop_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="After SIGTERM to the children, how long to wait before SIGKILL, in s. Default 10.",
+    )
+
+    @property
+    def port_count(self) -> int:
+        # gateway, one sidecar and the followers per unit: an HTTP and a gRPC port each
+        return 2 * (1 + self.units * (1 + self.followers))
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> UpSettings:
+        if self.base_port is not None and self.base_port + self.port_count - 1 > 65535:
+            raise ValueError(
+                f"base_port {self.base_port} leaves too few ports for {self.port_count} "
+                f"(use at most {65536 - self.port_count})"
+            )
+        return self
 
 
 class HealthSettings(_Section):
@@ -319,6 +465,8 @@ class Settings(BaseSettings):
     sidecar: SidecarSettings = Field(default_factory=SidecarSettings)  # type: ignore[arg-type]
     health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
     follower: FollowerSettings = Field(default_factory=FollowerSettings)  # type: ignore[arg-type]
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)  # type: ignore[arg-type]
+    up: UpSettings = Field(default_factory=UpSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(

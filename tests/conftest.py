@@ -10,11 +10,13 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.gateway.server import Gateway
 from proxy.settings import Settings, load
 from proxy.sidecar.server import Sidecar
 from tests.procs import Procs
 
 SidecarFactory = Callable[..., Awaitable[Sidecar]]
+GatewayFactory = Callable[..., Awaitable[Gateway]]
 
 
 def sidecar_settings(**sections: dict[str, Any]) -> Settings:
@@ -78,3 +80,30 @@ async def procs(tmp_path: Path) -> AsyncIterator[Procs]:
         yield started
     finally:
         await started.stop_all()
+
+
+@pytest.fixture
+async def start_gateway() -> AsyncIterator[GatewayFactory]:
+    """Start gateways routing to the given sidecars; wait until each sees them all SERVING."""
+    running: list[Gateway] = []
+
+    async def start(sidecars: list[Sidecar], wait: bool = True, **gateway: Any) -> Gateway:
+        units = [f"{s.core.unit_id}={s.http_url},{s.grpc_target}" for s in sidecars]
+        settings = load(
+            {
+                "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+                "gateway": {"units": units, **gateway},
+            }
+        )
+        gw = Gateway(settings)
+        await gw.__aenter__()
+        running.append(gw)
+        if wait:
+            await wait_until(
+                lambda: len(gw.router.serving()) == len(sidecars), what="gateway sees units"
+            )
+        return gw
+
+    yield start
+    for gw in reversed(running):
+        await gw.__aexit__(None, None, None)

@@ -12,8 +12,6 @@ import contextlib
 import logging
 import random
 import signal
-import sys
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +28,7 @@ from proxy.broadcast import Broadcast
 from proxy.checks import Checker, CheckPolicy, Probe
 from proxy.httputil import json_response
 from proxy.metrics import HealthMetrics
+from proxy.procutil import die_with_parent
 from proxy.serving import advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import CheckSpec, Settings
 
@@ -146,7 +145,7 @@ class FollowerAgent:
         )
 
     async def _start_worker(self, command: list[str]) -> None:
-        self.worker = await asyncio.create_subprocess_exec(*command, preexec_fn=_die_with_parent())
+        self.worker = await asyncio.create_subprocess_exec(*command, preexec_fn=die_with_parent())
         self.state.set(WORKER, True, "")
         self._tasks.append(asyncio.create_task(self._reap_worker(self.worker), name="worker"))
         self._stack.push_async_callback(self.stop_worker)
@@ -213,15 +212,3 @@ def _probe(spec: CheckSpec) -> Probe:
     if spec.kind == "command":
         return probes.command_probe(spec.arg)
     return probes.heartbeat_probe(Path(spec.arg), spec.max_age_s)
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """On Linux, the worker gets SIGTERM when the agent dies, even by SIGKILL: no orphans."""
-    if sys.platform != "linux":
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
-    # Resolved here, in the parent: the forked child only makes the call.
-    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)

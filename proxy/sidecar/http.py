@@ -14,12 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.base import TokenDelta
 from proxy import openai_api
-from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge, UnitProxyError
+from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
     UNIT_HEADER,
     ClientGone,
+    error_middleware,
     error_response,
     json_response,
 )
@@ -33,7 +34,6 @@ CORE = web.AppKey("core", SidecarCore)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
-REQUEST_ID = web.RequestKey("request_id", str)
 # The status that the requests metric counts, when it differs from the response's.
 OUTCOME = web.RequestKey("outcome", str)
 
@@ -48,7 +48,9 @@ def build_app(
     max_body_bytes: int,
     max_prompt_chars: int,
 ) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    app = web.Application(
+        client_max_size=max_body_bytes, middlewares=[error_middleware(core.unit_id)]
+    )
     app[CORE] = core
     app[REGISTRY] = registry
     app[SERVING_METRICS] = metrics
@@ -63,33 +65,11 @@ def build_app(
     return app
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except UnitProxyError as exc:
-        return error_response(exc, request.get(REQUEST_ID), request.app[CORE].unit_id)
-    except web.HTTPException as exc:
-        return error_response(_http_error(request, exc), request.get(REQUEST_ID))
-
-
-def _http_error(request: web.Request, exc: web.HTTPException) -> UnitProxyError:
-    """aiohttp's own refusals, as our error bodies."""
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return PayloadTooLarge(f"request body over the limit of {request.client_max_size} bytes")
-    if isinstance(exc, web.HTTPNotFound):
-        return NotFound(f"no route {request.method} {request.path}", code="unknown_path")
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        return InvalidRequest(f"method {request.method} is not allowed on {request.path}")
-    return InvalidRequest(f"{exc.status} {exc.reason}")
-
-
 def _inference(route: openai_api.Route) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         core = request.app[CORE]
         metrics = request.app[SERVING_METRICS]
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        request[REQUEST_ID] = request_id
         code = "500"
         try:
             response = await _serve(request, route, request_id, core)
@@ -97,7 +77,7 @@ def _inference(route: openai_api.Route) -> Handler:
             return response
         except UnitProxyError as exc:
             code = str(exc.http_status)
-            raise
+            return error_response(exc, request_id, core.unit_id)
         except ClientGone as gone:
             code = "499"  # client closed the connection
             return gone.response

@@ -1,0 +1,1 @@
+"""Routing policies compared on a simulated heterogeneous fleet: ``python -m bench.routing.run``."""

@@ -1,0 +1,263 @@
+"""From outcomes to numbers: per-run metrics, the table, the goal line, the PNG.
+
+Over the measured window ``[warmup, duration]`` of one run:
+
+    offered      requests due in the window / window
+    throughput   successes that ENDED in the window / window (what the fleet kept up with)
+    TTFT p50/99  requests DUE in the window that got a first token; one still without
+                 a first token when the drain bound passed counts as infinite; failed
+                 requests are left out (they are in "errors")
+    goodput@SLO  requests DUE in the window that succeeded with TTFT <= SLO / window
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.routing.client import OpenLoopRun, Outcome
+
+SLOS_S = {"1s": 1.0, "300ms": 0.3}
+GOAL = ("lor", "round_robin", 85, 1.5)  # lor goodput@1s >= 1.5x round_robin's at 85 % load
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def _ms(seconds: float | None) -> float | None:
+    if seconds is None:
+        return None
+    return math.inf if math.isinf(seconds) else round(seconds * 1000, 1)
+
+
+@dataclass
+class RunMetrics:
+    policy: str
+    load_pct: int
+    target_rate: float  # the Poisson rate asked for, requests/s
+    window_s: float
+    sent: int  # all requests of the run, warm-up included
+    offered: float
+    throughput: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    goodput: dict[str, float]  # by SLO name, requests/s
+    errors: dict[str, int]  # whole run, by kind
+    unfinished: int
+    per_unit: dict[str, int]  # requests answered by each unit, whole run
+    send_lag_p99_ms: float | None
+    cpu: dict[str, float] = field(default_factory=dict)  # % of one core over the run
+    timing_s: dict[str, float] = field(default_factory=dict)  # where the run's time went
+    outstanding_after: dict[str, int] = field(default_factory=dict)
+    gateway_exit: int | None = None
+    gateway_problems: list[str] = field(default_factory=list)
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key in ("ttft_p50_ms", "ttft_p99_ms"):
+            if data[key] is not None and math.isinf(data[key]):
+                data[key] = "inf"  # JSON has no infinity
+        data["error_count"] = self.error_count
+        return data
+
+
+def run_metrics(
+    policy: str,
+    load_pct: int,
+    target_rate: float,
+    run: OpenLoopRun,
+    warmup_s: float,
+    duration_s: float,
+) -> RunMetrics:
+    window = duration_s - warmup_s
+    due = [o for o in run.outcomes if warmup_s <= o.arrival_s < duration_s]
+    ended = [o for o in run.outcomes if o.ok and o.done_s is not None]
+    ttfts = [_ttft_or_inf(o) for o in due if o.error is None]
+    return RunMetrics(
+        policy=policy,
+        load_pct=load_pct,
+        target_rate=target_rate,
+        window_s=window,
+        sent=len(run.outcomes),
+        offered=len(due) / window,
+        throughput=sum(warmup_s <= o.done_s <= duration_s for o in ended) / window,  # type: ignore[operator]
+        ttft_p50_ms=_ms(percentile(ttfts, 50)),
+        ttft_p99_ms=_ms(percentile(ttfts, 99)),
+        goodput={name: _good(due, slo) / window for name, slo in SLOS_S.items()},
+        errors=dict(Counter(o.error for o in run.outcomes if o.error is not None)),
+        unfinished=run.unfinished,
+        per_unit=dict(sorted(Counter(o.unit for o in run.outcomes if o.unit).items())),
+        send_lag_p99_ms=_ms(percentile(run.send_lag_s, 99)),
+    )
+
+
+def _ttft_or_inf(o: Outcome) -> float:
+    return math.inf if o.ttft_s is None else o.ttft_s
+
+
+def _good(due: Sequence[Outcome], slo_s: float) -> int:
+    return sum(o.ok and o.ttft_s is not None and o.ttft_s <= slo_s for o in due)
+
+
+# -- the table ------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:,.{digits}f}"
+
+
+COLUMNS: tuple[tuple[str, Callable[[RunMetrics], str]], ...] = (
+    ("load %", lambda m: str(m.load_pct)),
+    ("policy", lambda m: m.policy),
+    ("offered r/s", lambda m: _fmt(m.offered)),
+    ("thruput r/s", lambda m: _fmt(m.throughput)),
+    ("TTFT p50 ms", lambda m: _fmt(m.ttft_p50_ms, 0)),
+    ("TTFT p99 ms", lambda m: _fmt(m.ttft_p99_ms, 0)),
+    ("good@1s r/s", lambda m: _fmt(m.goodput["1s"])),
+    ("good@300ms r/s", lambda m: _fmt(m.goodput["300ms"])),
+    ("errors", lambda m: str(m.error_count)),
+    ("unfinished", lambda m: str(m.unfinished)),
+    ("gw CPU %", lambda m: _fmt(m.cpu.get("gateway"), 0)),
+    ("all CPU %", lambda m: _fmt(m.cpu.get("ours"), 0)),
+    ("host busy %", lambda m: _fmt(m.cpu.get("host_busy"), 0)),
+)
+
+
+def table(rows: Sequence[RunMetrics]) -> str:
+    ordered = sorted(rows, key=lambda m: m.load_pct)
+    cells = [[name for name, _ in COLUMNS]]
+    cells += [[cell(m) for _, cell in COLUMNS] for m in ordered]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if i != 1 else v.ljust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        )
+
+    header = line(cells[0])
+    out = [header, "-" * len(header)]
+    for previous, m, values in zip([None, *ordered], ordered, cells[1:], strict=False):
+        if previous is not None and previous.load_pct != m.load_pct:
+            out.append("")
+        out.append(line(values))
+    return "\n".join(out)
+
+
+def routing_table(rows: Sequence[RunMetrics], load_pct: int, shares: dict[str, float]) -> str:
+    """Share of requests per unit at one load, beside each unit's share of fleet capacity."""
+    at_load = [m for m in rows if m.load_pct == load_pct]
+    units = list(shares)
+    name_w = max([len("capacity share"), *(len(m.policy) for m in at_load)])
+    lines = ["".ljust(name_w) + "".join(u.rjust(7) for u in units)]
+    lines.append("capacity share".ljust(name_w) + "".join(f"{shares[u]:6.1%} " for u in units))
+    for m in at_load:
+        total = sum(m.per_unit.values()) or 1
+        cells = "".join(f"{m.per_unit.get(u, 0) / total:6.1%} " for u in units)
+        lines.append(m.policy.ljust(name_w) + cells)
+    return "\n".join(lines)
+
+
+def goal(rows: Sequence[RunMetrics]) -> dict[str, Any]:
+    good, base, load_pct, want = GOAL
+    by = {(m.policy, m.load_pct): m for m in rows}
+    mine, theirs = by.get((good, load_pct)), by.get((base, load_pct))
+    if mine is None or theirs is None:
+        return {
+            "checked": False,
+            "line": f"goal: not checked ({good} and {base} at {load_pct} % load were not both run)",
+        }
+    a, b = mine.goodput["1s"], theirs.goodput["1s"]
+    ratio = math.inf if b == 0 else a / b
+    met = ratio >= want
+    line = (
+        f"goal: {good} goodput@1s {a:.1f} r/s vs {base} {b:.1f} r/s at {load_pct} % load: "
+        f"{ratio:.2f}x (want >= {want}x): {'MET' if met else 'NOT MET'}"
+    )
+    return {
+        "checked": True,
+        "met": met,
+        "ratio": None if math.isinf(ratio) else ratio,
+        "line": line,
+    }
+
+
+# -- the picture ----------------------------------------------------------------------
+
+
+MARKERS = "osD^vP*X"
+
+
+def plot(rows: Sequence[RunMetrics], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, (good_ax, ttft_ax) = plt.subplots(1, 2, figsize=(13, 5.2))
+    policies = list(dict.fromkeys(m.policy for m in rows))
+    for i, policy in enumerate(policies):
+        mine = sorted((m for m in rows if m.policy == policy), key=lambda m: m.load_pct)
+        loads = [m.load_pct for m in mine]
+        style = {
+            "marker": MARKERS[i % len(MARKERS)],
+            "label": policy,
+            "linestyle": "--" if "delayed" in policy else "-",
+        }
+        good_ax.plot(loads, [m.goodput["1s"] for m in mine], **style)
+        ttft_ax.plot(loads, [_finite_s(m.ttft_p99_ms) for m in mine], **style)
+    # Every policy at one load got the same arrivals: one offered rate per load.
+    offered = {m.load_pct: m.offered for m in rows}
+    loads = sorted(offered)
+    good_ax.plot(
+        loads, [offered[p] for p in loads], color="grey", linestyle=":", label="offered (ideal)"
+    )
+    good_ax.set(
+        xlabel="load, % of measured saturation",
+        ylabel="requests/s",
+        title="goodput: completed with TTFT <= 1 s (higher is better)",
+    )
+    good_ax.set_ylim(bottom=0)
+    ttft_ax.set(
+        xlabel="load, % of measured saturation",
+        ylabel="s (log scale)",
+        title="TTFT p99 (lower is better; dotted: 0.3 s and 1 s)",
+        yscale="log",
+    )
+    seconds = FuncFormatter(lambda v, _: f"{v:g}")
+    ttft_ax.yaxis.set_major_formatter(seconds)
+    ttft_ax.yaxis.set_minor_formatter(seconds)
+    ttft_ax.tick_params(axis="y", which="minor", labelsize=7)
+    for slo in SLOS_S.values():
+        ttft_ax.axhline(slo, color="grey", linestyle=":", linewidth=1)
+    for ax in (good_ax, ttft_ax):
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_xticks(loads)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _finite_s(ms: float | None) -> float:
+    # A p99 that never came (inf) is drawn at the top of a sensible scale.
+    if ms is None or math.isinf(ms):
+        return math.nan
+    return ms / 1000

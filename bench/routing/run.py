@@ -1,0 +1,581 @@
+"""Routing policies on a simulated heterogeneous fleet: goodput and TTFT under load.
+
+Starts N ``python -m proxy sidecar --engine sim`` units on 127.0.0.1 (half of them
+1.25-1.5x slower, every other one with half the batch slots; admission capacity 4x
+slots, so queues form inside the engines and TTFT grows instead of 429s), then:
+
+1. saturation: a closed loop through a ``lor`` gateway with twice as many requests in
+   flight as the fleet has slots; the completion rate is the fleet's saturation
+   throughput (printed beside what the simulator parameters predict);
+2. for each load (% of that rate) and policy: a fresh ``python -m proxy gateway``,
+   open-loop Poisson arrivals of streamed /v1/completions for ``--duration`` seconds
+   (long-tailed prompt and output lengths, the same seeded sequence for every policy
+   at one load), every request waited for (up to ``--drain`` s), the gateway stopped,
+   and every unit's /load waited on until it shows 0 outstanding.
+
+Policies: lor, p2c, round_robin, random, and lor-delayed (lor with every load report
+applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
+on stale load) and lor-delayed-corrected (the same delay, correction on).
+
+    .venv/bin/python -m bench.routing.run            # the full run, about 17 minutes on 2 cores
+    .venv/bin/python -m bench.routing.run --quick    # smoke run, about 2 minutes
+    .venv/bin/python bench/routing/run.py --policies lor,round_robin --loads 85 --duration 30
+
+Writes a table to stdout, JSON to bench/results/routing.json, a PNG beside it, and the
+children's logs to bench/results/routing-logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Coroutine, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+if __package__ in (None, ""):  # run as a file: make the bench.routing package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import aiohttp
+
+from bench.routing import client, fleet, report, workload
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
+QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
+ALL_POLICIES = ("lor", "p2c", "round_robin", "random", "lor-delayed", "lor-delayed-corrected")
+SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
+RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected requests (+100)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    duration_s: float
+    warmup_s: float
+    drain_s: float
+    loads: tuple[int, ...]
+    policies: tuple[str, ...]
+    units: int
+    seed: int
+    report_delay_s: float
+    saturation_warmup_s: float
+    saturation_window_s: float
+    quick: bool
+    out: Path
+
+    @property
+    def png(self) -> Path:
+        return self.out.with_suffix(".png")
+
+    @property
+    def log_dir(self) -> Path:
+        return self.out.parent / f"{self.out.stem}-logs"
+
+    @property
+    def mix(self) -> workload.Workload:
+        return workload.QUICK_WORKLOAD if self.quick else workload.DEFAULT_WORKLOAD
+
+    def gateway_args(self, policy: str) -> list[str]:
+        delay = ["--report-delay", f"{self.report_delay_s:g}"]
+        return {
+            "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
+            "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
+        }.get(policy, ["--policy", policy])
+
+
+# -- the two phases -------------------------------------------------------------------
+
+
+@dataclass
+class Saturation:
+    measured: float  # requests/s
+    model: float  # requests/s the simulator parameters predict
+    tokens_per_s: float
+    concurrency: int
+    window_s: float
+    errors: dict[str, int]
+    per_unit: dict[str, int]
+    outstanding_after: dict[str, int]
+
+
+async def measure_saturation(
+    s: BenchSettings, units: fleet.Fleet, session: aiohttp.ClientSession, model: float
+) -> Saturation:
+    concurrency = SATURATION_INFLIGHT_PER_SLOT * sum(u.slots for u in units.specs)
+    log = s.log_dir / "gateway-saturation.log"
+    async with fleet.running_gateway(units, ["--policy", "lor"], session, log) as gateway:
+        run = await client.closed_loop(
+            session,
+            f"{gateway.http_url}/v1/completions",
+            workload.request_stream(s.mix, s.seed),
+            concurrency,
+            s.saturation_warmup_s,
+            s.saturation_window_s,
+        )
+    return Saturation(
+        measured=run.rate,
+        model=model,
+        tokens_per_s=run.tokens_per_s,
+        concurrency=concurrency,
+        window_s=run.window_s,
+        errors=dict(run.errors),
+        per_unit=dict(sorted(run.per_unit.items())),
+        outstanding_after=await units.wait_idle(session),
+    )
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds so far: the gateway, the sidecars, this process; the host's jiffies."""
+
+    at: float
+    gateway: float
+    sidecars: float
+    client: float
+    host_busy: int
+    host_total: int
+
+    @classmethod
+    def take(cls, gateway: fleet.Child, units: fleet.Fleet) -> CpuSample:
+        busy, total = _host_jiffies()
+        return cls(
+            time.perf_counter(), gateway.cpu_s(), units.cpu_s(), time.process_time(), busy, total
+        )
+
+    def percent_since(self, before: CpuSample) -> dict[str, float]:
+        """Each as % of one core over the interval."""
+        wall = self.at - before.at
+        gateway = self.gateway - before.gateway
+        ours = gateway + self.sidecars - before.sidecars + self.client - before.client
+        cores = os.cpu_count() or 1
+        host = (self.host_busy - before.host_busy) / max(1, self.host_total - before.host_total)
+        return {
+            "gateway": 100 * gateway / wall,
+            "ours": 100 * ours / wall,
+            "host_busy": 100 * cores * host,
+        }
+
+
+def _host_jiffies() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+async def policy_run(
+    s: BenchSettings,
+    policy: str,
+    load_pct: int,
+    rate: float,
+    units: fleet.Fleet,
+    session: aiohttp.ClientSession,
+) -> report.RunMetrics:
+    limit = int(RUN_LIMIT_FACTOR * rate * s.duration_s) + 100
+    arrivals = workload.poisson_arrivals(s.mix, rate, s.duration_s, s.seed * 1000 + load_pct, limit)
+    log = s.log_dir / f"gateway-{policy}-{load_pct}.log"
+    args = s.gateway_args(policy)
+    started = time.perf_counter()
+    async with fleet.running_gateway(units, args, session, log) as gateway:
+        before = CpuSample.take(gateway, units)
+        run = await client.open_loop(
+            session, f"{gateway.http_url}/v1/completions", arrivals, s.drain_s
+        )
+        after = CpuSample.take(gateway, units)
+    metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)
+    metrics.cpu = after.percent_since(before)
+    metrics.timing_s = {
+        "gateway_ready": round(before.at - started, 2),
+        "requests": round(run.wall_s, 2),
+        "gateway_stop": round(time.perf_counter() - after.at, 2),
+    }
+    metrics.gateway_exit = gateway.exit_code
+    metrics.gateway_problems = gateway.log_problems()
+    idle_from = time.perf_counter()
+    metrics.outstanding_after = await units.wait_idle(session)
+    metrics.timing_s["idle_wait"] = round(time.perf_counter() - idle_from, 2)
+    return metrics
+
+
+# -- the whole benchmark --------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    specs: list[fleet.UnitSpec]
+    means: tuple[float, float]
+    saturation: Saturation
+    rows: list[report.RunMetrics]
+    sidecar_exits: dict[str, int | None]
+    sidecar_problems: dict[str, list[str]]
+
+
+async def bench(s: BenchSettings) -> Results:
+    specs = fleet.fleet_specs(s.units, s.seed)
+    means = s.mix.means()
+    model = sum(spec.model_rate(*means) for spec in specs)
+    connector = aiohttp.TCPConnector(limit=8192, limit_per_host=8192)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+        fleet.running_fleet(specs, session, s.log_dir) as units,
+    ):
+        progress(
+            f"fleet of {len(specs)} units up; measuring saturation "
+            f"({s.saturation_warmup_s:g} s + {s.saturation_window_s:g} s)"
+        )
+        saturation = await measure_saturation(s, units, session, model)
+        progress(f"saturation {saturation.measured:.1f} r/s (model {model:.1f} r/s)")
+        rows = []
+        for load_pct in s.loads:
+            rate = saturation.measured * load_pct / 100
+            for policy in s.policies:
+                units.check_alive()
+                rows.append(await policy_run(s, policy, load_pct, rate, units, session))
+                progress(_progress_line(rows[-1]))
+    return Results(
+        specs,
+        means,
+        saturation,
+        rows,
+        {c.name: c.exit_code for c in units.sidecars},
+        {c.name: c.log_problems() for c in units.sidecars},
+    )
+
+
+def progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def _progress_line(m: report.RunMetrics) -> str:
+    return (
+        f"{m.policy} @ {m.load_pct} %: {m.sent} sent, good@1s {m.goodput['1s']:.1f} r/s, "
+        f"TTFT p99 {m.ttft_p99_ms} ms, {m.error_count} errors, {m.unfinished} unfinished; "
+        f"timing {m.timing_s}"
+    )
+
+
+# -- settings -------------------------------------------------------------------------
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part for part in text.split(",") if part)
+
+
+def _loads(text: str) -> tuple[int, ...]:
+    values = tuple(int(part) for part in _names(text))
+    if any(not 0 < v <= 200 for v in values):
+        raise argparse.ArgumentTypeError("loads are percentages above 0 and at most 200")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Routing policies on a simulated heterogeneous fleet: goodput and TTFT."
+    )
+    add = parser.add_argument
+    add("--duration", type=float, help="arrivals per run, in s. Default 20 (--quick: 5).")
+    add(
+        "--warmup",
+        type=float,
+        help="first seconds of each run left out of the metrics. Default 4 (--quick: 1).",
+    )
+    add(
+        "--drain",
+        type=float,
+        default=60.0,
+        help="after the last arrival, longest wait for requests still running, in s; what is "
+        "left is cancelled and counted unfinished. Default 60.",
+    )
+    add(
+        "--loads",
+        type=_loads,
+        metavar="PCT[,PCT...]",
+        help="loads in % of the measured saturation throughput. Default 50,70,85,95 "
+        "(--quick: 50,85).",
+    )
+    add(
+        "--policies",
+        type=_names,
+        metavar="NAME[,NAME...]",
+        help=f"of {', '.join(ALL_POLICIES)}. Default all.",
+    )
+    add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")
+    add("--seed", type=int, default=1, help="seed of the workload and the units. Default 1.")
+    add(
+        "--report-delay",
+        type=float,
+        default=2.0,
+        help="report delay of the lor-delayed policies, in s. Default 2.",
+    )
+    add(
+        "--saturation-window",
+        type=float,
+        help="measured window of the saturation run, in s (after 5 s warm-up; --quick: 2). "
+        "Default 20 (--quick: 5).",
+    )
+    add(
+        "--out",
+        type=Path,
+        help=f"JSON results; the PNG goes beside it. Default "
+        f"{DEFAULT_OUT.relative_to(REPO)} (--quick: {QUICK_OUT.name}).",
+    )
+    add(
+        "--quick",
+        action="store_true",
+        help="smoke run: 5 s runs, loads 50 and 85, outputs capped at 96 tokens.",
+    )
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    quick = bool(args.quick)
+    policies = tuple(dict.fromkeys(args.policies or ALL_POLICIES))
+    unknown = [p for p in policies if p not in ALL_POLICIES]
+    if unknown:
+        parser.error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(ALL_POLICIES)}")
+    duration = args.duration if args.duration is not None else (5.0 if quick else 20.0)
+    warmup = args.warmup if args.warmup is not None else (1.0 if quick else 4.0)
+    if not 0 <= warmup < duration or args.drain <= 0 or args.units < 1:
+        parser.error("need 0 <= --warmup < --duration, --drain above 0 and --units at least 1")
+    window = args.saturation_window or (4.0 if quick else 20.0)
+    return BenchSettings(
+        duration_s=duration,
+        warmup_s=warmup,
+        drain_s=args.drain,
+        loads=tuple(dict.fromkeys(args.loads or ((50, 85) if quick else (50, 70, 85, 95)))),
+        policies=policies,
+        units=args.units,
+        seed=args.seed,
+        report_delay_s=args.report_delay,
+        saturation_warmup_s=2.0 if quick else 5.0,
+        saturation_window_s=window,
+        quick=quick,
+        out=args.out or (QUICK_OUT if quick else DEFAULT_OUT),
+    )
+
+
+# -- the report -----------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_model": _cpu_model(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "platform": platform.platform(),
+        "client_loop": _loop_name(),
+        "aiohttp": aiohttp.__version__,
+        "loadavg_1min_before": os.getloadavg()[0],
+    }
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def _loop_name() -> str:
+    try:
+        return f"uvloop {importlib.metadata.version('uvloop')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "asyncio"
+
+
+def build_report(
+    s: BenchSettings, r: Results, machine: dict[str, Any], wall_s: float
+) -> dict[str, Any]:
+    mean_prompt, mean_output = r.means
+    return {
+        "benchmark": "routing",
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "wall_s": round(wall_s, 1),
+        "settings": {**asdict(s), "out": str(s.out)},
+        "machine": machine,
+        "workload": {
+            **asdict(s.mix),
+            "mean_prompt_tokens": mean_prompt,
+            "mean_output_tokens": mean_output,
+        },
+        "fleet": [{**spec.to_json(), "model_rate": spec.model_rate(*r.means)} for spec in r.specs],
+        "gateway_args": {p: s.gateway_args(p) for p in s.policies},
+        "saturation": asdict(r.saturation),
+        "runs": [m.to_json() for m in r.rows],
+        "goal": report.goal(r.rows),
+        "sidecar_exits": r.sidecar_exits,
+        "sidecar_problems": {k: v[:50] for k, v in r.sidecar_problems.items() if v},
+        "png": str(s.png),
+        "logs": str(s.log_dir),
+    }
+
+
+def command_line() -> str:
+    """The command as typed: ``python -m bench.routing.run ...`` or ``python .../run.py ...``."""
+    if __spec__ is not None and __spec__.name == "bench.routing.run" and __name__ == "__main__":
+        return shlex.join([sys.executable, "-m", __spec__.name, *sys.argv[1:]])
+    return shlex.join([sys.executable, *sys.argv])
+
+
+def fleet_table(specs: Sequence[fleet.UnitSpec], means: tuple[float, float]) -> str:
+    lines = ["unit  slots  capacity  slowdown  step ms  ms/seq  prefill ms/tok  model r/s"]
+    for u in specs:
+        lines.append(
+            f"{u.id:<4}  {u.slots:>5}  {u.capacity:>8}  {u.slowdown:>8.3g}  "
+            f"{u.decode_step_ms:>7.4g}  {u.decode_ms_per_seq:>6.4g}  "
+            f"{u.prefill_ms_per_token:>14.4g}  {u.model_rate(*means):>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def print_report(data: dict[str, Any], r: Results) -> None:
+    m, sat = data["machine"], r.saturation
+    print(f"command: {data['command']}")
+    print(
+        f"machine: nproc {m['nproc']}, {m['cpu_model']}, {m['python']}, client loop "
+        f"{m['client_loop']}, load average (1 min) before: {m['loadavg_1min_before']:.2f}"
+    )
+    w = data["workload"]
+    print(
+        f"workload: prompt lognormal {w['prompt']}, output {w['output']} (exact, ignore_eos); "
+        f"means {w['mean_prompt_tokens']:.0f} / {w['mean_output_tokens']:.0f} tokens"
+    )
+    print(f"\n{fleet_table(r.specs, r.means)}\n")
+    print(
+        f"saturation: {sat.measured:.2f} r/s measured ({sat.tokens_per_s:.0f} output tok/s; "
+        f"closed loop, {sat.concurrency} in flight through lor, {sat.window_s:g} s), "
+        f"model {sat.model:.2f} r/s; errors {sat.errors or 0}"
+    )
+    s = data["settings"]
+    print(
+        f"runs: {s['duration_s']:g} s of Poisson arrivals each, metrics over "
+        f"[{s['warmup_s']:g}, {s['duration_s']:g}] s; CPU % of one core (nproc {m['nproc']})\n"
+    )
+    print(report.table(r.rows))
+    shares = _capacity_shares(r)
+    for load_pct in sorted({row.load_pct for row in r.rows})[-2:]:
+        print(f"\nshare of requests per unit at {load_pct} % load:")
+        print(report.routing_table(r.rows, load_pct, shares))
+    print(f"\n{data['goal']['line']}")
+    _print_problems(r)
+    print(f"\nwall time {data['wall_s'] / 60:.1f} min; JSON {s['out']}; PNG {data['png']}")
+
+
+def _capacity_shares(r: Results) -> dict[str, float]:
+    rates = {spec.id: spec.model_rate(*r.means) for spec in r.specs}
+    total = sum(rates.values())
+    return {unit: rate / total for unit, rate in rates.items()}
+
+
+def _print_problems(r: Results) -> None:
+    lines = []
+    if r.saturation.errors:
+        lines.append(f"  saturation run: errors {r.saturation.errors}")
+    if any(r.saturation.outstanding_after.values()):
+        lines.append(f"  saturation run: units not idle after it: {r.saturation.outstanding_after}")
+    for m in r.rows:
+        where = f"  {m.policy} @ {m.load_pct} %"
+        lines += [f"{where}: {n} x {kind}" for kind, n in m.errors.items()]
+        if m.unfinished:
+            lines.append(f"{where}: {m.unfinished} requests unfinished after the drain bound")
+        if any(m.outstanding_after.values()):
+            lines.append(f"{where}: units not idle after the run: {m.outstanding_after}")
+        if m.gateway_exit != 0:
+            lines.append(f"{where}: gateway exited with {m.gateway_exit} after SIGTERM")
+        lines += [f"{where}: gateway log: {line}" for line in m.gateway_problems[:5]]
+        if m.send_lag_p99_ms is not None and m.send_lag_p99_ms > 50:
+            lines.append(f"{where}: arrivals sent late, p99 {m.send_lag_p99_ms:.0f} ms")
+    for unit, code in r.sidecar_exits.items():
+        if code != 0:
+            lines.append(f"  sidecar {unit} exited with {code} after SIGTERM")
+    for unit, problems in r.sidecar_problems.items():
+        lines += [f"  sidecar {unit} log: {line}" for line in problems[:3]]
+    print("\nproblems:" if lines else "\nno problems: no errors, every unit idle after each run")
+    print("\n".join(lines[:80]))
+
+
+# -- main -----------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; raised so that every ``finally`` runs."""
+
+
+async def until_signal(main: Awaitable[T]) -> T:
+    """Await ``main``; SIGINT or SIGTERM cancel it (every child is stopped on the way
+    out) and raise Interrupted."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await main
+    except asyncio.CancelledError:
+        if received:
+            raise Interrupted(received[0]) from None
+        raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    s = parse_settings(argv)
+    s.log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    machine = machine_info()
+    try:
+        results = run_loop(until_signal(bench(s)))
+    except Interrupted as exc:
+        print(
+            f"interrupted by {exc}; every process this benchmark started was stopped",
+            file=sys.stderr,
+        )
+        return 130
+    except fleet.ChildFailed as exc:
+        print(f"routing benchmark: {exc}", file=sys.stderr)
+        return 1
+    data = build_report(s, results, machine, time.perf_counter() - started)
+    s.out.write_text(json.dumps(data, indent=2) + "\n")
+    title = (
+        f"{len(results.specs)} simulated units, saturation {results.saturation.measured:.1f} "
+        f"r/s; {s.duration_s:g} s runs; {machine['cpu_model']} x{machine['nproc']}"
+    )
+    report.plot(results.rows, s.png, title)
+    print_report(data, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

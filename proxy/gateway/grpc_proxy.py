@@ -1,0 +1,128 @@
+"""Inference.Generate through the gateway: messages pass as bytes, never decoded.
+
+The gateway registers a generic handler for the method with no (de)serializers and
+calls units the same way, so each chunk is forwarded as the bytes the unit sent.
+Retries happen only before the first message reaches the client, on UNAVAILABLE or
+RESOURCE_EXHAUSTED from the unit (its refusal, or a connection failure).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from proxy.errors import UnitProxyError
+from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.gateway.units import Unit
+from proxy.metrics import GatewayMetrics, ServingMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE = "unitproxy.v1.Inference"
+METHOD = f"/{SERVICE}/Generate"
+ROUTE = "grpc_generate"
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+UnaryStream = Callable[..., Any]  # grpc.aio.UnaryStreamMultiCallable, bytes in and out
+
+
+class GenerateProxy:
+    def __init__(
+        self,
+        router: Router,
+        call_for: Callable[[Unit], UnaryStream],
+        metrics: ServingMetrics,
+        gateway_metrics: GatewayMetrics,
+    ):
+        self._router = router
+        self._call_for = call_for
+        self._metrics = metrics
+        self._gw = gateway_metrics
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.unary_stream_rpc_method_handler(
+            self.generate, request_deserializer=None, response_serializer=None
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, {"Generate": method})
+
+    async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
+        started = time.monotonic()
+        code = "OK"
+        self._metrics.outstanding.inc()
+        try:
+            await self._generate(request, context, started)
+        except UnitProxyError as exc:
+            code = exc.grpc_code.name
+            await context.abort(exc.grpc_code, exc.message)
+        except grpc.aio.AioRpcError as exc:  # the unit failed after the first message
+            code = exc.code().name
+            await context.abort(exc.code(), exc.details() or "")
+        finally:
+            self._metrics.outstanding.dec()
+            self._metrics.requests.labels(ROUTE, code).inc()
+            self._metrics.request_duration.labels(ROUTE).observe(time.monotonic() - started)
+
+    async def _generate(
+        self, request: bytes, context: grpc.aio.ServicerContext, started: float
+    ) -> None:
+        tried: set[str] = set()
+        last: grpc.aio.AioRpcError | None = None
+        for _ in range(self._router.settings.retries + 1):
+            if last is not None:
+                self._gw.retries.labels(last.code().name.lower()).inc()
+            try:
+                unit = await self._router.acquire(tried)
+            except NoUnit:
+                if last is not None:
+                    raise last from None
+                self._gw.no_unit_available.inc()
+                raise
+            tried.add(unit.id)
+            self._gw.routed.labels(unit.id).inc()
+            last = await self._attempt(unit, request, context, started)
+            if last is None:
+                return
+        assert last is not None
+        raise last
+
+    async def _attempt(
+        self, unit: Unit, request: bytes, context: grpc.aio.ServicerContext, started: float
+    ) -> grpc.aio.AioRpcError | None:
+        """Stream from ``unit``; return its error if it refused before the first message."""
+        call = self._call_for(unit)(request, timeout=context.time_remaining())
+        outcome = Outcome.FAILED
+        try:
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in RETRYABLE:
+                    outcome = (
+                        Outcome.REFUSED
+                        if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                        else outcome
+                    )
+                    return exc
+                outcome = Outcome.FAILED if exc.code() in FAILURES else Outcome.OK
+                raise
+            if first is grpc.aio.EOF:
+                outcome = Outcome.OK
+                return None
+            self._metrics.ttft.labels(ROUTE).observe(time.monotonic() - started)
+            message = first
+            while message is not grpc.aio.EOF:
+                await context.write(message)
+                message = await call.read()
+            outcome = Outcome.OK
+            return None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in FAILURES:
+                outcome = Outcome.OK
+            raise
+        finally:
+            call.cancel()
+            self._router.release(unit, outcome)

@@ -1,0 +1,199 @@
+"""The gateway's routing state: units, their load, passive health, and the wait queue.
+
+``acquire`` picks a unit for one attempt (or waits in a bounded FIFO queue while every
+SERVING unit is full) and counts the request as started there; ``release`` counts it
+finished and records the outcome for passive health. Reports from the load source
+arrive through ``apply_report``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from enum import Enum
+
+from proxy.errors import Overloaded, Unavailable
+from proxy.gateway.select import POLICIES
+from proxy.gateway.units import Unit
+from proxy.load import LoadReport
+from proxy.settings import GatewaySettings, UnitTarget
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(Enum):
+    OK = "ok"  # the unit answered (any status that is not its own failure)
+    REFUSED = "refused"  # 429 or 503: the unit said no before doing work
+    FAILED = "failed"  # connection error or 5xx: counts toward ejection
+
+
+class NoUnit(Unavailable):
+    """No SERVING unit is left to try (apart from those excluded)."""
+
+
+class Router:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        targets: Iterable[UnitTarget] = (),
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[Unit], None] | None = None,
+    ):
+        self.settings = settings
+        self.units: dict[str, Unit] = {}
+        self._select = POLICIES[settings.policy]
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._turn = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._on_change = on_change
+        for target in targets:
+            self.add(target)
+
+    def add(self, target: UnitTarget) -> Unit:
+        unit = self.units.get(target.id)
+        if unit is None:
+            unit = self.units[target.id] = Unit(target.id, target.http_url, target.grpc_target)
+        return unit
+
+    # --- choosing ---------------------------------------------------------------
+
+    def candidates(self, exclude: Collection[str] = ()) -> list[Unit]:
+        now, s = self._clock(), self.settings
+        return [
+            u
+            for u in self.units.values()
+            if u.id not in exclude and u.available(now, s.stale_after_s, s.correct_load)
+        ]
+
+    def serving(self, exclude: Collection[str] = ()) -> list[Unit]:
+        now = self._clock()
+        return [
+            u
+            for u in self.units.values()
+            if u.id not in exclude and u.serving(now, self.settings.stale_after_s)
+        ]
+
+    def pick(self, exclude: Collection[str] = ()) -> Unit | None:
+        unit = self._select(
+            self.candidates(exclude), self._rng, self._turn, self.settings.correct_load
+        )
+        if unit is not None:
+            self._turn += 1
+            unit.inflight += 1
+            unit.started_since_report += 1
+            unit.routed += 1
+        return unit
+
+    async def acquire(self, exclude: Collection[str] = ()) -> Unit:
+        """A unit for one attempt; waits while every SERVING unit is full.
+
+        Raises NoUnit when no SERVING unit is left to try, Overloaded past the queue's
+        bounds.
+        """
+        if not self._waiters:
+            unit = self.pick(exclude)
+            if unit is not None:
+                return unit
+        if not self.serving(exclude):
+            raise NoUnit("no unit is SERVING", code="no_unit_available")
+        if len(self._waiters) >= self.settings.queue_size:
+            raise Overloaded(
+                f"every unit is full and {len(self._waiters)} requests already wait",
+                code="queue_full",
+            )
+        return await self._wait(exclude)
+
+    async def _wait(self, exclude: Collection[str]) -> Unit:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(waiter)
+        self.wake()
+        try:
+            async with asyncio.timeout(self.settings.queue_timeout_s):
+                while True:
+                    await waiter
+                    unit = self.pick(exclude)
+                    if unit is not None:
+                        return unit
+                    if not self.serving(exclude):
+                        raise NoUnit("no unit is SERVING", code="no_unit_available")
+                    waiter = loop.create_future()
+                    self._waiters.appendleft(waiter)  # keep its place at the head
+        except TimeoutError:
+            raise Overloaded(
+                f"every unit stayed full for {self.settings.queue_timeout_s:g} s",
+                code="queue_timeout",
+            ) from None
+        finally:
+            if not waiter.done():
+                self._waiters.remove(waiter)
+            self.wake()  # the next in line may find room too
+
+    def wake(self) -> None:
+        """Let the head of the queue try again, if any unit can take a request."""
+        while self._waiters and self._waiters[0].done():
+            self._waiters.popleft()
+        if self._waiters and self.candidates():
+            self._waiters.popleft().set_result(None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    # --- outcomes and reports -----------------------------------------------------
+
+    def release(self, unit: Unit, outcome: Outcome) -> None:
+        unit.inflight -= 1
+        unit.finished_since_report += 1
+        if outcome is Outcome.FAILED:
+            unit.failures += 1
+            if unit.failures >= self.settings.eject_after:
+                self._eject(unit)
+        elif outcome is Outcome.OK:
+            unit.failures = 0
+        self.wake()
+        self._changed(unit)
+
+    def _eject(self, unit: Unit) -> None:
+        now = self._clock()
+        if now >= unit.ejected_until:
+            log.warning("unit %s ejected for %g s after %d consecutive failures",
+                        unit.id, self.settings.eject_s, unit.failures)  # fmt: skip
+        unit.ejected_until = now + self.settings.eject_s
+        unit.failures = 0
+
+    def apply_report(self, unit_id: str, report: LoadReport) -> None:
+        unit = self.units.get(unit_id)
+        if unit is None:
+            return
+        if (
+            unit.report is not None
+            and report.seq < unit.report.seq
+            and report.timestamp_ms <= unit.report.timestamp_ms
+        ):
+            return  # an older report that arrived late
+        before = unit.state
+        unit.apply(report, self._clock())
+        if report.state != before:
+            log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
+        self.wake()
+        self._changed(unit)
+
+    def forget_report(self, unit_id: str, why: str) -> None:
+        """The load source lost the unit: route nothing there until it reports again."""
+        unit = self.units.get(unit_id)
+        if unit is not None and unit.report is not None:
+            log.warning("unit %s: no load report (%s); not routing there", unit_id, why)
+            unit.report = None
+            self._changed(unit)
+
+    def _changed(self, unit: Unit) -> None:
+        if self._on_change is not None:
+            self._on_change(unit)

@@ -1,0 +1,279 @@
+"""The gateway's composition root: router, load source, forwarding, HTTP and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from proxy.errors import Unavailable, UnitProxyError
+from proxy.gateway.forward import Forwarder
+from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
+from proxy.gateway.loadsource import PollSource, WatchSource
+from proxy.gateway.router import Router
+from proxy.gateway.units import Unit
+from proxy.httputil import (
+    REQUEST_ID_HEADER,
+    ClientGone,
+    error_middleware,
+    error_response,
+    json_response,
+)
+from proxy.load import UnitState
+from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.serving import advertised_host, cancel_tasks, start_grpc, start_http
+from proxy.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+UNIT_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+)
+
+
+class Gateway:
+    """A running gateway: ``async with Gateway(settings) as gateway`` serves until exit."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self.metrics = ServingMetrics(self.registry)
+        self.gateway_metrics = GatewayMetrics(self.registry)
+        self.router = Router(settings.gateway, settings.gateway.units, on_change=self._unit_changed)
+        self.health_service = HealthServicer()
+        self.http_url = ""
+        self.grpc_target = ""
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._stack = AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._served = False
+        self._serving_changed = asyncio.Event()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stack.aclose()
+
+    async def _start(self) -> None:
+        s, stack = self.settings, self._stack
+        if s.gateway.load_source == "redis":
+            raise Unavailable("load_source redis is not part of this build yet; use watch or poll")
+        stack.push_async_callback(self._close_clients)
+        for unit in self.router.units.values():
+            self._connect(unit)
+        generate = GenerateProxy(
+            self.router, self._generate_call, self.metrics, self.gateway_metrics
+        )
+        forwarder = Forwarder(self.router, self._sessions, self.metrics, self.gateway_metrics)
+        http_port, grpc_port = s.ports("gateway")
+
+        def register(server: grpc.aio.Server) -> None:
+            server.add_generic_rpc_handlers((generate.handler(),))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
+
+        await self._publish_health()
+        _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, register)
+        app = self._http_app(forwarder)
+        bound_http = await start_http(stack, app, s.server.host, http_port)
+        host = advertised_host(s.server.host)
+        self.http_url, self.grpc_target = f"http://{host}:{bound_http}", f"{host}:{bound_grpc}"
+        stack.push_async_callback(cancel_tasks, self._tasks)
+        self._start_load_source()
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway gauges"))
+        self._tasks.append(asyncio.create_task(self._health_watch(), name="gateway health"))
+        log.info("gateway: HTTP %s, gRPC %s, %d units, policy %s, load from %s",
+                 self.http_url, self.grpc_target, len(self.router.units),
+                 s.gateway.policy, s.gateway.load_source)  # fmt: skip
+
+    # --- clients to units ---------------------------------------------------------
+
+    def _connect(self, unit: Unit) -> None:
+        limit = self.settings.gateway.connections_per_unit
+        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
+        self._sessions[unit.id] = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False
+        )
+        self._channels[unit.id] = grpc.aio.insecure_channel(
+            unit.grpc_target, options=UNIT_CHANNEL_OPTIONS
+        )
+
+    def _generate_call(self, unit: Unit) -> Any:
+        return self._channels[unit.id].unary_stream(
+            METHOD, request_serializer=None, response_deserializer=None
+        )
+
+    async def _close_clients(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+        for channel in self._channels.values():
+            await channel.close()
+
+    def _start_load_source(self) -> None:
+        s = self.settings.gateway
+        units = list(self.router.units.values())
+        if s.load_source == "watch":
+            watch = WatchSource(self.router, lambda u: self._channels[u.id])
+            runs = [watch.run(u) for u in units]
+        else:
+            poll = PollSource(self.router, self._poll_session())
+            runs = [poll.run(u) for u in units]
+        for unit, run in zip(units, runs, strict=True):
+            self._tasks.append(asyncio.create_task(run, name=f"load {unit.id}"))
+
+    def _poll_session(self) -> aiohttp.ClientSession:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))
+        self._stack.push_async_callback(session.close)
+        return session
+
+    # --- health -------------------------------------------------------------------
+
+    def _unit_changed(self, unit: Unit) -> None:
+        self.gateway_metrics.unit_load.labels(unit.id).set(
+            unit.estimate(self.settings.gateway.correct_load)
+        )
+        serving = any(u.state is UnitState.SERVING for u in self.router.units.values())
+        if serving != self._served:
+            self._served = serving
+            self._serving_changed.set()
+
+    async def _health_watch(self) -> None:
+        """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
+        while True:
+            await self._serving_changed.wait()
+            self._serving_changed.clear()
+            await self._publish_health()
+
+    async def _publish_health(self) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self._served
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health_service.set(SERVICE, status)
+        await self.health_service.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    async def _health_loop(self) -> None:
+        """Refresh the per-unit gauges; a unit whose reports stopped is no longer serving."""
+        while True:
+            now = time.monotonic()
+            for unit in self.router.units.values():
+                age = now - unit.report_at if unit.report is not None else -1.0
+                self.gateway_metrics.report_age.labels(unit.id).set(age)
+            self.gateway_metrics.queue_waiting.set(self.router.waiting)
+            self.router.wake()
+            await asyncio.sleep(0.5)
+
+    # --- HTTP ---------------------------------------------------------------------
+
+    def _http_app(self, forwarder: Forwarder) -> web.Application:
+        app = web.Application(
+            client_max_size=self.settings.server.max_body_bytes, middlewares=[error_middleware()]
+        )
+
+        def inference(route: str) -> Any:
+            async def handle(request: web.Request) -> web.StreamResponse:
+                code = "500"
+                request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+                try:
+                    response = await forwarder.handle(request, route, request_id)
+                    code = str(response.status)
+                    return response
+                except UnitProxyError as exc:
+                    code = str(exc.http_status)
+                    return error_response(exc, request_id)
+                except ClientGone as gone:
+                    code = "499"
+                    return gone.response
+                except asyncio.CancelledError:
+                    code = "499"
+                    raise
+                finally:
+                    self.metrics.requests.labels(route, code).inc()
+
+            return handle
+
+        for path, route in ROUTES.items():
+            app.router.add_post(path, inference(route))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", _health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/units", self._units)
+        app.router.add_get("/metrics", self._metrics_page)
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        serving = self.router.serving()
+        if not serving:
+            raise Unavailable("no unit is SERVING", code="no_unit_available")
+        unit = random.choice(serving)
+        async with self._sessions[unit.id].get(f"{unit.http_url}/v1/models") as resp:
+            return web.Response(status=resp.status, body=await resp.read(),
+                                content_type="application/json")  # fmt: skip
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        counts = Counter(str(u.state) if u.state else "UNKNOWN" for u in self.router.units.values())
+        serving = len(self.router.serving())
+        body = {"state": "SERVING" if serving else "NOT_SERVING", "serving_units": serving,
+                "units": dict(counts)}  # fmt: skip
+        return json_response(body, status=200 if serving else 503)
+
+    async def _units(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        correct = self.settings.gateway.correct_load
+        units = [
+            {
+                "id": u.id,
+                "http_url": u.http_url,
+                "grpc_target": u.grpc_target,
+                "state": str(u.state) if u.state else None,
+                "outstanding": u.estimate(correct),
+                "reported_outstanding": u.report.outstanding if u.report else None,
+                "inflight_here": u.inflight,
+                "capacity": u.capacity,
+                "report_age_s": round(now - u.report_at, 3) if u.report else None,
+                "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
+                "routed": u.routed,
+            }
+            for u in self.router.units.values()
+        ]
+        return json_response({"units": units, "waiting": self.router.waiting})
+
+    async def _metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+
+async def _health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})

@@ -1,0 +1,414 @@
+"""``unitproxy up``: a whole local cell on loopback, as child processes.
+
+Followers and sidecars start first, then the gateway. Once every sidecar answers
+``GET /ready`` with 200 and the gateway does too and sees every unit SERVING, a table of
+the processes is printed and the same is written as JSON to the state file. Nothing is supervised: a child that exits
+is logged and left so, to be watched. SIGINT or SIGTERM stops every child (SIGTERM,
+then SIGKILL after the stop timeout; a second signal kills at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+from pydantic import BaseModel
+
+from proxy.cli import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
+from proxy.procutil import die_with_parent
+from proxy.settings import Settings, UpSettings
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+POLL_INTERVAL_S = 0.2
+# Flags whose values, when set by flag, environment or file, go on to the children.
+TO_SIDECARS = (*ENGINE, *(f for f in SIDECAR if f.flag == "--capacity"), *HEALTH)
+TO_FOLLOWERS = HEALTH
+TO_GATEWAY = tuple(f for f in GATEWAY if f.flag == "--policy")
+
+
+@dataclass
+class Child:
+    role: str  # gateway, sidecar or follower
+    name: str  # "gateway", the unit id or the node name
+    unit: str  # "" for the gateway
+    http_port: int
+    grpc_port: int
+    args: list[str]  # after ``python -m proxy``
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    @property
+    def title(self) -> str:
+        return self.role if self.name == self.role else f"{self.role} {self.name}"
+
+    def endpoints(self) -> dict[str, Any]:
+        return {"http": self.http_url, "grpc": self.grpc_target, "pid": self.pid}
+
+
+@dataclass
+class Unit:
+    unit_id: str
+    sidecar: Child
+    followers: list[Child] = field(default_factory=list)
+
+
+@dataclass
+class Cell:
+    gateway: Child
+    units: list[Unit]
+
+    @property
+    def children(self) -> list[Child]:
+        """Every process in start order: followers, sidecars, the gateway last."""
+        followers = [f for u in self.units for f in u.followers]
+        return [*followers, *(u.sidecar for u in self.units), self.gateway]
+
+    def state(self) -> dict[str, Any]:
+        """The state file's JSON (DESIGN §1)."""
+        return {
+            "gateway": self.gateway.endpoints(),
+            "units": [
+                {
+                    "unit_id": u.unit_id,
+                    "sidecar": u.sidecar.endpoints(),
+                    "followers": [
+                        {"node": f.name, "grpc": f.grpc_target, "http": f.http_url, "pid": f.pid}
+                        for f in u.followers
+                    ],
+                }
+                for u in self.units
+            ],
+        }
+
+
+def plan(settings: Settings, ports: Iterator[int]) -> Cell:
+    """Names, ports, command lines and log files of every process; starts nothing."""
+    up = settings.up
+    logs = up.state_file.parent / "logs"
+    common = ["--host", HOST, "--log-level", settings.server.log_level]
+
+    def child(role: str, name: str, unit: str, args: list[str]) -> Child:
+        http_port, grpc_port = next(ports), next(ports)
+        ports_args = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+        log_path = logs / (f"{role}.log" if role == name else f"{role}-{name}.log")
+        argv = [role, *common, *ports_args, *args]
+        return Child(role, name, unit, http_port, grpc_port, argv, log_path)
+
+    gateway = child("gateway", "gateway", "", [])  # its --unit flags follow below
+    units = []
+    for i in range(up.units):
+        unit_id = f"unit-{i}"
+        followers = [
+            child("follower", f"u{i}-f{j}", unit_id, ["--node-name", f"u{i}-f{j}"])
+            for j in range(up.followers)
+        ]
+        follower_args = [a for f in followers for a in ("--follower", f"{f.name}={f.grpc_target}")]
+        sidecar = child("sidecar", unit_id, unit_id, ["--unit-id", unit_id, *follower_args])
+        sidecar.args += given_flags(settings, TO_SIDECARS)
+        for f in followers:
+            f.args += given_flags(settings, TO_FOLLOWERS)
+        units.append(Unit(unit_id, sidecar, followers))
+    for u in units:
+        gateway.args += ["--unit", f"{u.unit_id}={u.sidecar.http_url},{u.sidecar.grpc_target}"]
+    gateway.args += given_flags(settings, TO_GATEWAY)
+    return Cell(gateway, units)
+
+
+def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
+    """The command-line flags for the values that were set (by flag, env or file)."""
+    argv: list[str] = []
+    for f in flags:
+        *path, name = f.key.split(".")
+        section: BaseModel = settings
+        for part in path:
+            section = getattr(section, part)
+        value = getattr(section, name)
+        if name in section.model_fields_set and value is not None:
+            assert not f.many, f"{f.flag}: repeatable flags are not passed on"
+            argv += [f.flag, str(value)]
+    return argv
+
+
+def allocate_ports(up: UpSettings) -> Iterator[int]:
+    """Ports counted up from ``base_port``, or free ones picked by the kernel."""
+    if up.base_port is not None:
+        return iter(range(up.base_port, up.base_port + up.port_count))
+    with contextlib.ExitStack() as stack:
+        # All held open until each is picked, so no port comes twice.
+        sockets = [stack.enter_context(socket.socket()) for _ in range(up.port_count)]
+        for s in sockets:
+            s.bind((HOST, 0))
+        return iter([s.getsockname()[1] for s in sockets])
+
+
+def describe_exit(code: int) -> str:
+    return f"status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+
+
+class Signals:
+    """SIGINT/SIGTERM for the whole run: the first asks to stop, a second to hurry."""
+
+    def __init__(self) -> None:
+        self.first: signal.Signals | None = None
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+
+    def __enter__(self) -> Self:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._received, sig)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+    def _received(self, sig: signal.Signals) -> None:
+        if self.first is None:
+            self.first = sig
+            self.stop.set()
+        else:
+            log.warning("received %s again: killing every process now", sig.name)
+            self.hurry.set()
+
+
+class Processes:
+    """The running children: started on enter, each watched, all stopped on exit."""
+
+    def __init__(self, children: Sequence[Child], stop_timeout_s: float, hurry: asyncio.Event):
+        self.children = list(children)
+        self.stop_timeout_s = stop_timeout_s
+        self.hurry = hurry
+        self.stopping = False
+        self._watchers: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Self:
+        try:
+            for child in self.children:
+                await self._spawn(child)
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def _spawn(self, child: Child) -> None:
+        child.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with child.log_path.open("wb") as out:
+            child.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy", *child.args,
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=die_with_parent(),
+                start_new_session=True,  # Ctrl-C reaches `up` alone, which stops the cell in order
+            )  # fmt: skip
+        log.debug("started %s (pid %d): %s", child.title, child.pid, " ".join(child.args))
+        self._watchers.append(asyncio.create_task(self._watch(child), name=f"watch {child.title}"))
+
+    async def _watch(self, child: Child) -> None:
+        assert child.proc is not None
+        code = await child.proc.wait()
+        if self.stopping:
+            log.debug("%s (pid %d) stopped: %s", child.title, child.pid, describe_exit(code))
+            return
+        log.warning("%s (pid %d) exited: %s; the rest keep running; its log: %s",
+                    child.title, child.pid, describe_exit(code), child.log_path)  # fmt: skip
+
+    def exited(self) -> list[Child]:
+        return [c for c in self.children if c.proc is not None and c.proc.returncode is not None]
+
+    async def stop(self) -> None:
+        """SIGTERM to every child still running; SIGKILL what is left after the timeout."""
+        self.stopping = True
+        running = [c for c in self.children if c.proc is not None and c.proc.returncode is None]
+        for child in running:
+            _send(child, signal.SIGTERM)
+        if running:
+            exited = asyncio.create_task(_wait_all(running))
+            hurried = asyncio.create_task(_wait_event(self.hurry))
+            await asyncio.wait({exited, hurried}, timeout=self.stop_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            hurried.cancel()
+            for child in running:
+                if child.proc is not None and child.proc.returncode is None:
+                    log.warning("%s (pid %d) did not stop; killing it", child.title, child.pid)
+                    _send(child, signal.SIGKILL)
+            await exited
+        for task in self._watchers:
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        if running:
+            log.info("stopped %d processes", len(running))
+
+
+async def _wait_all(children: Sequence[Child]) -> None:
+    await asyncio.gather(*(c.proc.wait() for c in children if c.proc is not None))
+
+
+async def _wait_event(event: asyncio.Event) -> None:
+    await event.wait()
+
+
+def _send(child: Child, sig: signal.Signals) -> None:
+    assert child.proc is not None
+    with contextlib.suppress(ProcessLookupError):
+        child.proc.send_signal(sig)
+
+
+class NotReady(Exception):
+    """The cell did not get ready; one line per process that failed."""
+
+
+async def wait_ready(cell: Cell, procs: Processes, timeout_s: float) -> None:
+    """Until every sidecar answers GET /ready with 200 and the gateway does too and lists
+    every unit SERVING in GET /units; fail at once when a child exits, and after
+    ``timeout_s`` naming what was not ready and its log file."""
+    pending = [*(u.sidecar for u in cell.units), cell.gateway]
+    unit_ids = [u.unit_id for u in cell.units]
+    last: dict[str, str] = {}
+    timeout = aiohttp.ClientTimeout(total=1.0)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def why_not(child: Child) -> str:
+            why = await _not_ready(session, child.http_url)
+            if not why and child is cell.gateway:
+                why = await _units_not_serving(session, child.http_url, unit_ids)
+            return why
+
+        try:
+            async with asyncio.timeout(timeout_s):
+                while pending:
+                    if exited := procs.exited():
+                        raise NotReady("\n".join(_exited_line(c) for c in exited))
+                    answers = await asyncio.gather(*(why_not(c) for c in pending))
+                    last.update((c.title, why) for c, why in zip(pending, answers, strict=True))
+                    pending = [c for c, why in zip(pending, answers, strict=True) if why]
+                    if pending:
+                        await asyncio.sleep(POLL_INTERVAL_S)
+        except TimeoutError:
+            lines = [f"{c.title} not ready within {timeout_s:g} s ({last.get(c.title, 'no answer')}); "
+                     f"its log: {c.log_path}" for c in pending]  # fmt: skip
+            raise NotReady("\n".join(lines)) from None
+
+
+def _exited_line(child: Child) -> str:
+    assert child.proc is not None and child.proc.returncode is not None
+    code = describe_exit(child.proc.returncode)
+    return f"{child.title} exited ({code}) while the cell was starting; its log: {child.log_path}"
+
+
+async def _not_ready(session: aiohttp.ClientSession, url: str) -> str:
+    """'' when GET /ready answers 200, else why not."""
+    try:
+        async with session.get(f"{url}/ready") as response:
+            if response.status == 200:
+                return ""
+            body = await response.json(content_type=None)
+            state = body.get("state", "") if isinstance(body, dict) else ""
+            return f"GET /ready: {response.status} {state}".strip()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return f"GET /ready: {type(exc).__name__}"
+
+
+async def _units_not_serving(
+    session: aiohttp.ClientSession, url: str, unit_ids: Sequence[str]
+) -> str:
+    """'' when the gateway's GET /units lists every unit SERVING, else which are not."""
+    try:
+        async with session.get(f"{url}/units") as response:
+            body = await response.json(content_type=None)
+        states = {u["id"]: u["state"] for u in body["units"]}
+    except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, KeyError) as exc:
+        return f"GET /units: {type(exc).__name__}"
+    waiting = [i for i in unit_ids if states.get(i) != "SERVING"]
+    return f"GET /units: {', '.join(waiting)} not SERVING yet" if waiting else ""
+
+
+def table(cell: Cell) -> str:
+    """One row per process: the gateway, then each unit's sidecar and followers."""
+    rows = [("role", "unit", "node", "pid", "http", "grpc", "log")]
+    for c in [cell.gateway, *(c for u in cell.units for c in (u.sidecar, *u.followers))]:
+        node = {"gateway": "-", "sidecar": "leader"}.get(c.role, c.name)
+        rows.append((c.role, c.unit or "-", node, str(c.pid), c.http_url, c.grpc_target,
+                     str(c.log_path)))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)  # fmt: skip
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """Atomically: a reader sees the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+async def run_up(settings: Settings) -> int:
+    up = settings.up
+    cell = plan(settings, allocate_ports(up))
+    with Signals() as signals:
+        async with Processes(cell.children, up.stop_timeout_s, signals.hurry) as procs:
+            log.info("started %d processes; waiting for them to be ready", len(procs.children))
+            ready = asyncio.create_task(wait_ready(cell, procs, up.ready_timeout_s))
+            stop = asyncio.create_task(signals.stop.wait())
+            await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not ready.done():
+                ready.cancel()
+                await asyncio.gather(ready, return_exceptions=True)
+                log.info("received %s before the cell was ready; stopping", _name(signals))
+                return 0
+            try:
+                ready.result()
+            except NotReady as exc:
+                for line in str(exc).splitlines():
+                    print(f"unitproxy up: {line}", file=sys.stderr)
+                print("unitproxy up: stopping every process", file=sys.stderr)
+                return 1
+            print(table(cell), flush=True)
+            await asyncio.to_thread(write_state, up.state_file, cell.state())
+            log.info("cell ready: gateway %s, state in %s; Ctrl-C stops it",
+                     cell.gateway.http_url, up.state_file)  # fmt: skip
+            await signals.stop.wait()
+            log.info("received %s, stopping every process", _name(signals))
+    return 0
+
+
+def _name(signals: Signals) -> str:
+    return signals.first.name if signals.first is not None else "a signal"

@@ -1,0 +1,333 @@
+"""The gateway against real sidecars on loopback: routing, retries, queueing, ejection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections import Counter
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from proxy.gateway.server import Gateway
+from proxy.load import UnitState
+from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from tests.procs import Procs
+
+pytestmark = pytest.mark.timeout(30)
+
+SLOW_STREAM = {"prompt": "x", "max_tokens": 100_000, "stream": True}
+
+
+def counter_value(gw: Gateway, name: str, **labels: str) -> float:
+    value = gw.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def units_of(
+    http: aiohttp.ClientSession, gw: Gateway, n: int, body: dict[str, object]
+) -> Counter[str]:
+    async def one() -> str:
+        async with http.post(f"{gw.http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            return resp.headers["x-unitproxy-unit"]
+
+    return Counter(await asyncio.gather(*(one() for _ in range(n))))
+
+
+async def hold_streams(
+    http: aiohttp.ClientSession, url: str, n: int
+) -> list[aiohttp.ClientResponse]:
+    held = []
+    for _ in range(n):
+        resp = await http.post(f"{url}/v1/completions", json=SLOW_STREAM)
+        assert resp.status == 200
+        await resp.content.readline()
+        held.append(resp)
+    return held
+
+
+async def test_openai_client_and_grpc_through_the_gateway(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway([a, b])
+    async with openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0) as oa:
+        stream = await oa.chat.completions.create(
+            model="unitproxy-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        text = await oa.completions.create(model="unitproxy-sim", prompt="abc", max_tokens=3)
+        assert text.choices[0].finish_reason == "length"
+        raw = await oa.completions.with_raw_response.create(
+            model="unitproxy-sim", prompt="abc", max_tokens=2
+        )
+        assert raw.headers["x-unitproxy-unit"] in ("a", "b")
+        assert raw.headers["x-request-id"]
+        chat = await oa.chat.completions.create(
+            model="unitproxy-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert chat.choices[0].message.content
+        models = await oa.models.list()
+        assert models.data[0].id == "unitproxy-sim"
+
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.GenerateRequest(
+            prompt="x", sampling=inference_pb2.SamplingParams(max_tokens=5)
+        )
+        chunks_g = [c async for c in stub.Generate(request, timeout=5)]
+        assert len(chunks_g) == 5 and chunks_g[-1].finish_reason == "length"
+        assert chunks_g[0].unit_id in ("a", "b")
+    assert a.core.outstanding == b.core.outstanding == 0
+
+
+@pytest.mark.parametrize("policy", ["lor", "p2c"])
+async def test_load_aware_policies_avoid_the_busy_unit(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    http: aiohttp.ClientSession,
+    policy: str,
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 16})
+    b = await start_sidecar(sidecar={"unit_id": "b", "capacity": 16})
+    gw = await start_gateway([a, b], policy=policy)
+    held = await hold_streams(http, a.http_url, 8)  # sent to unit a directly
+    await wait_until(lambda: gw.router.units["a"].estimate() == 8, what="gateway sees a's load")
+    got = await units_of(http, gw, 6, {"prompt": "x", "max_tokens": 2})
+    assert got == Counter({"b": 6})
+    for resp in held:
+        resp.close()
+
+
+async def test_round_robin_splits_regardless_of_load(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 16})
+    b = await start_sidecar(sidecar={"unit_id": "b", "capacity": 16})
+    gw = await start_gateway([a, b], policy="round_robin")
+    held = await hold_streams(http, a.http_url, 8)
+    await wait_until(lambda: gw.router.units["a"].estimate() == 8, what="gateway sees a's load")
+    got = Counter()
+    for _ in range(6):
+        got += await units_of(http, gw, 1, {"prompt": "x", "max_tokens": 2})
+    assert got == Counter({"a": 3, "b": 3})
+    for resp in held:
+        resp.close()
+
+
+async def test_not_serving_unit_gets_no_new_requests(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    procs: Procs,
+    http: aiohttp.ClientSession,
+) -> None:
+    follower = await procs.follower("--node-name", "a-f1")
+    a = await start_sidecar(sidecar={"unit_id": "a", "followers": [f"a-f1={follower.grpc_target}"]})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway([a, b])
+    follower.signal(signal.SIGKILL)
+    await wait_until(
+        lambda: gw.router.units["a"].state is UnitState.NOT_SERVING, what="report arrives"
+    )
+    got = await units_of(http, gw, 10, {"prompt": "x", "max_tokens": 1})
+    assert got == Counter({"b": 10})
+    assert counter_value(gw, "unitproxy_retries_total", reason="503") == 0, "never even tried a"
+
+
+async def test_429_and_refused_connections_are_retried_elsewhere(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 1})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    # Polling once a minute: the gateway keeps believing a is idle and SERVING.
+    gw = await start_gateway([a, b], policy="round_robin", load_source="poll",
+                             poll_interval_s=60, stale_after_s=120)  # fmt: skip
+    held = await hold_streams(http, a.http_url, 1)  # a is now full
+    got = await units_of(http, gw, 1, {"prompt": "x", "max_tokens": 1})
+    assert got == Counter({"b": 1})
+    assert counter_value(gw, "unitproxy_retries_total", reason="429") == 1
+    held[0].close()
+
+    await a.__aexit__(None, None, None)  # a's ports now refuse connections
+    for _ in range(3):
+        assert await units_of(http, gw, 1, {"prompt": "x", "max_tokens": 1}) == Counter({"b": 1})
+    assert counter_value(gw, "unitproxy_retries_total", reason="connect") >= 1
+    assert gw.router.units["a"].ejected_until > 0, "failing fast got a ejected"
+
+
+async def test_503_from_a_unit_is_retried_and_grpc_too(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim={"crash_after_requests": 1},
+                            health={"unhealthy_threshold": 1})  # fmt: skip
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway([a, b], policy="round_robin", load_source="poll",
+                             poll_interval_s=60, stale_after_s=120)  # fmt: skip
+    async with http.post(f"{a.http_url}/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 503  # this one crashed a's engine
+    await wait_until(lambda: a.health.state is UnitState.NOT_SERVING, what="a NOT_SERVING")
+    assert await units_of(http, gw, 1, {"prompt": "x", "max_tokens": 1}) == Counter({"b": 1})
+    assert counter_value(gw, "unitproxy_retries_total", reason="503") == 1
+
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.GenerateRequest(
+            prompt="x", sampling=inference_pb2.SamplingParams(max_tokens=2)
+        )
+        for _ in range(2):  # round robin's turn lands on a first each time (a, b, a, b)
+            chunks = [c async for c in stub.Generate(request, timeout=5)]
+            assert chunks[-1].unit_id == "b"
+    assert counter_value(gw, "unitproxy_retries_total", reason="unavailable") == 2
+
+
+async def test_no_retry_after_the_first_byte(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim={"error_after_tokens": 2})
+    gw = await start_gateway([a])
+    async with http.post(f"{gw.http_url}/v1/completions",
+                         json={"prompt": "x", "max_tokens": 10, "stream": True}) as resp:  # fmt: skip
+        assert resp.status == 200
+        events = [line async for line in resp.content if line.startswith(b"data: ")]
+    assert len(events) == 3
+    assert json.loads(events[-1][6:])["error"]["type"] == "engine_error"
+    assert counter_value(gw, "unitproxy_routed_requests_total", unit="a") == 1
+    assert (
+        sum(
+            counter_value(gw, "unitproxy_retries_total", reason=r)
+            for r in ("429", "503", "connect")
+        )
+        == 0
+    )
+
+
+async def test_unit_dying_mid_stream_gives_an_sse_error_event(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway([a])
+    resp = await http.post(f"{gw.http_url}/v1/completions", json=SLOW_STREAM)
+    assert resp.status == 200
+    await resp.content.readline()
+    await a.__aexit__(None, None, None)  # the unit goes away mid-stream
+    async with asyncio.timeout(10):
+        events = [line async for line in resp.content if line.startswith(b"data: ")]
+    assert json.loads(events[-1][6:])["error"]["type"] == "unavailable_error"
+    resp.close()
+
+
+async def test_client_disconnect_leaves_nothing_outstanding(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway([a, b])
+    held = await hold_streams(http, gw.http_url, 4)
+    assert a.core.outstanding + b.core.outstanding == 4
+    for resp in held:
+        resp.close()
+    await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="units at 0")
+    await wait_until(
+        lambda: a.engine.stats().running == b.engine.stats().running == 0, what="aborted"
+    )
+    assert all(u.inflight == 0 for u in gw.router.units.values())
+
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(inference_pb2.GenerateRequest(prompt="x"), timeout=10)
+        await call.read()
+        call.cancel()
+    await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="gRPC cancel")
+
+
+async def test_no_serving_unit_is_503_at_once(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway([a])
+    await a.__aexit__(None, None, None)
+    await wait_until(lambda: not gw.router.serving(), what="gateway loses a")
+    async with http.post(f"{gw.http_url}/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "no_unit_available"
+    async with http.get(f"{gw.http_url}/ready") as resp:
+        assert resp.status == 503
+    assert counter_value(gw, "unitproxy_no_unit_available_total") == 1
+
+
+async def test_full_units_queue_then_overflow_with_429(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 1})
+    gw = await start_gateway([a], queue_size=1, queue_timeout_s=5)
+    held = await hold_streams(http, gw.http_url, 1)
+    queued = asyncio.create_task(units_of(http, gw, 1, {"prompt": "x", "max_tokens": 1}))
+    await wait_until(lambda: gw.router.waiting == 1, what="one request waits")
+    async with http.post(f"{gw.http_url}/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 429
+        assert (await resp.json())["error"]["code"] == "queue_full"
+    held[0].close()
+    assert await asyncio.wait_for(queued, 5) == Counter({"a": 1}), "the waiter got the freed slot"
+
+
+async def test_queue_timeout_is_429(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 1})
+    gw = await start_gateway([a], queue_size=4, queue_timeout_s=0.2)
+    held = await hold_streams(http, gw.http_url, 1)
+    async with http.post(f"{gw.http_url}/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 429
+        assert (await resp.json())["error"]["code"] == "queue_timeout"
+    held[0].close()
+
+
+async def test_unit_failing_fast_is_ejected(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim={"error_after_tokens": 0})
+    b = await start_sidecar(sidecar={"unit_id": "b"}, sim={"decode_step_ms": 20.0})
+    gw = await start_gateway([a, b], eject_after=3, eject_s=30)
+    statuses: Counter[int] = Counter()
+    for _ in range(12):
+        async with http.post(
+            f"{gw.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 1}
+        ) as resp:
+            statuses[resp.status] += 1
+    # a answers 500 at once and would look idle forever; after 3 failures it is out.
+    assert statuses[500] == 3
+    assert statuses[200] == 9
+    async with http.get(f"{gw.http_url}/units") as resp:
+        units = {u["id"]: u for u in (await resp.json())["units"]}
+    assert units["a"]["ejected_for_s"] > 0
+
+
+async def test_gateway_endpoints(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway([a])
+    await units_of(http, gw, 2, {"prompt": "x", "max_tokens": 1})
+    async with http.get(f"{gw.http_url}/ready") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["units"] == {"SERVING": 1}
+    async with http.get(f"{gw.http_url}/units") as resp:
+        unit = (await resp.json())["units"][0]
+    assert unit["id"] == "a" and unit["state"] == "SERVING" and unit["routed"] == 2
+    assert unit["capacity"] == 64 and unit["report_age_s"] < 5
+    async with http.get(f"{gw.http_url}/metrics") as resp:
+        text = await resp.text()
+    for name in ("unitproxy_routed_requests_total", "unitproxy_retries_total", "unitproxy_no_unit_available_total",
+                 "unitproxy_unit_load", "unitproxy_load_report_age_seconds", "unitproxy_requests_total"):  # fmt: skip
+        assert name in text
+    async with http.post(f"{gw.http_url}/v1/nothing", json={}) as resp:
+        assert resp.status == 404

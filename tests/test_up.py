@@ -1,0 +1,239 @@
+"""`unitproxy up`: a whole local cell as real processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy import settings as config
+from proxy.up import Cell, allocate_ports, plan
+from tests.procs import Proc, Procs
+
+STARTUP_TIMEOUT_S = 60
+FAST = ("--health-interval", "0.2", "--sim-decode-step-ms", "1")
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie (an orphan's new parent may be slow to reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill()
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _pids(state: dict[str, Any]) -> dict[str, int]:
+    pids = {"gateway": state["gateway"]["pid"]}
+    for unit in state["units"]:
+        pids[unit["unit_id"]] = unit["sidecar"]["pid"]
+        pids.update({f["node"]: f["pid"] for f in unit["followers"]})
+    return pids
+
+
+async def _until(predicate: Any, timeout_s: float, what: str) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+async def _start_up(procs: Procs, tmp_path: Path, *args: str) -> tuple[Proc, dict[str, Any]]:
+    """`unitproxy up` in a subprocess; returns once its state file is written."""
+    state_file = tmp_path / "cell" / "cell.json"
+    up = await procs.start("up", "--state-file", str(state_file), *FAST, *args, name="up")
+
+    def written() -> bool:
+        if up.proc.returncode is not None:
+            pytest.fail(f"up exited with {up.proc.returncode}:\n{up.output()}")
+        return state_file.exists()
+
+    await _until(written, STARTUP_TIMEOUT_S, "the state file")
+    return up, json.loads(state_file.read_text())
+
+
+@contextlib.asynccontextmanager
+async def _reaping(state: dict[str, Any]) -> Any:
+    """SIGKILL whatever the test left of the cell, so no test leaves processes behind."""
+    try:
+        yield
+    finally:
+        for pid in _pids(state).values():
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+async def _ready(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(f"{url}/ready") as response:
+        return response.status
+
+
+async def _complete(http: aiohttp.ClientSession, url: str) -> tuple[int, str, dict[str, Any]]:
+    body = {"prompt": "hello", "max_tokens": 4}
+    async with http.post(f"{url}/v1/completions", json=body) as response:
+        return response.status, response.headers.get("x-unitproxy-unit", ""), await response.json()
+
+
+# --- the plan: names, ports, flags (no processes) ---------------------------------
+
+
+def _plan(**sections: dict[str, Any]) -> Cell:
+    settings = config.load(sections)
+    return plan(settings, allocate_ports(settings.up))
+
+
+def test_plan_names_ports_and_flags() -> None:
+    cell = _plan(
+        up={"units": 2, "followers": 2, "base_port": 20000},
+        engine={"sim": {"seed": 7}},
+        sidecar={"capacity": 8},
+        gateway={"policy": "p2c"},
+    )
+    ports = [p for c in cell.children for p in (c.http_port, c.grpc_port)]
+    assert sorted(ports) == list(range(20000, 20000 + 2 * (1 + 2 * 3)))
+    assert [f.name for u in cell.units for f in u.followers] == ["u0-f0", "u0-f1", "u1-f0", "u1-f1"]
+    sidecar = cell.units[1].sidecar
+    args = " ".join(sidecar.args)
+    assert args.startswith("sidecar --host 127.0.0.1 --log-level info")
+    assert "--unit-id unit-1" in args
+    assert f"--follower u1-f1=127.0.0.1:{cell.units[1].followers[1].grpc_port}" in args
+    assert "--sim-seed 7" in args and "--capacity 8" in args
+    assert "--engine" not in args  # only what was given goes on
+    gateway = " ".join(cell.gateway.args)
+    unit0 = cell.units[0].sidecar
+    assert f"--unit unit-0={unit0.http_url},{unit0.grpc_target}" in gateway
+    assert "--policy p2c" in gateway
+    assert cell.units[0].followers[0].log_path == Path(".unitproxy/logs/follower-u0-f0.log")
+    assert cell.gateway.log_path == Path(".unitproxy/logs/gateway.log")
+
+
+def test_free_ports_are_distinct() -> None:
+    cell = _plan(up={"units": 3, "followers": 2})
+    ports = [p for c in cell.children for p in (c.http_port, c.grpc_port)]
+    assert len(set(ports)) == len(ports) == 2 * (1 + 3 * 3)
+
+
+def test_base_port_must_leave_room() -> None:
+    with pytest.raises(config.ConfigError) as exc:
+        config.load({"up": {"base_port": 65530}})
+    assert exc.value.problems == [
+        "up: base_port 65530 leaves too few ports for 10 (use at most 65526)"
+    ]
+
+
+# --- real cells ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_up_starts_a_cell_and_sigterm_stops_it(
+    procs: Procs, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    up, state = await _start_up(procs, tmp_path, "--units", "2", "--followers", "1")
+    async with _reaping(state):
+        assert [u["unit_id"] for u in state["units"]] == ["unit-0", "unit-1"]
+        assert [[f["node"] for f in u["followers"]] for u in state["units"]] == [
+            ["u0-f0"],
+            ["u1-f0"],
+        ]
+        assert set(state["gateway"]) == {"http", "grpc", "pid"}
+        for unit in state["units"]:
+            assert set(unit["sidecar"]) == {"http", "grpc", "pid"}
+            assert set(unit["followers"][0]) == {"node", "grpc", "http", "pid"}
+            assert await _ready(http, unit["sidecar"]["http"]) == 200
+            assert await _ready(http, unit["followers"][0]["http"]) == 200
+        pids = _pids(state)
+        assert all(_alive(pid) for pid in pids.values()), pids
+        assert "u1-f0" in up.output() and str(pids["gateway"]) in up.output()  # the table
+        assert (tmp_path / "cell" / "logs" / "sidecar-unit-0.log").exists()
+
+        assert await _ready(http, state["gateway"]["http"]) == 200
+        status, unit_id, body = await _complete(http, state["gateway"]["http"])
+        assert status == 200, body
+        assert unit_id in ("unit-0", "unit-1")
+
+        up.signal(signal.SIGTERM)
+        assert await up.wait(20) == 0
+        gone = [name for name, pid in pids.items() if _alive(pid)]
+        assert gone == [], f"still running after up exited: {gone}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_children_stop_when_up_is_killed(procs: Procs, tmp_path: Path) -> None:
+    up, state = await _start_up(procs, tmp_path, "--units", "2", "--followers", "1")
+    async with _reaping(state):
+        pids = _pids(state)
+        up.signal(signal.SIGKILL)
+        assert await up.wait() == -signal.SIGKILL
+        await _until(
+            lambda: not any(_alive(pid) for pid in pids.values()), 15, "the children to exit"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_a_dead_follower_is_logged_and_the_rest_keep_running(
+    procs: Procs, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    up, state = await _start_up(procs, tmp_path)
+    async with _reaping(state):
+        pids = _pids(state)
+        os.kill(pids["u0-f0"], signal.SIGKILL)
+        await _until(
+            lambda: f"follower u0-f0 (pid {pids['u0-f0']}) exited: signal SIGKILL" in up.output(),
+            10,
+            "up to log the follower's exit",
+        )
+        unit0, unit1 = (u["sidecar"]["http"] for u in state["units"])
+        deadline = asyncio.get_running_loop().time() + 10
+        while await _ready(http, unit0) != 503:
+            assert asyncio.get_running_loop().time() < deadline, "unit-0 still ready"
+            await asyncio.sleep(0.1)
+        assert await _ready(http, unit1) == 200
+        assert [n for n, pid in pids.items() if not _alive(pid)] == ["u0-f0"]
+        assert up.proc.returncode is None
+
+        assert await _ready(http, state["gateway"]["http"]) == 200
+        status, unit_id, body = await _complete(http, state["gateway"]["http"])
+        assert (status, unit_id) == (200, "unit-1"), body
+
+        up.signal(signal.SIGTERM)
+        assert await up.wait(20) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_a_child_that_cannot_start_fails_up_and_stops_the_rest(
+    procs: Procs, tmp_path: Path
+) -> None:
+    state_file = tmp_path / "cell" / "cell.json"
+    # No vLLM here (and were it installed, no model by that name): the sidecars exit.
+    up = await procs.start(
+        "up", "--state-file", str(state_file), "--engine", "vllm", "--model", "/nonexistent",
+        "--log-level", "debug", name="up",
+    )  # fmt: skip
+    assert await up.wait(STARTUP_TIMEOUT_S) == 1
+    output = up.output()
+    assert "unitproxy up: sidecar unit-" in output
+    assert "while the cell was starting; its log: " in output
+    assert str(tmp_path / "cell" / "logs" / "sidecar-unit-") in output
+    assert not state_file.exists()
+    pids = [int(pid) for pid in re.findall(r"started \S+(?: \S+)? \(pid (\d+)\)", output)]
+    assert len(pids) == 5, output
+    assert [pid for pid in pids if _alive(pid)] == []
