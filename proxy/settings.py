@@ -17,8 +17,8 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -421,17 +421,23 @@ class UpSettings(_Section):
 
     @property
     def port_count(self) -> int:
-        # gateway, one sidecar and the followers per unit: an HTTP and a gRPC port each
-        return 2 * (1 + self.units * (1 + self.followers))
+        return _port_count(self.units, self.followers)
 
-    @model_validator(mode="after")
-    def _ports_fit(self) -> UpSettings:
-        if self.base_port is not None and self.base_port + self.port_count - 1 > 65535:
-            raise ValueError(
-                f"base_port {self.base_port} leaves too few ports for {self.port_count} "
-                f"(use at most {65536 - self.port_count})"
-            )
-        return self
+    @field_validator("base_port")
+    @classmethod
+    def _ports_fit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        units, followers = info.data.get("units"), info.data.get("followers")
+        if value is None or units is None or followers is None:
+            return value
+        needed = _port_count(units, followers)
+        if value + needed - 1 > 65535:
+            raise ValueError(f"leaves too few ports for {needed}; use at most {65536 - needed}")
+        return value
+
+
+def _port_count(units: int, followers: int) -> int:
+    # the gateway, and one sidecar and the followers per unit: an HTTP and a gRPC port each
+    return 2 * (1 + units * (1 + followers))
 
 
 class HealthSettings(_Section):

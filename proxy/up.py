@@ -1,10 +1,11 @@
 """``unitproxy up``: a whole local cell on loopback, as child processes.
 
 Followers and sidecars start first, then the gateway. Once every sidecar answers
-``GET /ready`` with 200 and the gateway does too and sees every unit SERVING, a table of
-the processes is printed and the same is written as JSON to the state file. Nothing is supervised: a child that exits
-is logged and left so, to be watched. SIGINT or SIGTERM stops every child (SIGTERM,
-then SIGKILL after the stop timeout; a second signal kills at once).
+``GET /ready`` with 200, and the gateway does too and sees every unit SERVING, a table
+of the processes is printed and written as JSON to the state file. Nothing is
+supervised: a child that exits is logged and left so, to be watched. SIGINT or SIGTERM
+stops every child (SIGTERM, then SIGKILL after the stop timeout, or at once on a second
+signal).
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ class Processes:
         if self.stopping:
             log.debug("%s (pid %d) stopped: %s", child.title, child.pid, describe_exit(code))
             return
-        log.warning("%s (pid %d) exited: %s; the rest keep running; its log: %s",
+        log.warning("%s (pid %d) exited: %s; not restarted; its log: %s",
                     child.title, child.pid, describe_exit(code), child.log_path)  # fmt: skip
 
     def exited(self) -> list[Child]:
@@ -380,6 +381,14 @@ def write_state(path: Path, state: dict[str, Any]) -> None:
 
 
 async def run_up(settings: Settings) -> int:
+    try:
+        return await _run(settings)
+    except OSError as exc:  # the log or state directory cannot be written, say
+        print(f"unitproxy up: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _run(settings: Settings) -> int:
     up = settings.up
     cell = plan(settings, allocate_ports(up))
     with Signals() as signals:

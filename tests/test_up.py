@@ -132,7 +132,7 @@ def test_base_port_must_leave_room() -> None:
     with pytest.raises(config.ConfigError) as exc:
         config.load({"up": {"base_port": 65530}})
     assert exc.value.problems == [
-        "up: base_port 65530 leaves too few ports for 10 (use at most 65526)"
+        "up.base_port: leaves too few ports for 10; use at most 65526 (got 65530)"
     ]
 
 
