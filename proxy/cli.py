@@ -197,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("only 'unitproxy follower' takes a worker command after --")
     try:
         settings = config.load(cli_values(args), args.config)
+        config.check_role(args.command, settings)
     except config.ConfigError as exc:
         for problem in exc.problems:
             print(f"unitproxy: invalid configuration: {problem}", file=sys.stderr)

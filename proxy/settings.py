@@ -502,6 +502,22 @@ class ConfigError(Exception):
         self.problems = problems
 
 
+def check_role(role: str, settings: Settings) -> None:
+    """What one role needs beyond valid values; raises ConfigError."""
+    problems = []
+    if role == "gateway":
+        if settings.gateway.load_source == "redis":
+            problems.append(
+                "gateway.load_source: redis is not part of this build yet; use watch or poll"
+            )
+        if not settings.gateway.units:
+            problems.append(
+                "gateway.units: no unit configured; give --unit ID=HTTP_URL,GRPC_TARGET (repeatable)"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:

@@ -241,3 +241,14 @@ def test_cli_sidecar_help_lists_the_contract_flags() -> None:
         assert f"{flag} " in run.stdout or f"{flag}\n" in run.stdout, f"{flag} not in --help"
     for choice in ("{sim,vllm,openai}", "{neuron,cuda,cpu}"):
         assert choice in run.stdout
+
+
+def test_gateway_role_needs_units_and_a_built_load_source() -> None:
+    with pytest.raises(config.ConfigError) as info:
+        config.check_role("gateway", config.load({"gateway": {"load_source": "redis"}}))
+    assert len(info.value.problems) == 2
+    assert any("gateway.units" in p for p in info.value.problems)
+    assert any("gateway.load_source" in p for p in info.value.problems)
+    config.check_role("sidecar", config.load({}))  # a sidecar needs no units
+    units = {"units": ["a=http://127.0.0.1:1,127.0.0.1:2"]}
+    config.check_role("gateway", config.load({"gateway": units}))

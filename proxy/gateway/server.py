@@ -87,7 +87,7 @@ class Gateway:
     async def _start(self) -> None:
         s, stack = self.settings, self._stack
         if s.gateway.load_source == "redis":
-            raise Unavailable("load_source redis is not part of this build yet; use watch or poll")
+            raise ValueError("load_source redis is not part of this build yet")
         stack.push_async_callback(self._close_clients)
         for unit in self.router.units.values():
             self._connect(unit)
