@@ -125,7 +125,7 @@ class Scenario:
     policy: Policy
     goal_s: float
     goal_text: str
-    # What the Checker's loop (probe, then sleep interval +- jitter) allows: (lo, hi) s.
+    # What the Checker's fixed-rate loop (interval +- jitter) allows: (lo, hi) s.
     model_s: tuple[float, float]
 
     def describe(self) -> str:
@@ -139,9 +139,10 @@ def kill_model(p: Policy) -> tuple[float, float]:
 
 
 def stop_model(p: Policy) -> tuple[float, float]:
-    # Each Check waits out its timeout, then the checker sleeps one interval.
+    # Probes start at a fixed rate (timeout <= interval), each waits out its timeout:
+    # the n-th failure is known a timeout after the n-th probe started.
     n, lo, hi = p.unhealthy_threshold, p.interval_s * (1 - p.jitter), p.interval_s * (1 + p.jitter)
-    return n * p.timeout_s + (n - 1) * lo, n * (p.timeout_s + hi)
+    return (n - 1) * lo + p.timeout_s, n * hi + p.timeout_s
 
 
 def stop_scenario(name: str, policy: Policy) -> Scenario:
