@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from engine import EngineUnavailable
 from proxy import settings as config
-from proxy.serving import run_loop, wait_for_signal
+from proxy.serving import run_loop, serve_until_drained, wait_for_signal
 
 log = logging.getLogger("unitproxy")
 
@@ -226,19 +226,15 @@ async def _run(command: str, settings: config.Settings, worker: list[str]) -> in
         return await run_up(settings)
     from proxy.sidecar.server import Sidecar
 
-    async with Sidecar(settings):
-        sig = await wait_for_signal()
-        log.info("received %s, stopping", sig.name)
-    return 0
+    async with Sidecar(settings) as sidecar:
+        return await serve_until_drained(sidecar)
 
 
 async def _run_gateway(settings: config.Settings) -> int:
     from proxy.gateway.server import Gateway
 
-    async with Gateway(settings):
-        sig = await wait_for_signal()
-        log.info("received %s, stopping", sig.name)
-    return 0
+    async with Gateway(settings) as gateway:
+        return await serve_until_drained(gateway)
 
 
 async def _run_follower(settings: config.Settings, worker: list[str]) -> int:

@@ -3,6 +3,7 @@
     UnitProxyError                 500  INTERNAL
     ├── InvalidRequest             400  INVALID_ARGUMENT   malformed JSON, bad field (``param`` names it)
     ├── Unauthenticated            401  UNAUTHENTICATED    missing or bad API key
+    ├── Forbidden                  403  PERMISSION_DENIED  a token that does not allow this
     ├── NotFound                   404  NOT_FOUND          unknown model or path
     ├── PayloadTooLarge            413  INVALID_ARGUMENT   body or prompt over the limit
     ├── Overloaded                 429  RESOURCE_EXHAUSTED at capacity: retry elsewhere
@@ -56,6 +57,12 @@ class Unauthenticated(UnitProxyError):
     http_status = 401
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
     error_type = "authentication_error"
+
+
+class Forbidden(UnitProxyError):
+    http_status = 403
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    error_type = "permission_error"
 
 
 class NotFound(UnitProxyError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -9,10 +10,12 @@ from typing import Any
 from aiohttp import web
 
 from proxy.errors import (
+    Forbidden,
     InvalidRequest,
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    Unauthenticated,
     Unavailable,
     UnitProxyError,
 )
@@ -81,3 +84,29 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> UnitPr
     if isinstance(exc, web.HTTPMethodNotAllowed):
         return InvalidRequest(f"method {request.method} is not allowed on {request.path}")
     return InvalidRequest(f"{exc.status} {exc.reason}")
+
+
+def check_admin(request: web.Request, token: str | None) -> None:
+    """Allow an /admin request: 401 without a bearer token, 403 with a wrong one."""
+    if token is None:
+        return
+    given = request.headers.get("Authorization", "")
+    if not given.startswith("Bearer "):
+        raise Unauthenticated(
+            "admin routes need 'Authorization: Bearer TOKEN'", code="missing_token"
+        )
+    if not hmac.compare_digest(given.removeprefix("Bearer ").encode(), token.encode()):
+        raise Forbidden("the admin token is not valid", code="invalid_token")
+
+
+def admin_drain(
+    drain: Callable[[], None], token: str | None, describe: Callable[[], dict[str, Any]]
+) -> Handler:
+    """POST /admin/drain: start a drain; 202 with the state it leaves."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        check_admin(request, token)
+        drain()
+        return json_response(describe(), status=202)
+
+    return handle

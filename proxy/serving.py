@@ -9,10 +9,14 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from aiohttp import web
+from prometheus_client import Gauge
+
+from proxy.broadcast import Broadcast
+from proxy.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +80,128 @@ def advertised_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def wait_for_signal() -> signal.Signals:
-    """Block until SIGINT or SIGTERM; return which."""
-    loop = asyncio.get_running_loop()
-    received: asyncio.Future[signal.Signals] = loop.create_future()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, _resolve, received, sig)
-    try:
-        return await received
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+class Signals:
+    """SIGINT and SIGTERM, queued, while the ``with`` block runs."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[signal.Signals] = asyncio.Queue()
+
+    def __enter__(self) -> Signals:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.add_signal_handler(sig, self._queue.put_nowait, sig)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
             loop.remove_signal_handler(sig)
 
+    async def next(self) -> signal.Signals:
+        return await self._queue.get()
 
-def _resolve(future: asyncio.Future[signal.Signals], sig: signal.Signals) -> None:
-    if not future.done():
-        future.set_result(sig)
+
+async def wait_for_signal() -> signal.Signals:
+    """Block until SIGINT or SIGTERM; return which."""
+    with Signals() as signals:
+        return await signals.next()
+
+
+class Gate:
+    """Counts requests in flight; once closed (draining) it refuses new ones with 503."""
+
+    def __init__(self, what: str, changes: Broadcast, gauge: Gauge):
+        self.what = what
+        self.in_flight = 0
+        self.closed = False
+        self._changes = changes
+        self._gauge = gauge
+
+    def enter(self) -> None:
+        if self.closed:
+            raise Unavailable(f"{self.what} is draining", code="draining")
+        self.in_flight += 1
+        self._gauge.inc()
+
+    def exit(self) -> None:
+        self.in_flight -= 1
+        self._gauge.dec()
+        self._changes.notify()
+
+
+class Drainable(Protocol):
+    def start_drain(self) -> None: ...
+
+    async def wait_drained(self) -> None:
+        """Return once a drain has started and finished (or ran out of time)."""
+
+
+class Drain:
+    """A drain: once started, wait until nothing is in flight, at most ``timeout_s``."""
+
+    def __init__(self, in_flight: Callable[[], int], changes: Broadcast, timeout_s: float):
+        self._in_flight = in_flight
+        self._changes = changes
+        self._timeout_s = timeout_s
+        self._started = asyncio.Event()
+        self._deadline = 0.0
+
+    @property
+    def started(self) -> bool:
+        return self._started.is_set()
+
+    def start(self) -> bool:
+        """Start the drain; False if it had started already."""
+        if self._started.is_set():
+            return False
+        self._deadline = asyncio.get_running_loop().time() + self._timeout_s
+        self._started.set()
+        self._changes.notify()
+        return True
+
+    async def wait(self) -> None:
+        await self._started.wait()
+        loop = asyncio.get_running_loop()
+        while (busy := self._in_flight()) > 0:
+            seen = self._changes.version
+            left = self._deadline - loop.time()
+            if left <= 0:
+                log.warning("drain timeout (%g s) passed with %d requests in flight",
+                            self._timeout_s, busy)  # fmt: skip
+                return
+            await self._changes.wait(seen, left)
+
+
+async def serve_until_drained(server: Drainable) -> int:
+    """Serve until a drain finishes; return the exit status.
+
+    The first SIGTERM (or SIGINT) starts a drain, as POST /admin/drain does; the
+    server lets in-flight requests finish (up to its drain timeout). A second signal
+    stops at once, with status 1.
+    """
+    with Signals() as signals:
+        drained = asyncio.create_task(server.wait_drained())
+        first = asyncio.create_task(signals.next())
+        tasks = [drained, first]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if first.done():
+                log.info(
+                    "received %s: draining (a second signal stops at once)", first.result().name
+                )
+                server.start_drain()
+                second = asyncio.create_task(signals.next())
+                tasks.append(second)
+                await asyncio.wait({drained, second}, return_when=asyncio.FIRST_COMPLETED)
+                if second.done():
+                    log.warning("received %s again: stopping now", second.result().name)
+                    return 1
+        finally:
+            await cancel_tasks([t for t in tasks if not t.done()])
+    log.info("drained: stopping")
+    return 0
 
 
 async def cancel_tasks(tasks: Sequence[asyncio.Task[Any]]) -> None:

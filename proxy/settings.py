@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -61,6 +62,15 @@ class ServerSettings(_Section):
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest request body accepted, in bytes. Default 4 MiB."
+    )
+    drain_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="On SIGTERM or POST /admin/drain, how long in-flight requests may take to finish before exit, in s. Default 300.",
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Token that /admin routes require as 'Authorization: Bearer TOKEN'. Default none (admin routes open).",
     )
     max_prompt_chars: int = Field(
         1_000_000,

@@ -7,10 +7,23 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
+import aiohttp
+
 ADDRESS = re.compile(rb"gRPC health (\S+), HTTP (\S+),")
+HOST = "127.0.0.1"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that were free a moment ago (all held until each is picked)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 class Proc:
@@ -80,6 +93,32 @@ class Procs:
                 await asyncio.sleep(0.02)
         proc.grpc_target, proc.http_url = match[1].decode(), match[2].decode()
         return proc
+
+    async def sidecar(self, http_port: int, grpc_port: int, *args: str) -> Proc:
+        """A sidecar process on fixed loopback ports; returns once /ready says 200."""
+        proc = await self.start("sidecar", "--host", HOST, "--http-port", str(http_port),
+                                "--grpc-port", str(grpc_port), *args, name="sidecar")  # fmt: skip
+        proc.http_url, proc.grpc_target = f"http://{HOST}:{http_port}", f"{HOST}:{grpc_port}"
+        await self.until_ready(proc)
+        return proc
+
+    async def gateway(self, http_port: int, grpc_port: int, *args: str) -> Proc:
+        proc = await self.start("gateway", "--host", HOST, "--http-port", str(http_port),
+                                "--grpc-port", str(grpc_port), *args, name="gateway")  # fmt: skip
+        proc.http_url, proc.grpc_target = f"http://{HOST}:{http_port}", f"{HOST}:{grpc_port}"
+        await self.until_ready(proc)
+        return proc
+
+    async def until_ready(self, proc: Proc, timeout_s: float = 20.0) -> None:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(timeout_s):
+            while True:
+                if proc.proc.returncode is not None:
+                    raise AssertionError(f"process exited early:\n{proc.output()}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"{proc.http_url}/ready") as resp:
+                        if resp.status == 200:
+                            return
+                await asyncio.sleep(0.05)
 
     async def stop_all(self) -> None:
         for proc in reversed(self.started):

@@ -16,7 +16,7 @@ from proxy.gateway.server import Gateway
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
-from tests.procs import Procs
+from tests.procs import Procs, free_ports
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -218,7 +218,23 @@ async def test_unit_dying_mid_stream_gives_an_sse_error_event(
     resp = await http.post(f"{gw.http_url}/v1/completions", json=SLOW_STREAM)
     assert resp.status == 200
     await resp.content.readline()
-    await a.__aexit__(None, None, None)  # the unit goes away mid-stream
+    await a.__aexit__(None, None, None)  # the unit stops mid-stream: its engine first
+    async with asyncio.timeout(10):
+        events = [line async for line in resp.content if line.startswith(b"data: ")]
+    assert json.loads(events[-1][6:])["error"]["type"] == "engine_dead"
+    resp.close()
+
+
+@pytest.mark.slow
+async def test_unit_killed_mid_stream_gives_an_sse_error_event(
+    procs: Procs, http: aiohttp.ClientSession
+) -> None:
+    sc_http, sc_grpc, gw_http, gw_grpc = free_ports(4)
+    sidecar = await procs.sidecar(sc_http, sc_grpc, "--unit-id", "a")
+    gateway = await procs.gateway(gw_http, gw_grpc, "--unit", f"a={sidecar.http_url},{sidecar.grpc_target}")
+    resp = await http.post(f"{gateway.http_url}/v1/completions", json=SLOW_STREAM)
+    await resp.content.readline()
+    sidecar.signal(signal.SIGKILL)  # no goodbye: the connection is cut
     async with asyncio.timeout(10):
         events = [line async for line in resp.content if line.startswith(b"data: ")]
     assert json.loads(events[-1][6:])["error"]["type"] == "unavailable_error"

@@ -23,6 +23,7 @@ from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.httputil import DEADLINE_HEADER, REQUEST_ID_HEADER, UNIT_HEADER, ClientGone
 from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.serving import Gate
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ class Forwarder:
         sessions: dict[str, aiohttp.ClientSession],
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
+        gate: Gate,
     ):
+        self._gate = gate
         self._router = router
         self._sessions = sessions
         self._metrics = metrics
@@ -59,7 +62,7 @@ class Forwarder:
         deadline = self._deadline(request)
         tried: set[str] = set()
         refused: Refused | None = None
-        self._metrics.outstanding.inc()
+        self._gate.enter()
         try:
             for attempt in range(self._settings.retries + 1):
                 if attempt:
@@ -83,7 +86,7 @@ class Forwarder:
             assert refused is not None
             return web.Response(status=refused.status, body=refused.body, headers=refused.headers)
         finally:
-            self._metrics.outstanding.dec()
+            self._gate.exit()
             self._metrics.request_duration.labels(route).observe(time.monotonic() - started)
 
     def _deadline(self, request: web.Request) -> float | None:

@@ -19,6 +19,7 @@ from proxy.errors import UnitProxyError
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.serving import Gate
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ class GenerateProxy:
         call_for: Callable[[Unit], UnaryStream],
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
+        gate: Gate,
     ):
+        self._gate = gate
         self._router = router
         self._call_for = call_for
         self._metrics = metrics
@@ -53,7 +56,11 @@ class GenerateProxy:
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         started = time.monotonic()
         code = "OK"
-        self._metrics.outstanding.inc()
+        try:
+            self._gate.enter()
+        except UnitProxyError as exc:
+            self._metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
+            await context.abort(exc.grpc_code, exc.message)
         try:
             await self._generate(request, context, started)
         except UnitProxyError as exc:
@@ -63,7 +70,7 @@ class GenerateProxy:
             code = exc.code().name
             await context.abort(exc.code(), exc.details() or "")
         finally:
-            self._metrics.outstanding.dec()
+            self._gate.exit()
             self._metrics.requests.labels(ROUTE, code).inc()
             self._metrics.request_duration.labels(ROUTE).observe(time.monotonic() - started)
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
 from proxy.gateway.forward import Forwarder
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
@@ -28,13 +29,14 @@ from proxy.gateway.units import Unit
 from proxy.httputil import (
     REQUEST_ID_HEADER,
     ClientGone,
+    admin_drain,
     error_middleware,
     error_response,
     json_response,
 )
 from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, ServingMetrics
-from proxy.serving import advertised_host, cancel_tasks, start_grpc, start_http
+from proxy.serving import Drain, Gate, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,11 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._served = False
         self._serving_changed = asyncio.Event()
+        self.changes = Broadcast()
+        self.gate = Gate("gateway", self.changes, self.metrics.outstanding)
+        self.drain = Drain(
+            lambda: self.gate.in_flight, self.changes, settings.server.drain_timeout_s
+        )
 
     async def __aenter__(self) -> Self:
         try:
@@ -92,9 +99,11 @@ class Gateway:
         for unit in self.router.units.values():
             self._connect(unit)
         generate = GenerateProxy(
-            self.router, self._generate_call, self.metrics, self.gateway_metrics
+            self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate
         )
-        forwarder = Forwarder(self.router, self._sessions, self.metrics, self.gateway_metrics)
+        forwarder = Forwarder(
+            self.router, self._sessions, self.metrics, self.gateway_metrics, self.gate
+        )
         http_port, grpc_port = s.ports("gateway")
 
         def register(server: grpc.aio.Server) -> None:
@@ -114,6 +123,18 @@ class Gateway:
         log.info("gateway: HTTP %s, gRPC %s, %d units, policy %s, load from %s",
                  self.http_url, self.grpc_target, len(self.router.units),
                  s.gateway.policy, s.gateway.load_source)  # fmt: skip
+
+    # --- drain ----------------------------------------------------------------------
+
+    def start_drain(self) -> None:
+        """Readiness 503 and health NOT_SERVING at once; new requests get 503."""
+        if self.drain.start():
+            log.info("gateway: draining, %d requests in flight", self.gate.in_flight)
+            self.gate.closed = True
+            self._serving_changed.set()
+
+    async def wait_drained(self) -> None:
+        await self.drain.wait()
 
     # --- clients to units ---------------------------------------------------------
 
@@ -175,13 +196,12 @@ class Gateway:
             await self._publish_health()
 
     async def _publish_health(self) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if self._served
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        await self.health_service.set(SERVICE, status)
-        await self.health_service.set("", health_pb2.HealthCheckResponse.SERVING)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        draining = self.drain.started
+        can_serve = self._served and not draining
+        await self.health_service.set(SERVICE, serving if can_serve else not_serving)
+        await self.health_service.set("", not_serving if draining else serving)
 
     async def _health_loop(self) -> None:
         """Refresh the per-unit gauges; a unit whose reports stopped is no longer serving."""
@@ -230,6 +250,9 @@ class Gateway:
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/units", self._units)
         app.router.add_get("/metrics", self._metrics_page)
+        token = self.settings.server.admin_token
+        secret = None if token is None else token.get_secret_value()
+        app.router.add_post("/admin/drain", admin_drain(self.start_drain, secret, self._ready_body))
         return app
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -242,11 +265,15 @@ class Gateway:
                                 content_type="application/json")  # fmt: skip
 
     async def _ready(self, request: web.Request) -> web.Response:
+        body = self._ready_body()
+        return json_response(body, status=200 if body["state"] == "SERVING" else 503)
+
+    def _ready_body(self) -> dict[str, Any]:
         counts = Counter(str(u.state) if u.state else "UNKNOWN" for u in self.router.units.values())
         serving = len(self.router.serving())
-        body = {"state": "SERVING" if serving else "NOT_SERVING", "serving_units": serving,
-                "units": dict(counts)}  # fmt: skip
-        return json_response(body, status=200 if serving else 503)
+        state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
+        return {"state": state, "serving_units": serving, "units": dict(counts),
+                "in_flight": self.gate.in_flight}  # fmt: skip
 
     async def _units(self, request: web.Request) -> web.Response:
         now = time.monotonic()

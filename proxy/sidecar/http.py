@@ -20,6 +20,7 @@ from proxy.httputil import (
     REQUEST_ID_HEADER,
     UNIT_HEADER,
     ClientGone,
+    admin_drain,
     error_middleware,
     error_response,
     json_response,
@@ -47,6 +48,8 @@ def build_app(
     *,
     max_body_bytes: int,
     max_prompt_chars: int,
+    drain: Callable[[], None],
+    admin_token: str | None = None,
 ) -> web.Application:
     app = web.Application(
         client_max_size=max_body_bytes, middlewares=[error_middleware(core.unit_id)]
@@ -62,6 +65,7 @@ def build_app(
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/admin/drain", admin_drain(drain, admin_token, lambda: _ready_body(core)))
     return app
 
 
@@ -202,7 +206,12 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _ready(request: web.Request) -> web.Response:
     core = request.app[CORE]
-    body = {
+    status = 200 if core.health.state is UnitState.SERVING else 503
+    return json_response(_ready_body(core), status=status)
+
+
+def _ready_body(core: SidecarCore) -> dict[str, Any]:
+    return {
         "state": str(core.health.state),
         "unit_id": core.unit_id,
         "nodes": [
@@ -216,9 +225,8 @@ async def _ready(request: web.Request) -> web.Response:
             }
             for n in core.health.nodes()
         ],
+        "outstanding": core.outstanding,
     }
-    status = 200 if core.health.state is UnitState.SERVING else 503
-    return json_response(body, status=status)
 
 
 async def _load(request: web.Request) -> web.Response:

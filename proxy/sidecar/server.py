@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 
 from engine import create_engine
 from engine.base import Engine
@@ -23,7 +24,7 @@ from proxy.errors import EngineError
 from proxy.load import UnitState
 from proxy.metrics import HealthMetrics, ServingMetrics, UnitMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
-from proxy.serving import advertised_host, cancel_tasks, start_grpc, start_http
+from proxy.serving import Drain, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import FollowerTarget, Settings
 from proxy.sidecar import grpc_api, http
 from proxy.sidecar.core import SidecarCore
@@ -61,6 +62,9 @@ class Sidecar:
         )
         self.health_service = HealthServicer()
         self.recovery: RecoveryHook | None = None
+        self.drain = Drain(
+            lambda: self.core.outstanding, self.changes, settings.server.drain_timeout_s
+        )
         self.http_url = ""
         self.grpc_target = ""
         self._stack = AsyncExitStack()
@@ -94,10 +98,16 @@ class Sidecar:
             self.serving_metrics,
             max_body_bytes=s.server.max_body_bytes,
             max_prompt_chars=s.server.max_prompt_chars,
+            drain=self.start_drain,
+            admin_token=_secret(s.server.admin_token),
         )
         await self.health_service.set(INFERENCE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, self._register_grpc)
         bound_http = await start_http(stack, app, s.server.host, http_port)
+        # Stopping runs in reverse: the engine stops before the servers close, so a
+        # request still in flight (a forced stop) ends with an error event or status,
+        # not a cut connection. After a drain there is none.
+        stack.push_async_callback(self.engine.stop)
         host = advertised_host(s.server.host)
         self.http_url = self.core.http_url = f"http://{host}:{bound_http}"
         self.grpc_target = self.core.grpc_target = f"{host}:{bound_grpc}"
@@ -121,6 +131,17 @@ class Sidecar:
             s.sidecar.unit_id, self.http_url, self.grpc_target, self.engine.model_name,
             " (simulator)" if self.engine.is_simulator else "",
         )  # fmt: skip
+
+    def start_drain(self) -> None:
+        """DRAINING at once: readiness and health say so, new requests get 503."""
+        if self.drain.start():
+            log.info(
+                "unit %s: draining, %d requests in flight", self.core.unit_id, self.core.outstanding
+            )
+            self.health.start_drain()
+
+    async def wait_drained(self) -> None:
+        await self.drain.wait()
 
     def _register_grpc(self, server: grpc.aio.Server) -> None:
         s = self.settings
@@ -204,3 +225,7 @@ class Sidecar:
         m.engine_running.set_function(lambda: engine.stats().running)
         m.engine_waiting.set_function(lambda: engine.stats().waiting)
         m.engine_kv_cache_usage.set_function(lambda: engine.stats().kv_cache_usage)
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return None if value is None else value.get_secret_value()
