@@ -17,6 +17,7 @@ from prometheus_client import Gauge
 
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable
+from proxy.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ async def start_http(
     host: str,
     port: int,
     shutdown_timeout_s: float = 1.0,
+    tls: ServerTLS | None = None,
 ) -> int:
     """Serve ``app``; return the bound port. Cleanup is pushed onto ``stack``.
 
@@ -47,7 +49,8 @@ async def start_http(
     )
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    ssl_context = None if tls is None else tls.ssl_context
+    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     await site.start()
     return int(runner.addresses[0][1])
 
@@ -58,10 +61,15 @@ async def start_grpc(
     port: int,
     register: Callable[[grpc.aio.Server], None],
     grace_s: float = 1.0,
+    tls: ServerTLS | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     register(server)
-    bound = server.add_insecure_port(f"{_grpc_host(host)}:{port}")
+    address = f"{_grpc_host(host)}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.grpc_credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port}")
     await server.start()

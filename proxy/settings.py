@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -68,6 +69,21 @@ class ServerSettings(_Section):
         gt=0,
         description="On SIGTERM or POST /admin/drain, how long in-flight requests may take to finish before exit, in s. Default 300.",
     )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="API keys accepted on inference routes as 'Authorization: Bearer KEY' (gRPC: metadata authorization). Default none (inference open).",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="File with more API keys, one a line (blank lines and # comments ignored). Default none.",
+    )
+    tls_cert_file: Path | None = Field(
+        None,
+        description="PEM certificate chain: serve HTTP and gRPC over TLS. Needs tls_key_file. Default none (plain).",
+    )
+    tls_key_file: Path | None = Field(
+        None, description="PEM private key of tls_cert_file. Default none."
+    )
     admin_token: SecretStr | None = Field(
         None,
         description="Token that /admin routes require as 'Authorization: Bearer TOKEN'. Default none (admin routes open).",
@@ -77,6 +93,12 @@ class ServerSettings(_Section):
         gt=0,
         description="Largest prompt (all messages together), in characters. Default 1,000,000.",
     )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        return self
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -357,6 +379,14 @@ class GatewaySettings(_Section):
         0.0,
         ge=0,
         description="For benchmarks only: apply each load report this much later, in s, to show what stale load costs. Default 0.",
+    )
+    tls_ca_file: Path | None = Field(
+        None,
+        description="CA bundle to verify units by, when their URLs are https:// and their gRPC uses TLS. Default: the system's CAs for https://, plain gRPC.",
+    )
+    unit_api_key: SecretStr | None = Field(
+        None,
+        description="API key this gateway presents to units. Default: the client's own Authorization is passed on.",
     )
     correct_load: bool = Field(
         True,

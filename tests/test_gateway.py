@@ -231,7 +231,9 @@ async def test_unit_killed_mid_stream_gives_an_sse_error_event(
 ) -> None:
     sc_http, sc_grpc, gw_http, gw_grpc = free_ports(4)
     sidecar = await procs.sidecar(sc_http, sc_grpc, "--unit-id", "a")
-    gateway = await procs.gateway(gw_http, gw_grpc, "--unit", f"a={sidecar.http_url},{sidecar.grpc_target}")
+    gateway = await procs.gateway(
+        gw_http, gw_grpc, "--unit", f"a={sidecar.http_url},{sidecar.grpc_target}"
+    )
     resp = await http.post(f"{gateway.http_url}/v1/completions", json=SLOW_STREAM)
     await resp.content.readline()
     sidecar.signal(signal.SIGKILL)  # no goodbye: the connection is cut

@@ -48,8 +48,10 @@ class Forwarder:
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
         gate: Gate,
+        unit_key: str | None = None,
     ):
         self._gate = gate
+        self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
         self._router = router
         self._sessions = sessions
         self._metrics = metrics
@@ -117,6 +119,9 @@ class Forwarder:
     ) -> web.StreamResponse | Refused:
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json"),
                    REQUEST_ID_HEADER: request_id}  # fmt: skip
+        authorization = self._unit_auth or request.headers.get("Authorization")
+        if authorization:
+            headers["Authorization"] = authorization
         timeout = None
         if deadline is not None:
             left = deadline - time.monotonic()

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from proxy.auth import ApiKeys
 from proxy.errors import UnitProxyError
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
@@ -40,8 +41,12 @@ class GenerateProxy:
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
         gate: Gate,
+        api_keys: ApiKeys | None = None,
+        unit_key: str | None = None,
     ):
         self._gate = gate
+        self._api_keys = api_keys or ApiKeys()
+        self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
         self._router = router
         self._call_for = call_for
         self._metrics = metrics
@@ -57,6 +62,7 @@ class GenerateProxy:
         started = time.monotonic()
         code = "OK"
         try:
+            self._api_keys.check_metadata(context.invocation_metadata())
             self._gate.enter()
         except UnitProxyError as exc:
             self._metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
@@ -97,11 +103,20 @@ class GenerateProxy:
         assert last is not None
         raise last
 
+    def _metadata(self, context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
+        """What the unit gets: this gateway's unit key, or the client's own authorization."""
+        if self._unit_auth is not None:
+            return (("authorization", self._unit_auth),)
+        given = [(k, v) for k, v in context.invocation_metadata() or () if k == "authorization"]
+        return tuple((k, v if isinstance(v, str) else v.decode()) for k, v in given)
+
     async def _attempt(
         self, unit: Unit, request: bytes, context: grpc.aio.ServicerContext, started: float
     ) -> grpc.aio.AioRpcError | None:
         """Stream from ``unit``; return its error if it refused before the first message."""
-        call = self._call_for(unit)(request, timeout=context.time_remaining())
+        call = self._call_for(unit)(
+            request, timeout=context.time_remaining(), metadata=self._metadata(context)
+        )
         outcome = Outcome.FAILED
         try:
             try:

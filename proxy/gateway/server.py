@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
 from proxy.gateway.forward import Forwarder
@@ -38,6 +39,7 @@ from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import Drain, Gate, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import Settings
+from proxy.tls import ClientTLS, server_tls
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class Gateway:
         self._stack = AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._served = False
+        self.api_keys = ApiKeys()
+        self._client_tls: ClientTLS | None = None
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
         self.gate = Gate("gateway", self.changes, self.metrics.outstanding)
@@ -95,15 +99,20 @@ class Gateway:
         s, stack = self.settings, self._stack
         if s.gateway.load_source == "redis":
             raise ValueError("load_source redis is not part of this build yet")
+        self.api_keys = await ApiKeys.load(s.server)
+        self._client_tls = await self._load_client_tls()
+        tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
         for unit in self.router.units.values():
             self._connect(unit)
         generate = GenerateProxy(
-            self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate
-        )
+            self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate,
+            self.api_keys, self._unit_key(),
+        )  # fmt: skip
         forwarder = Forwarder(
-            self.router, self._sessions, self.metrics, self.gateway_metrics, self.gate
-        )
+            self.router, self._sessions, self.metrics, self.gateway_metrics, self.gate,
+            self._unit_key(),
+        )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
 
         def register(server: grpc.aio.Server) -> None:
@@ -111,11 +120,12 @@ class Gateway:
             health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
 
         await self._publish_health()
-        _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, register)
+        _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, register, tls=tls)
         app = self._http_app(forwarder)
-        bound_http = await start_http(stack, app, s.server.host, http_port)
+        bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
         host = advertised_host(s.server.host)
-        self.http_url, self.grpc_target = f"http://{host}:{bound_http}", f"{host}:{bound_grpc}"
+        scheme = "http" if tls is None else "https"
+        self.http_url, self.grpc_target = f"{scheme}://{host}:{bound_http}", f"{host}:{bound_grpc}"
         stack.push_async_callback(cancel_tasks, self._tasks)
         self._start_load_source()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway gauges"))
@@ -138,16 +148,36 @@ class Gateway:
 
     # --- clients to units ---------------------------------------------------------
 
+    async def _load_client_tls(self) -> ClientTLS | None:
+        g = self.settings.gateway
+        if g.tls_ca_file is None and not any(u.http_url.startswith("https://") for u in g.units):
+            return None
+        return await ClientTLS.load(g.tls_ca_file)
+
+    def _unit_key(self) -> str | None:
+        key = self.settings.gateway.unit_api_key
+        return None if key is None else key.get_secret_value()
+
     def _connect(self, unit: Unit) -> None:
         limit = self.settings.gateway.connections_per_unit
-        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
+        tls = self._client_tls
+        connector = aiohttp.TCPConnector(
+            limit=limit,
+            limit_per_host=limit,
+            keepalive_timeout=60,
+            ssl=tls.ssl_context if tls is not None else True,
+        )
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
         self._sessions[unit.id] = aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False
         )
-        self._channels[unit.id] = grpc.aio.insecure_channel(
-            unit.grpc_target, options=UNIT_CHANNEL_OPTIONS
-        )
+        if tls is not None and self.settings.gateway.tls_ca_file is not None:
+            channel = grpc.aio.secure_channel(
+                unit.grpc_target, tls.grpc_credentials, options=UNIT_CHANNEL_OPTIONS
+            )
+        else:
+            channel = grpc.aio.insecure_channel(unit.grpc_target, options=UNIT_CHANNEL_OPTIONS)
+        self._channels[unit.id] = channel
 
     def _generate_call(self, unit: Unit) -> Any:
         return self._channels[unit.id].unary_stream(
@@ -218,7 +248,8 @@ class Gateway:
 
     def _http_app(self, forwarder: Forwarder) -> web.Application:
         app = web.Application(
-            client_max_size=self.settings.server.max_body_bytes, middlewares=[error_middleware()]
+            client_max_size=self.settings.server.max_body_bytes,
+            middlewares=[error_middleware(), self.api_keys.middleware()],
         )
 
         def inference(route: str) -> Any:

@@ -12,6 +12,7 @@ import grpc
 
 from engine.base import TokenDelta
 from proxy import openai_api
+from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.metrics import ServingMetrics
@@ -58,7 +59,14 @@ def request_fields(msg: inference_pb2.GenerateRequest) -> tuple[openai_api.Route
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, core: SidecarCore, metrics: ServingMetrics, max_prompt_chars: int):
+    def __init__(
+        self,
+        core: SidecarCore,
+        metrics: ServingMetrics,
+        max_prompt_chars: int,
+        api_keys: ApiKeys | None = None,
+    ):
+        self._api_keys = api_keys or ApiKeys()
         self._core = core
         self._metrics = metrics
         self._max_prompt_chars = max_prompt_chars
@@ -81,6 +89,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
+        self._api_keys.check_metadata(context.invocation_metadata())
         core = self._core
         request_id = request.request_id or uuid.uuid4().hex
         route, fields = request_fields(request)

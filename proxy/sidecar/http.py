@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.base import TokenDelta
 from proxy import openai_api
+from proxy.auth import ApiKeys
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
@@ -50,10 +51,12 @@ def build_app(
     max_prompt_chars: int,
     drain: Callable[[], None],
     admin_token: str | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> web.Application:
-    app = web.Application(
-        client_max_size=max_body_bytes, middlewares=[error_middleware(core.unit_id)]
-    )
+    middlewares = [error_middleware(core.unit_id)]
+    if api_keys is not None and api_keys.enabled:
+        middlewares.append(api_keys.middleware())
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[CORE] = core
     app[REGISTRY] = registry
     app[SERVING_METRICS] = metrics

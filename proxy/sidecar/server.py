@@ -18,6 +18,7 @@ from pydantic import SecretStr
 
 from engine import create_engine
 from engine.base import Engine
+from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.checks import Checker, CheckPolicy, ProbeFailed
 from proxy.errors import EngineError
@@ -31,6 +32,7 @@ from proxy.sidecar.core import SidecarCore
 from proxy.sidecar.followers import FollowerMonitor, probe_kind
 from proxy.sidecar.health import UnitHealth
 from proxy.sidecar.recovery import RecoveryHook
+from proxy.tls import server_tls
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class Sidecar:
         )
         self.health_service = HealthServicer()
         self.recovery: RecoveryHook | None = None
+        self.api_keys = ApiKeys()
         self.drain = Drain(
             lambda: self.core.outstanding, self.changes, settings.server.drain_timeout_s
         )
@@ -92,6 +95,8 @@ class Sidecar:
         self._watch_engine_gauges()
         await stack.enter_async_context(self.engine)
         http_port, grpc_port = s.ports("sidecar")
+        self.api_keys = await ApiKeys.load(s.server)
+        tls = await server_tls(s.server)
         app = http.build_app(
             self.core,
             self.registry,
@@ -100,16 +105,20 @@ class Sidecar:
             max_prompt_chars=s.server.max_prompt_chars,
             drain=self.start_drain,
             admin_token=_secret(s.server.admin_token),
+            api_keys=self.api_keys,
         )
         await self.health_service.set(INFERENCE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-        _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, self._register_grpc)
-        bound_http = await start_http(stack, app, s.server.host, http_port)
+        _, bound_grpc = await start_grpc(
+            stack, s.server.host, grpc_port, self._register_grpc, tls=tls
+        )
+        bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
         # Stopping runs in reverse: the engine stops before the servers close, so a
         # request still in flight (a forced stop) ends with an error event or status,
         # not a cut connection. After a drain there is none.
         stack.push_async_callback(self.engine.stop)
         host = advertised_host(s.server.host)
-        self.http_url = self.core.http_url = f"http://{host}:{bound_http}"
+        scheme = "http" if tls is None else "https"
+        self.http_url = self.core.http_url = f"{scheme}://{host}:{bound_http}"
         self.grpc_target = self.core.grpc_target = f"{host}:{bound_grpc}"
         self.health.add_node(LEADER, "leader", self.grpc_target)
         for follower in s.sidecar.followers:
@@ -146,7 +155,7 @@ class Sidecar:
     def _register_grpc(self, server: grpc.aio.Server) -> None:
         s = self.settings
         inference = grpc_api.InferenceService(
-            self.core, self.serving_metrics, s.server.max_prompt_chars
+            self.core, self.serving_metrics, s.server.max_prompt_chars, self.api_keys
         )
         load = grpc_api.LoadService(self.core, self.changes, s.sidecar.report_interval_s)
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)

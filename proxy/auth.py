@@ -1,0 +1,69 @@
+"""API keys for inference routes: 'Authorization: Bearer KEY' on HTTP, the same in gRPC metadata.
+
+Keys are compared in constant time and never logged; with no key configured the
+routes are open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Iterable, Sequence
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from proxy.errors import Unauthenticated
+from proxy.httputil import Handler
+from proxy.settings import ServerSettings
+
+BEARER = "Bearer "
+
+
+class ApiKeys:
+    def __init__(self, keys: Iterable[str] = ()):
+        self._keys = tuple(k.encode() for k in keys if k)
+
+    @classmethod
+    async def load(cls, server: ServerSettings) -> ApiKeys:
+        keys = [k.get_secret_value() for k in server.api_keys]
+        if server.api_keys_file is not None:
+            keys += _read_keys(await asyncio.to_thread(server.api_keys_file.read_text))
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise Unauthenticated unless ``authorization`` carries a known key."""
+        if not self._keys:
+            return
+        if not authorization or not authorization.startswith(BEARER):
+            raise Unauthenticated(
+                "an API key is required: 'Authorization: Bearer KEY'", code="missing_api_key"
+            )
+        given = authorization.removeprefix(BEARER).encode()
+        # Compare against every key, so timing says nothing about which one matched.
+        if not any([hmac.compare_digest(given, key) for key in self._keys]):
+            raise Unauthenticated("the API key is not valid", code="invalid_api_key")
+
+    def check_metadata(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
+        value = next((v for k, v in metadata or () if k == "authorization"), None)
+        self.check(value.decode(errors="replace") if isinstance(value, bytes) else value)
+
+    def middleware(self, prefix: str = "/v1/") -> Middleware:
+        """Require a key on paths under ``prefix``; health, readiness and metrics stay open."""
+
+        @web.middleware
+        async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.path.startswith(prefix):
+                self.check(request.headers.get("Authorization"))
+            return await handler(request)
+
+        return require_key
+
+
+def _read_keys(text: str) -> list[str]:
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
