@@ -38,6 +38,15 @@ COMMON = (
     Flag("--grpc-port", "server.grpc_port", "PORT"),
     Flag("--log-level", "server.log_level", choices=("debug", "info", "warning", "error")),
     Flag("--max-body-bytes", "server.max_body_bytes", "BYTES"),
+    Flag("--redis-url", "redis.url", "URL"),
+    Flag("--redis-cluster", "redis.cluster", "NAME"),
+)
+# Sidecar and gateway: the processes that serve inference.
+SERVING = (
+    Flag("--api-keys-file", "server.api_keys_file", "PATH"),
+    Flag("--tls-cert-file", "server.tls_cert_file", "PATH"),
+    Flag("--tls-key-file", "server.tls_key_file", "PATH"),
+    Flag("--drain-timeout", "server.drain_timeout_s", "SECONDS"),
 )
 ENGINE = (
     Flag("--engine", "engine.kind", choices=("sim", "vllm", "openai")),
@@ -78,6 +87,7 @@ GATEWAY = (
     Flag("--policy", "gateway.policy", choices=("lor", "p2c", "round_robin", "random")),
     Flag("--load-source", "gateway.load_source", choices=("watch", "poll", "redis")),
     Flag("--retries", "gateway.retries", "N"),
+    Flag("--tls-ca-file", "gateway.tls_ca_file", "PATH"),
     Flag("--poll-interval", "gateway.poll_interval_s", "SECONDS"),
     Flag("--stale-after", "gateway.stale_after_s", "SECONDS"),
     Flag("--queue-size", "gateway.queue_size", "N"),
@@ -136,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sidecar", help="serve one unit: embed the engine, probe its nodes, report load"
     )
     sidecar.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    _add(sidecar, COMMON + ENGINE + SIDECAR + HEALTH)
+    _add(sidecar, COMMON + SERVING + ENGINE + SIDECAR + HEALTH)
     follower = commands.add_parser(
         "follower",
         help="serve grpc.health.v1 for one follower node; optionally supervise its worker",
@@ -150,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gateway", help="route requests across units: least outstanding requests, retries, drain"
     )
     gateway.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    _add(gateway, COMMON + GATEWAY)
+    _add(gateway, COMMON + SERVING + GATEWAY)
     up = commands.add_parser(
         "up",
         help="start a local cell on loopback: a gateway and units of a sidecar and followers",

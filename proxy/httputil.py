@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +25,24 @@ UNIT_HEADER = "x-unitproxy-unit"
 REQUEST_ID_HEADER = "x-request-id"
 # The request's remaining time budget in milliseconds; passed on, reduced, at each hop.
 DEADLINE_HEADER = "x-unitproxy-timeout-ms"
+
+
+def timeout_s(raw: str | None) -> float | None:
+    """The request's time budget from the DEADLINE_HEADER value, in seconds."""
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise InvalidRequest(f"header {DEADLINE_HEADER}: not a number of milliseconds") from None
+    if not (math.isfinite(ms) and ms > 0):
+        raise InvalidRequest(f"header {DEADLINE_HEADER}: must be a finite number above 0 ms")
+    return ms / 1000
+
+
+def timeout_header(left_s: float) -> str:
+    """The DEADLINE_HEADER value for ``left_s`` seconds (to the microsecond)."""
+    return f"{left_s * 1000:.3f}"
 
 
 class ClientGone(Exception):
@@ -60,20 +79,50 @@ def error_response(
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# Bodies a browser may send cross-site without a preflight; the API takes JSON only.
+FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
+
+
 def error_middleware(unit_id: str | None = None) -> Any:
     """Answer our errors, and aiohttp's own refusals, with the OpenAI error body."""
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID_HEADER)
         try:
+            _check_request(request, request_id)
             return await handler(request)
         except UnitProxyError as exc:
-            return error_response(exc, request.headers.get(REQUEST_ID_HEADER), unit_id)
+            return error_response(exc, _echoable(request_id), unit_id)
         except web.HTTPException as exc:
             err = _from_http_exception(request, exc)
-            return error_response(err, request.headers.get(REQUEST_ID_HEADER), unit_id)
+            return error_response(err, _echoable(request_id), unit_id)
+        except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
+            err = InvalidRequest(f"request body could not be read: {exc.__cause__ or exc}")
+            return error_response(err, _echoable(request_id), unit_id)
 
     return errors
+
+
+def _check_request(request: web.Request, request_id: str | None) -> None:
+    if request_id is not None and _echoable(request_id) is None:
+        # aiohttp keeps bytes that are not UTF-8 as surrogates: they cannot be echoed.
+        raise InvalidRequest(f"header {REQUEST_ID_HEADER}: must be ASCII or UTF-8 text")
+    if request.path.startswith("/v1/") and request.content_type in FORM_TYPES:
+        raise InvalidRequest(
+            f"content-type {request.content_type} is not accepted: send application/json"
+        )
+
+
+def _echoable(request_id: str | None) -> str | None:
+    """The request id if it can go back in a header, else None."""
+    if request_id is None:
+        return None
+    try:
+        request_id.encode()
+    except UnicodeEncodeError:
+        return None
+    return request_id
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> UnitProxyError:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
 from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
@@ -21,6 +21,12 @@ from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
 Route = Literal["completions", "chat"]
 MAX_STOP_SEQUENCES = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Integer ranges of the gRPC wire (uint32 counts, int32 top_k, int64 seed, as vLLM's
+# own seed bound), so both wires accept the same requests and no engine sees a number
+# it cannot hold.
+MAX_UINT32 = 2**32 - 1
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
 
 
 class _Strict(BaseModel):
@@ -33,13 +39,13 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_UINT32)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    min_tokens: int = Field(0, ge=0, le=MAX_UINT32)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
@@ -108,15 +114,27 @@ class CompletionBody(_SamplingFields):
             raise ValueError("batched prompts are not supported: send one request per prompt")
         raise ValueError("must be a non-empty string or a non-empty list of token ids")
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionBody:
-        if self.echo:
-            raise ValueError("echo: not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs: not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of: only 1 is supported")
-        return self
+    # Field validators, not a model validator: the error then names the field (param).
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only 1 is supported")
+        return value
 
 
 class MessageBody(_Strict):
@@ -147,14 +165,15 @@ class MessageBody(_Strict):
 
 class ChatBody(_SamplingFields):
     messages: list[MessageBody] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_UINT32)
     logprobs: bool = False
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatBody:
-        if self.logprobs:
-            raise ValueError("logprobs: not supported")
-        return self
+    @field_validator("logprobs")
+    @classmethod
+    def _unsupported(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported")
+        return value
 
 
 def _is_token_id(value: Any) -> bool:

@@ -480,6 +480,42 @@ def _port_count(units: int, followers: int) -> int:
     return 2 * (1 + units * (1 + followers))
 
 
+class RedisSettings(_Section):
+    url: str | None = Field(
+        None,
+        description="Redis that sidecars publish load reports to and gateways with load_source redis read them from, redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS, unix:// for a socket). Default none: no Redis.",
+    )
+    cluster: str = Field(
+        "default",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name of this fleet in Redis keys (unitproxy:CLUSTER:...); sidecars and gateways that share load use the same one. Default default.",
+    )
+    timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="Longest wait to connect to Redis and for one command, in s. Default 1.",
+    )
+    backoff_initial_s: float = Field(
+        0.1,
+        gt=0,
+        description="First wait before reconnecting after Redis failed, in s; doubles per failed attempt, with jitter. Default 0.1.",
+    )
+    backoff_max_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest wait between two attempts to reconnect to Redis, in s. Default 5.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+
 class HealthSettings(_Section):
     interval_s: float = Field(
         1.0, gt=0, description="Time between two probes of a node, in s (+-10 % jitter). Default 1."
@@ -513,6 +549,7 @@ class Settings(BaseSettings):
     follower: FollowerSettings = Field(default_factory=FollowerSettings)  # type: ignore[arg-type]
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)  # type: ignore[arg-type]
     up: UpSettings = Field(default_factory=UpSettings)  # type: ignore[arg-type]
+    redis: RedisSettings = Field(default_factory=RedisSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(
@@ -546,11 +583,13 @@ def check_role(role: str, settings: Settings) -> None:
     """What one role needs beyond valid values; raises ConfigError."""
     problems = []
     if role == "gateway":
-        if settings.gateway.load_source == "redis":
+        redis_source = settings.gateway.load_source == "redis"
+        if redis_source and settings.redis.url is None:
             problems.append(
-                "gateway.load_source: redis is not part of this build yet; use watch or poll"
+                "gateway.load_source: redis needs redis.url; give --redis-url redis://HOST:PORT/DB"
             )
-        if not settings.gateway.units:
+        # With Redis, units register themselves; otherwise they must be listed.
+        if not settings.gateway.units and not redis_source:
             problems.append(
                 "gateway.units: no unit configured; give --unit ID=HTTP_URL,GRPC_TARGET (repeatable)"
             )

@@ -243,12 +243,16 @@ def test_cli_sidecar_help_lists_the_contract_flags() -> None:
         assert choice in run.stdout
 
 
-def test_gateway_role_needs_units_and_a_built_load_source() -> None:
+def test_gateway_role_needs_units_or_redis() -> None:
+    with pytest.raises(config.ConfigError) as info:
+        config.check_role("gateway", config.load({}))
+    assert len(info.value.problems) == 1 and "gateway.units" in info.value.problems[0]
     with pytest.raises(config.ConfigError) as info:
         config.check_role("gateway", config.load({"gateway": {"load_source": "redis"}}))
-    assert len(info.value.problems) == 2
-    assert any("gateway.units" in p for p in info.value.problems)
-    assert any("gateway.load_source" in p for p in info.value.problems)
+    assert len(info.value.problems) == 1 and "redis.url" in info.value.problems[0]
+    # With Redis, units register themselves: none need be configured.
+    redis = {"url": "redis://127.0.0.1:6379/0"}
+    config.check_role("gateway", config.load({"gateway": {"load_source": "redis"}, "redis": redis}))
     config.check_role("sidecar", config.load({}))  # a sidecar needs no units
     units = {"units": ["a=http://127.0.0.1:1,127.0.0.1:2"]}
     config.check_role("gateway", config.load({"gateway": units}))

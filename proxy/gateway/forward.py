@@ -9,6 +9,7 @@ error event, never a silent cut; no retry).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -18,16 +19,24 @@ import aiohttp
 from aiohttp import web
 
 from proxy import openai_api
-from proxy.errors import DeadlineExceeded, InvalidRequest, Unavailable, UnitProxyError
+from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
-from proxy.httputil import DEADLINE_HEADER, REQUEST_ID_HEADER, UNIT_HEADER, ClientGone
+from proxy.httputil import (
+    DEADLINE_HEADER,
+    REQUEST_ID_HEADER,
+    UNIT_HEADER,
+    ClientGone,
+    timeout_header,
+    timeout_s,
+)
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import Gate
 
 log = logging.getLogger(__name__)
 
 PASSED_HEADERS = ("Content-Type", "Retry-After")
+MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed for all purposes
 
 
 @dataclass(slots=True)
@@ -92,18 +101,10 @@ class Forwarder:
             self._metrics.request_duration.labels(route).observe(time.monotonic() - started)
 
     def _deadline(self, request: web.Request) -> float | None:
-        raw = request.headers.get(DEADLINE_HEADER)
         now = time.monotonic()
-        if raw is not None:
-            try:
-                ms = float(raw)
-            except ValueError:
-                raise InvalidRequest(
-                    f"header {DEADLINE_HEADER}: not a number of milliseconds"
-                ) from None
-            if not ms > 0:
-                raise InvalidRequest(f"header {DEADLINE_HEADER}: must be above 0 ms")
-            return now + ms / 1000
+        budget = timeout_s(request.headers.get(DEADLINE_HEADER))
+        if budget is not None:
+            return now + budget
         timeout = self._settings.request_timeout_s
         return None if timeout is None else now + timeout
 
@@ -125,10 +126,10 @@ class Forwarder:
         timeout = None
         if deadline is not None:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left < MIN_LEFT_S:
                 self._router.release(unit, Outcome.OK)
                 raise DeadlineExceeded("the request's deadline passed")
-            headers[DEADLINE_HEADER] = str(int(left * 1000))
+            headers[DEADLINE_HEADER] = timeout_header(left)
             timeout = aiohttp.ClientTimeout(total=left)
         outcome = Outcome.FAILED
         try:
@@ -154,6 +155,9 @@ class Forwarder:
         except TimeoutError as exc:
             outcome = Outcome.OK  # the request's own deadline, not the unit's fault
             raise DeadlineExceeded("the request's deadline passed") from exc
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED  # the client went away: no failure of the unit
+            raise
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             log.info("unit %s: %s", unit.id, exc or type(exc).__name__)
             return Refused(

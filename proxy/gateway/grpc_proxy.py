@@ -8,6 +8,7 @@ RESOURCE_EXHAUSTED from the unit (its refusal, or a connection failure).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -144,6 +145,9 @@ class GenerateProxy:
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in FAILURES:
                 outcome = Outcome.OK
+            raise
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED  # the client went away: no failure of the unit
             raise
         finally:
             call.cancel()

@@ -5,23 +5,32 @@ on every change and a heartbeat every interval. A broken stream means the sideca
 gone or restarting: the unit gets no new requests until it reports again, and the
 stream is re-opened with exponential backoff and jitter.
 ``poll``: GET /load every interval.
-Either can delay each report on purpose (``report_delay_s``) for benchmarks.
+``redis``: one subscription to the cluster's load channel for every unit; units that
+register in Redis are discovered and routed to (see ``RedisSource``).
+Each can delay each report on purpose (``report_delay_s``) for benchmarks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import grpc
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.load import LoadReport
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
+from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, connect
+from proxy.settings import RedisSettings, UnitTarget
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +120,131 @@ class PollSource(LoadSource):
         async with self._session.get(f"{unit.http_url}/load", timeout=timeout) as resp:
             resp.raise_for_status()
             self._deliver(unit, LoadReport.from_dict(await resp.json()))
+
+
+class RedisSource(LoadSource):
+    """Reports of every unit from Redis (DESIGN §4): SUBSCRIBE to the load channel,
+    then re-read every unit's key, on each (re)connect, so nothing is missed.
+
+    A report from a unit this gateway does not know adds it (``discover`` opens its
+    clients). A unit that stops reporting is no longer routed once its last report is
+    older than the router's ``stale_after_s`` (its key expires after 3 report
+    intervals). While Redis itself is down, reports stop aging (``Router.pause_aging``):
+    every unit is routed on what was last known plus this gateway's own counts, and
+    passive health ejects one that fails; once Redis is back and every key is re-read,
+    reports age again from where they stopped.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        settings: RedisSettings,
+        discover: Callable[[UnitTarget], Unit],
+        rng: random.Random | None = None,
+    ):
+        super().__init__(router, rng)
+        self._settings = settings
+        self._keys = Keys(settings.cluster)
+        self._discover = discover
+        self._outage = Outage("gateway load source", settings, self._rng)
+        self._refused: set[str] = set()  # unit ids whose addresses could not be used
+        self._unreadable = 0  # reports that could not be parsed (the first is logged)
+        self.connects = 0  # successful (re)connects, each with a full re-read
+
+    async def run(self) -> None:
+        redis = connect(self._settings)
+        try:
+            while True:
+                try:
+                    await self._follow(redis)
+                except asyncio.CancelledError:
+                    raise
+                except REDIS_ERRORS as exc:
+                    self._lost(exc)
+                except Exception as exc:
+                    log.exception("reading load reports from Redis failed unexpectedly")
+                    self._lost(exc)
+                await self._outage.backoff()
+        finally:
+            await redis.aclose()
+
+    def _lost(self, exc: BaseException) -> None:
+        self._router.pause_aging()
+        self._outage.failed(exc, "routing on the last reports and this gateway's own counts")
+
+    async def _follow(self, redis: Redis) -> None:
+        async with redis.pubsub() as pubsub:
+            async with asyncio.timeout(self._settings.timeout_s):
+                await pubsub.subscribe(self._keys.channel)
+            # Subscribed first: a report published during the re-read is not lost.
+            await self._reread(redis)
+            self.connects += 1
+            self._outage.recovered()
+            self._router.resume_aging()
+            await self._listen(pubsub)
+
+    async def _reread(self, redis: Redis) -> None:
+        keys = self._keys
+        async with asyncio.timeout(self._settings.timeout_s * 2):
+            ids = sorted(_text(i) for i in await redis.smembers(keys.units))
+            values = await redis.mget([keys.unit(i) for i in ids]) if ids else []
+        gone = [unit_id for unit_id, value in zip(ids, values, strict=True) if value is None]
+        for value in values:
+            if value is not None:
+                self._receive(_text(value))
+        # A unit whose key is gone keeps its last report, which ages out within
+        # stale_after_s: a Redis that restarted empty has no key until each sidecar
+        # reconnects, and those units must not drop out meanwhile. The set keeps only
+        # units that report; each publish adds its unit again.
+        if gone:
+            async with asyncio.timeout(self._settings.timeout_s):
+                await redis.srem(keys.units, *gone)
+
+    async def _listen(self, pubsub: PubSub) -> None:
+        # Quiet for one timeout: PING; quiet for another: the connection is dead
+        # (a closed one raises at once; this catches one that hangs). Any message is a
+        # sign of life, the answer to PING included, whatever form the client gives it.
+        timeout = self._settings.timeout_s
+        pinged = False
+        while True:
+            message: dict[str, Any] | None = await pubsub.get_message(timeout=timeout)
+            if message is None:
+                if pinged:
+                    raise RedisConnectionError(f"no answer to PING within {timeout:g} s")
+                await pubsub.ping()
+                pinged = True
+                continue
+            pinged = False
+            if message["type"] == "message":
+                self._receive(message["data"])
+
+    def _receive(self, data: str) -> None:
+        try:
+            report = LoadReport.from_dict(json.loads(data))
+        except (ValueError, TypeError, KeyError) as exc:
+            level = logging.DEBUG if self._unreadable else logging.WARNING
+            self._unreadable += 1
+            log.log(level, "ignoring a load report in Redis that cannot be read: %s", exc)
+            return
+        unit = self._router.units.get(report.unit_id) or self._new_unit(report)
+        if unit is not None:
+            self._deliver(unit, report)
+
+    def _new_unit(self, report: LoadReport) -> Unit | None:
+        spec = f"{report.unit_id}={report.http_url},{report.grpc_target}"
+        try:
+            target = UnitTarget.parse(spec)
+        except ValueError as exc:
+            if report.unit_id not in self._refused:
+                self._refused.add(report.unit_id)
+                log.warning("unit %s registered in Redis cannot be routed to: %s",
+                            report.unit_id, exc)  # fmt: skip
+            return None
+        log.info("unit %s discovered in Redis: HTTP %s, gRPC %s",
+                 target.id, target.http_url, target.grpc_target)  # fmt: skip
+        return self._discover(target)
+
+
+def _text(value: bytes | str) -> str:
+    # The client decodes responses; its types allow bytes too.
+    return value if isinstance(value, str) else value.decode()

@@ -29,6 +29,7 @@ class Outcome(Enum):
     OK = "ok"  # the unit answered (any status that is not its own failure)
     REFUSED = "refused"  # 429 or 503: the unit said no before doing work
     FAILED = "failed"  # connection error or 5xx: counts toward ejection
+    CANCELLED = "cancelled"  # the client went away: says nothing about the unit
 
 
 class NoUnit(Unavailable):
@@ -53,6 +54,7 @@ class Router:
         self._turn = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._on_change = on_change
+        self._aging_paused_at: float | None = None
         for target in targets:
             self.add(target)
 
@@ -66,19 +68,25 @@ class Router:
 
     def candidates(self, exclude: Collection[str] = ()) -> list[Unit]:
         now, s = self._clock(), self.settings
+        age_at = self._age_at(now)
         return [
             u
             for u in self.units.values()
-            if u.id not in exclude and u.available(now, s.stale_after_s, s.correct_load)
+            if u.id not in exclude and u.available(now, s.stale_after_s, s.correct_load, age_at)
         ]
 
     def serving(self, exclude: Collection[str] = ()) -> list[Unit]:
         now = self._clock()
+        age_at = self._age_at(now)
         return [
             u
             for u in self.units.values()
-            if u.id not in exclude and u.serving(now, self.settings.stale_after_s)
+            if u.id not in exclude and u.serving(now, self.settings.stale_after_s, age_at)
         ]
+
+    def _age_at(self, now: float) -> float:
+        paused_at = self._aging_paused_at
+        return now if paused_at is None else min(now, paused_at)
 
     def pick(self, exclude: Collection[str] = ()) -> Unit | None:
         unit = self._select(
@@ -185,6 +193,33 @@ class Router:
             log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
         self.wake()
         self._changed(unit)
+
+    def pause_aging(self) -> None:
+        """The load source itself is down (Redis unreachable), not the units.
+
+        A report's age counts only the time its source was up: until ``resume_aging``
+        a unit whose report was fresh keeps being routed on it plus this gateway's own
+        counts, and one already stale stays stale. Passive health still ejects a unit
+        that fails.
+        """
+        if self._aging_paused_at is None:
+            self._aging_paused_at = self._clock()
+
+    def resume_aging(self) -> None:
+        """The load source is back (and has re-read what it could): reports age again,
+        from where they stopped. One the source no longer has goes stale in
+        ``stale_after_s`` unless its unit reports by then."""
+        paused_at, self._aging_paused_at = self._aging_paused_at, None
+        if paused_at is None:
+            return
+        down_s = self._clock() - paused_at
+        for unit in self.units.values():
+            if unit.report is not None and unit.report_at <= paused_at:
+                unit.report_at += down_s
+
+    @property
+    def aging_paused(self) -> bool:
+        return self._aging_paused_at is not None
 
     def forget_report(self, unit_id: str, why: str) -> None:
         """The load source lost the unit: route nothing there until it reports again."""

@@ -24,7 +24,7 @@ from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
 from proxy.gateway.forward import Forwarder
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
-from proxy.gateway.loadsource import PollSource, WatchSource
+from proxy.gateway.loadsource import PollSource, RedisSource, WatchSource
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.httputil import (
@@ -38,7 +38,7 @@ from proxy.httputil import (
 from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import Drain, Gate, advertised_host, cancel_tasks, start_grpc, start_http
-from proxy.settings import Settings
+from proxy.settings import Settings, UnitTarget
 from proxy.tls import ClientTLS, server_tls
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class Gateway:
         self.grpc_target = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self.redis_source: RedisSource | None = None
         self._stack = AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._served = False
@@ -97,8 +98,6 @@ class Gateway:
 
     async def _start(self) -> None:
         s, stack = self.settings, self._stack
-        if s.gateway.load_source == "redis":
-            raise ValueError("load_source redis is not part of this build yet")
         self.api_keys = await ApiKeys.load(s.server)
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
@@ -192,6 +191,10 @@ class Gateway:
 
     def _start_load_source(self) -> None:
         s = self.settings.gateway
+        if s.load_source == "redis":
+            self.redis_source = RedisSource(self.router, self.settings.redis, self._discovered)
+            self._tasks.append(asyncio.create_task(self.redis_source.run(), name="load redis"))
+            return
         units = list(self.router.units.values())
         if s.load_source == "watch":
             watch = WatchSource(self.router, lambda u: self._channels[u.id])
@@ -201,6 +204,13 @@ class Gateway:
             runs = [poll.run(u) for u in units]
         for unit, run in zip(units, runs, strict=True):
             self._tasks.append(asyncio.create_task(run, name=f"load {unit.id}"))
+
+    def _discovered(self, target: UnitTarget) -> Unit:
+        """A unit registered in Redis but not configured here: route to it too."""
+        unit = self.router.add(target)
+        if unit.id not in self._sessions:
+            self._connect(unit)
+        return unit
 
     def _poll_session(self) -> aiohttp.ClientSession:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))

@@ -38,18 +38,24 @@ class Unit:
             return reported
         return max(reported + self.started_since_report - self.finished_since_report, self.inflight)
 
-    def serving(self, now: float, stale_after_s: float) -> bool:
-        """SERVING by a fresh report and not ejected: it could take work if it had room."""
+    def serving(self, now: float, stale_after_s: float, age_at: float | None = None) -> bool:
+        """SERVING by a fresh report and not ejected: it could take work if it had room.
+
+        The report's age is taken at ``age_at`` (default ``now``); the router passes an
+        earlier time while its load source is down, so that reports stop aging then.
+        """
         return (
             self.report is not None
             and self.report.state is UnitState.SERVING
-            and now - self.report_at < stale_after_s
+            and (now if age_at is None else age_at) - self.report_at < stale_after_s
             and now >= self.ejected_until
         )
 
-    def available(self, now: float, stale_after_s: float, correct: bool = True) -> bool:
+    def available(
+        self, now: float, stale_after_s: float, correct: bool = True, age_at: float | None = None
+    ) -> bool:
         """Can take a request now: serving, and below capacity by our estimate."""
-        return self.serving(now, stale_after_s) and self.estimate(correct) < self.capacity
+        return self.serving(now, stale_after_s, age_at) and self.estimate(correct) < self.capacity
 
     def load(self, correct: bool = True) -> float:
         return self.estimate(correct) / self.capacity if self.capacity else float("inf")

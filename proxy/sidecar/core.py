@@ -58,6 +58,8 @@ class SidecarCore:
         self.http_url = ""
         self.grpc_target = ""
         self.last_progress_at = clock()
+        # Requests whose last token waits on a slow client: the engine owes them nothing.
+        self._on_client = 0
         self._metrics = metrics
         self._changes = changes
         self._retry_after_s = retry_after_s
@@ -74,7 +76,7 @@ class SidecarCore:
                 retry_after_s=self._retry_after_s,
                 code="unit_at_capacity",
             )
-        if self.outstanding == 0:
+        if self.outstanding == self._on_client:
             self.last_progress_at = self._clock()  # the watchdog's clock starts with work
         self.outstanding += 1
         self._metrics.outstanding.set(self.outstanding)
@@ -113,7 +115,7 @@ class SidecarCore:
                         metrics.inter_token.observe(now - previous)
                     previous = now
                     metrics.generated_tokens.inc(len(delta.token_ids))
-                    await emit(delta)
+                    await self._emit(emit, delta)
                     last = delta
         except TimeoutError as exc:
             if timeout.expired():
@@ -126,10 +128,21 @@ class SidecarCore:
             raise EngineError("the engine ended the request without output")
         return last
 
+    async def _emit(self, emit: Callable[[TokenDelta], Awaitable[None]], delta: TokenDelta) -> None:
+        # A client that stops reading blocks here (backpressure): that is no engine stall,
+        # and must not make the watchdog take the unit out of service.
+        self._on_client += 1
+        try:
+            await emit(delta)
+        finally:
+            self._on_client -= 1
+        if self.outstanding - self._on_client == 1:
+            self.last_progress_at = self._clock()  # back to the engine, the only one waiting
+
     def stalled_for(self) -> float:
         """Seconds the engine has had work and produced no token; 0 when idle."""
-        if self.outstanding == 0:
-            return 0.0
+        if self.outstanding <= self._on_client:
+            return 0.0  # idle, or every request waits on its client
         return self._clock() - self.last_progress_at
 
     def report(self) -> LoadReport:

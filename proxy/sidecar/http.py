@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.base import TokenDelta
 from proxy import openai_api
 from proxy.auth import ApiKeys
-from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.errors import UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
@@ -25,6 +25,7 @@ from proxy.httputil import (
     error_middleware,
     error_response,
     json_response,
+    timeout_s,
 )
 from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
@@ -116,16 +117,8 @@ async def _serve(
 
 
 def _deadline(request: web.Request) -> float | None:
-    raw = request.headers.get(DEADLINE_HEADER)
-    if raw is None:
-        return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise InvalidRequest(f"header {DEADLINE_HEADER}: not a number of milliseconds") from None
-    if not ms > 0:
-        raise InvalidRequest(f"header {DEADLINE_HEADER}: must be above 0 ms")
-    return asyncio.get_running_loop().time() + ms / 1000
+    budget = timeout_s(request.headers.get(DEADLINE_HEADER))
+    return None if budget is None else asyncio.get_running_loop().time() + budget
 
 
 async def _complete(

@@ -31,6 +31,7 @@ from proxy.sidecar import grpc_api, http
 from proxy.sidecar.core import SidecarCore
 from proxy.sidecar.followers import FollowerMonitor, probe_kind
 from proxy.sidecar.health import UnitHealth
+from proxy.sidecar.publisher import ReportPublisher
 from proxy.sidecar.recovery import RecoveryHook
 from proxy.tls import server_tls
 
@@ -64,6 +65,7 @@ class Sidecar:
         )
         self.health_service = HealthServicer()
         self.recovery: RecoveryHook | None = None
+        self.publisher: ReportPublisher | None = None
         self.api_keys = ApiKeys()
         self.drain = Drain(
             lambda: self.core.outstanding, self.changes, settings.server.drain_timeout_s
@@ -135,6 +137,12 @@ class Sidecar:
             self.recovery = RecoveryHook(recovery, self.health, session)
             self._spawn(self.recovery.run(), "recovery hook")
         self._spawn(self._publish_health(), "grpc health")
+        if s.redis.url is not None:
+            # Entered after the tasks: on exit it stops first, with a last report.
+            publisher = ReportPublisher(
+                s.redis, self.core.report, self.changes, s.sidecar.report_interval_s
+            )
+            self.publisher = await stack.enter_async_context(publisher)
         log.info(
             "sidecar %s: HTTP %s, gRPC %s, engine %s%s",
             s.sidecar.unit_id, self.http_url, self.grpc_target, self.engine.model_name,
