@@ -34,6 +34,7 @@ class Flag:
 
 COMMON = (
     Flag("--host", "server.host"),
+    Flag("--advertise-host", "server.advertise_host", "HOST"),
     Flag("--http-port", "server.http_port", "PORT"),
     Flag("--grpc-port", "server.grpc_port", "PORT"),
     Flag("--log-level", "server.log_level", choices=("debug", "info", "warning", "error")),

@@ -80,6 +80,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 # Bodies a browser may send cross-site without a preflight; the API takes JSON only.
+MAX_REQUEST_ID = 256
 FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
 
 
@@ -108,6 +109,9 @@ def _check_request(request: web.Request, request_id: str | None) -> None:
     if request_id is not None and _echoable(request_id) is None:
         # aiohttp keeps bytes that are not UTF-8 as surrogates: they cannot be echoed.
         raise InvalidRequest(f"header {REQUEST_ID_HEADER}: must be ASCII or UTF-8 text")
+    if request_id is not None and len(request_id) > MAX_REQUEST_ID:
+        # It is echoed in every streamed chunk: keep it short.
+        raise InvalidRequest(f"header {REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID} characters")
     if request.path.startswith("/v1/") and request.content_type in FORM_TYPES:
         raise InvalidRequest(
             f"content-type {request.content_type} is not accepted: send application/json"

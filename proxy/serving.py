@@ -81,8 +81,10 @@ def _grpc_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def advertised_host(host: str) -> str:
+def advertised_host(host: str, advertise: str | None = None) -> str:
     """The address others should use to reach a server bound to ``host``."""
+    if advertise:
+        return f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
     if host in ("0.0.0.0", "::", ""):
         return socket.gethostname()
     return f"[{host}]" if ":" in host else host

@@ -26,6 +26,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 Role = Literal["sidecar", "follower", "gateway", "up"]
@@ -45,6 +46,10 @@ class _Section(BaseModel):
 class ServerSettings(_Section):
     host: str = Field(
         "0.0.0.0", description="Address the HTTP and gRPC servers bind. Default 0.0.0.0."
+    )
+    advertise_host: str | None = Field(
+        None,
+        description="Host name or address others reach this process by (in load reports, Redis, logs), e.g. the pod IP. Default: --host, or this machine's host name when --host is a wildcard.",
     )
     http_port: int | None = Field(
         None,
@@ -625,6 +630,9 @@ def load(cli: dict[str, Any], config_file: Path | None = None) -> Settings:
 
     try:
         bound = _WithToml(**cli)
+    except SettingsError as exc:  # an environment value that is not valid JSON, say
+        hint = "list values in UNITPROXY_* variables are JSON, e.g. '[\"f1=host:50052\"]'"
+        raise ConfigError([f"environment: {exc}; {hint}"]) from exc
     except ValidationError as exc:
         raise ConfigError([_describe(err) for err in exc.errors()]) from exc
     return Settings.model_construct(

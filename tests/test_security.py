@@ -162,9 +162,12 @@ async def test_tls_on_sidecar_and_gateway_to_unit(
 
     # The gateway reaches the unit over TLS: HTTPS, and gRPC for load reports and Generate.
     gateway = await start_gateway([unit], tls_ca_file=str(certs["ca"]))
-    async with aiohttp.ClientSession() as http, http.post(
-        f"{gateway.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{gateway.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}
+        ) as resp,
+    ):
         assert resp.status == 200
     async with grpc.aio.insecure_channel(gateway.grpc_target) as channel:
         chunks = [

@@ -256,3 +256,21 @@ def test_gateway_role_needs_units_or_redis() -> None:
     config.check_role("sidecar", config.load({}))  # a sidecar needs no units
     units = {"units": ["a=http://127.0.0.1:1,127.0.0.1:2"]}
     config.check_role("gateway", config.load({"gateway": units}))
+
+
+def test_a_list_in_the_environment_must_be_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNITPROXY_SIDECAR__FOLLOWERS", "f1=127.0.0.1:1")
+    with pytest.raises(config.ConfigError) as info:
+        config.load({})
+    assert "JSON" in info.value.problems[0] and "sidecar" in info.value.problems[0]
+    monkeypatch.setenv("UNITPROXY_SIDECAR__FOLLOWERS", '["f1=127.0.0.1:1"]')
+    assert config.load({}).sidecar.followers[0].name == "f1"
+
+
+def test_advertised_address() -> None:
+    from proxy.serving import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
+    assert advertised_host("::", "fd00::1") == "[fd00::1]"
+    assert advertised_host("0.0.0.0")  # the host name, whatever it is here

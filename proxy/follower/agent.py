@@ -113,7 +113,7 @@ class FollowerAgent:
         http_port, grpc_port = s.ports("follower")
         _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, self._register)
         bound_http = await start_http(stack, self._http_app(), s.server.host, http_port)
-        host = advertised_host(s.server.host)
+        host = advertised_host(s.server.host, s.server.advertise_host)
         self.http_url, self.grpc_target = f"http://{host}:{bound_http}", f"{host}:{bound_grpc}"
         stack.push_async_callback(cancel_tasks, self._tasks)
         session = await stack.enter_async_context(aiohttp.ClientSession())

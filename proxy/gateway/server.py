@@ -122,7 +122,7 @@ class Gateway:
         _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, register, tls=tls)
         app = self._http_app(forwarder)
         bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
-        host = advertised_host(s.server.host)
+        host = advertised_host(s.server.host, s.server.advertise_host)
         scheme = "http" if tls is None else "https"
         self.http_url, self.grpc_target = f"{scheme}://{host}:{bound_http}", f"{host}:{bound_grpc}"
         stack.push_async_callback(cancel_tasks, self._tasks)
@@ -273,6 +273,9 @@ class Gateway:
                 except UnitProxyError as exc:
                     code = str(exc.http_status)
                     return error_response(exc, request_id)
+                except web.RequestPayloadError:
+                    code = "400"  # the body could not be read; the error middleware answers
+                    raise
                 except ClientGone as gone:
                     code = "499"
                     return gone.response

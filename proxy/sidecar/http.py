@@ -86,6 +86,9 @@ def _inference(route: openai_api.Route) -> Handler:
         except UnitProxyError as exc:
             code = str(exc.http_status)
             return error_response(exc, request_id, core.unit_id)
+        except web.RequestPayloadError:
+            code = "400"  # the body could not be read; the error middleware answers
+            raise
         except ClientGone as gone:
             code = "499"  # client closed the connection
             return gone.response

@@ -118,7 +118,7 @@ class Sidecar:
         # request still in flight (a forced stop) ends with an error event or status,
         # not a cut connection. After a drain there is none.
         stack.push_async_callback(self.engine.stop)
-        host = advertised_host(s.server.host)
+        host = advertised_host(s.server.host, s.server.advertise_host)
         scheme = "http" if tls is None else "https"
         self.http_url = self.core.http_url = f"{scheme}://{host}:{bound_http}"
         self.grpc_target = self.core.grpc_target = f"{host}:{bound_grpc}"
