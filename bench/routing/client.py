@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -43,7 +43,12 @@ class Outcome:
 
 
 async def stream_one(
-    session: aiohttp.ClientSession, url: str, body: bytes, t0: float, out: Outcome
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    t0: float,
+    out: Outcome,
+    on_events: Callable[[int], None] | None = None,
 ) -> None:
     sent = now()
     out.sent_s = sent - t0
@@ -53,7 +58,7 @@ async def stream_one(
             if resp.status != 200:
                 out.error = await _http_error(resp)
             else:
-                out.error = await _read_stream(resp, out, sent)
+                out.error = await _read_stream(resp, out, sent, on_events)
     except (aiohttp.ClientError, TimeoutError) as exc:
         out.error = type(exc).__name__
     out.done_s = now() - t0
@@ -67,12 +72,20 @@ async def _http_error(resp: aiohttp.ClientResponse) -> str:
     return f"http {resp.status} {code}"
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome, sent: float) -> str | None:
+async def _read_stream(
+    resp: aiohttp.ClientResponse,
+    out: Outcome,
+    sent: float,
+    on_events: Callable[[int], None] | None,
+) -> str | None:
     """Count data events without splitting lines; None when the stream was complete."""
     events, carry, tail = 0, b"", b""
     async for data in resp.content.iter_any():
         joined = carry + data  # an event marker split across two reads is counted once
-        events += joined.count(EVENT)
+        new = joined.count(EVENT)
+        events += new
+        if on_events is not None and new:
+            on_events(new)
         if events and out.ttft_s is None:
             out.ttft_s = now() - sent
         carry = joined[-(len(EVENT) - 1) :]
@@ -140,17 +153,17 @@ class ClosedLoopRun:
     concurrency: int
     window_s: float
     completed: int = 0  # successes that ended inside the window
-    output_tokens: int = 0  # of those
+    streamed_tokens: int = 0  # tokens received inside the window, of any request
     errors: Counter[str] = field(default_factory=Counter)
     per_unit: Counter[str] = field(default_factory=Counter)
 
     @property
-    def rate(self) -> float:
+    def completions_per_s(self) -> float:
         return self.completed / self.window_s
 
     @property
     def tokens_per_s(self) -> float:
-        return self.output_tokens / self.window_s
+        return self.streamed_tokens / self.window_s
 
 
 async def closed_loop(
@@ -162,16 +175,21 @@ async def closed_loop(
     window_s: float,
 ) -> ClosedLoopRun:
     """``concurrency`` workers each send the next request as theirs ends; counts what
-    completes in ``[warmup_s, warmup_s + window_s]``, then cancels what is in flight."""
+    completes and every token streamed in ``[warmup_s, warmup_s + window_s]``, then
+    cancels what is in flight."""
     run = ClosedLoopRun(concurrency, window_s)
     t0 = now()
     end = warmup_s + window_s
+
+    def count_tokens(events: int) -> None:
+        if warmup_s <= now() - t0 <= end:
+            run.streamed_tokens += events  # [DONE] too: taken back in _count
 
     async def worker() -> None:
         while now() - t0 < end:
             spec, body = next(requests)
             out = Outcome(now() - t0, spec.max_tokens)
-            await stream_one(session, url, body, t0, out)
+            await stream_one(session, url, body, t0, out, count_tokens)
             _count(run, out, warmup_s, end)
 
     workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
@@ -188,5 +206,5 @@ def _count(run: ClosedLoopRun, out: Outcome, start: float, end: float) -> None:
         run.errors[out.error] += 1
     elif out.done_s is not None and start <= out.done_s <= end:
         run.completed += 1
-        run.output_tokens += out.max_tokens
+        run.streamed_tokens -= 1  # its [DONE] event
         run.per_unit[out.unit or "?"] += 1

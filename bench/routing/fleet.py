@@ -100,15 +100,23 @@ BASE_PREFILL_MS_PER_TOKEN = 0.04
 CAPACITY_PER_SLOT = 4
 
 
-def fleet_specs(units: int, seed: int) -> list[UnitSpec]:
-    """The first half fast, the second half 1.25x to 1.5x slower; odd units half the slots."""
+FLEETS = ("mixed", "tiered")
+
+
+def fleet_specs(units: int, seed: int, kind: str = "mixed") -> list[UnitSpec]:
+    """The first half fast, the second half 1.25x to 1.5x slower.
+
+    ``mixed``: odd units have half the slots, fast or slow. ``tiered``: the slow half
+    has half the slots too, like an older generation of hardware with less memory.
+    """
     fast = units - units // 2
     slow = units - fast
     specs = []
     for i in range(units):
         k = i - fast
         slowdown = 1.0 if k < 0 else 1.25 + (0.25 * k / (slow - 1) if slow > 1 else 0.0)
-        slots = BASE_SLOTS if i % 2 == 0 else BASE_SLOTS // 2
+        small = k >= 0 if kind == "tiered" else i % 2 == 1
+        slots = BASE_SLOTS // 2 if small else BASE_SLOTS
         specs.append(
             UnitSpec(
                 id=f"u{i}",
@@ -129,6 +137,10 @@ def fleet_specs(units: int, seed: int) -> list[UnitSpec]:
 
 class ChildFailed(Exception):
     pass
+
+
+class GatewayFailed(ChildFailed):
+    """A run's gateway did not start; the fleet may be fine."""
 
 
 @dataclass
@@ -331,8 +343,12 @@ async def running_gateway(
     ]
     units = len(fleet.specs)
     async with running("gateway", args, log_path) as gateway:
-        await read_endpoints(gateway)
-        await wait_until(
-            session, gateway, "/ready", lambda _, body: body.get("serving_units") == units
-        )
+        try:
+            await read_endpoints(gateway)
+            await wait_until(
+                session, gateway, "/ready", lambda _, body: body.get("serving_units") == units
+            )
+        except ChildFailed as exc:
+            fleet.check_alive()  # a dead unit is the fleet's failure, not the gateway's
+            raise GatewayFailed(str(exc)) from exc
         yield gateway

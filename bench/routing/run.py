@@ -5,8 +5,9 @@ Starts N ``python -m proxy sidecar --engine sim`` units on 127.0.0.1 (half of th
 slots, so queues form inside the engines and TTFT grows instead of 429s), then:
 
 1. saturation: a closed loop through a ``lor`` gateway with twice as many requests in
-   flight as the fleet has slots; the completion rate is the fleet's saturation
-   throughput (printed beside what the simulator parameters predict);
+   flight as the fleet has slots; output tokens/s over the mean output length is the
+   fleet's saturation throughput in requests/s (printed beside what the simulator
+   parameters predict);
 2. for each load (% of that rate) and policy: a fresh ``python -m proxy gateway``,
    open-loop Poisson arrivals of streamed /v1/completions for ``--duration`` seconds
    (long-tailed prompt and output lengths, the same seeded sequence for every policy
@@ -17,8 +18,8 @@ Policies: lor, p2c, round_robin, random, and lor-delayed (lor with every load re
 applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
 on stale load) and lor-delayed-corrected (the same delay, correction on).
 
-    .venv/bin/python -m bench.routing.run            # the full run, about 17 minutes on 2 cores
-    .venv/bin/python -m bench.routing.run --quick    # smoke run, about 2 minutes
+    .venv/bin/python -m bench.routing.run            # the full run: 14.5 min on 2 busy cores
+    .venv/bin/python -m bench.routing.run --quick    # smoke run: 2.5-3 min
     .venv/bin/python bench/routing/run.py --policies lor,round_robin --loads 85 --duration 30
 
 Writes a table to stdout, JSON to bench/results/routing.json, a PNG beside it, and the
@@ -31,6 +32,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
@@ -38,7 +40,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,6 +58,8 @@ QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full
 ALL_POLICIES = ("lor", "p2c", "round_robin", "random", "lor-delayed", "lor-delayed-corrected")
 SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
 RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected requests (+100)
+GATEWAY_TRIES = 3  # starts of a run's gateway before the run is given up
+GATEWAY_RETRY_PAUSE_S = 10.0
 T = TypeVar("T")
 
 
@@ -67,6 +71,7 @@ class BenchSettings:
     loads: tuple[int, ...]
     policies: tuple[str, ...]
     units: int
+    fleet: str
     seed: int
     report_delay_s: float
     saturation_warmup_s: float
@@ -99,8 +104,16 @@ class BenchSettings:
 
 @dataclass
 class Saturation:
-    measured: float  # requests/s
-    model: float  # requests/s the simulator parameters predict
+    """What the fleet completes when overloaded, in requests/s of the workload's mix.
+
+    ``measured`` is output tokens/s streamed in the window over the mean output length:
+    every busy slot makes one token per step whatever the mix, whereas counting
+    completions in a window after a synchronized start favours short requests.
+    """
+
+    measured: float
+    model: float  # what the simulator parameters predict
+    completions_per_s: float  # completions in the window, for comparison
     tokens_per_s: float
     concurrency: int
     window_s: float
@@ -110,7 +123,10 @@ class Saturation:
 
 
 async def measure_saturation(
-    s: BenchSettings, units: fleet.Fleet, session: aiohttp.ClientSession, model: float
+    s: BenchSettings,
+    units: fleet.Fleet,
+    session: aiohttp.ClientSession,
+    means: tuple[float, float],
 ) -> Saturation:
     concurrency = SATURATION_INFLIGHT_PER_SLOT * sum(u.slots for u in units.specs)
     log = s.log_dir / "gateway-saturation.log"
@@ -124,8 +140,9 @@ async def measure_saturation(
             s.saturation_window_s,
         )
     return Saturation(
-        measured=run.rate,
-        model=model,
+        measured=run.tokens_per_s / means[1],
+        model=sum(spec.model_rate(*means) for spec in units.specs),
+        completions_per_s=run.completions_per_s,
         tokens_per_s=run.tokens_per_s,
         concurrency=concurrency,
         window_s=run.window_s,
@@ -213,45 +230,71 @@ async def policy_run(
 
 @dataclass
 class Results:
+    """Filled in as the benchmark goes, so an interrupted or failed one still reports."""
+
     specs: list[fleet.UnitSpec]
     means: tuple[float, float]
-    saturation: Saturation
-    rows: list[report.RunMetrics]
-    sidecar_exits: dict[str, int | None]
-    sidecar_problems: dict[str, list[str]]
+    saturation: Saturation | None = None
+    rows: list[report.RunMetrics] = field(default_factory=list)
+    failed_runs: list[dict[str, Any]] = field(default_factory=list)
+    sidecar_exits: dict[str, int | None] = field(default_factory=dict)
+    sidecar_problems: dict[str, list[str]] = field(default_factory=dict)
+    stopped_by: str | None = None  # why the benchmark ended early, if it did
 
 
-async def bench(s: BenchSettings) -> Results:
-    specs = fleet.fleet_specs(s.units, s.seed)
-    means = s.mix.means()
-    model = sum(spec.model_rate(*means) for spec in specs)
+async def bench(s: BenchSettings, results: Results) -> None:
     connector = aiohttp.TCPConnector(limit=8192, limit_per_host=8192)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
-    async with (
-        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-        fleet.running_fleet(specs, session, s.log_dir) as units,
-    ):
-        progress(
-            f"fleet of {len(specs)} units up; measuring saturation "
-            f"({s.saturation_warmup_s:g} s + {s.saturation_window_s:g} s)"
-        )
-        saturation = await measure_saturation(s, units, session, model)
-        progress(f"saturation {saturation.measured:.1f} r/s (model {model:.1f} r/s)")
-        rows = []
-        for load_pct in s.loads:
-            rate = saturation.measured * load_pct / 100
-            for policy in s.policies:
-                units.check_alive()
-                rows.append(await policy_run(s, policy, load_pct, rate, units, session))
-                progress(_progress_line(rows[-1]))
-    return Results(
-        specs,
-        means,
-        saturation,
-        rows,
-        {c.name: c.exit_code for c in units.sidecars},
-        {c.name: c.log_problems() for c in units.sidecars},
-    )
+    units: fleet.Fleet | None = None
+    try:
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            fleet.running_fleet(results.specs, session, s.log_dir) as units,
+        ):
+            progress(
+                f"fleet of {len(units.specs)} units up; measuring saturation "
+                f"({s.saturation_warmup_s:g} s + {s.saturation_window_s:g} s)"
+            )
+            results.saturation = sat = await measure_saturation(s, units, session, results.means)
+            progress(
+                f"saturation {sat.measured:.1f} r/s from tokens/s (model {sat.model:.1f} r/s, "
+                f"completions in the window {sat.completions_per_s:.1f} r/s)"
+            )
+            for load_pct in s.loads:
+                for policy in s.policies:
+                    await one_run(s, policy, load_pct, sat.measured, units, session, results)
+    finally:
+        if units is not None:  # the fleet started: say how each unit ended
+            results.sidecar_exits = {c.name: c.exit_code for c in units.sidecars}
+            results.sidecar_problems = {c.name: c.log_problems() for c in units.sidecars}
+
+
+async def one_run(
+    s: BenchSettings,
+    policy: str,
+    load_pct: int,
+    saturation: float,
+    units: fleet.Fleet,
+    session: aiohttp.ClientSession,
+    results: Results,
+) -> None:
+    """One (policy, load) run; a gateway that fails to start is tried again a few times
+    (the tree may be mid-edit), then the run is recorded as failed and the next goes on."""
+    rate = saturation * load_pct / 100
+    for attempt in range(1, GATEWAY_TRIES + 1):
+        units.check_alive()
+        try:
+            results.rows.append(await policy_run(s, policy, load_pct, rate, units, session))
+            progress(_progress_line(results.rows[-1]))
+            return
+        except fleet.GatewayFailed as exc:
+            progress(f"{policy} @ {load_pct} %: attempt {attempt}: {exc}")
+            if attempt < GATEWAY_TRIES:
+                await asyncio.sleep(GATEWAY_RETRY_PAUSE_S)
+            else:
+                results.failed_runs.append(
+                    {"policy": policy, "load_pct": load_pct, "error": str(exc)}
+                )
 
 
 def progress(line: str) -> None:
@@ -302,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--loads",
         type=_loads,
         metavar="PCT[,PCT...]",
-        help="loads in % of the measured saturation throughput. Default 50,70,85,95 "
+        help="loads in %% of the measured saturation throughput. Default 50,70,85,95 "
         "(--quick: 50,85).",
     )
     add(
@@ -312,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"of {', '.join(ALL_POLICIES)}. Default all.",
     )
     add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")
+    add(
+        "--fleet",
+        choices=fleet.FLEETS,
+        default="mixed",
+        help="mixed: odd units have half the slots; tiered: the slow half has half the "
+        "slots. Default mixed.",
+    )
     add("--seed", type=int, default=1, help="seed of the workload and the units. Default 1.")
     add(
         "--report-delay",
@@ -323,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--saturation-window",
         type=float,
         help="measured window of the saturation run, in s (after 5 s warm-up; --quick: 2). "
-        "Default 20 (--quick: 5).",
+        "Default 20 (--quick: 4).",
     )
     add(
         "--out",
@@ -359,6 +409,7 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
         loads=tuple(dict.fromkeys(args.loads or ((50, 85) if quick else (50, 70, 85, 95)))),
         policies=policies,
         units=args.units,
+        fleet=args.fleet,
         seed=args.seed,
         report_delay_s=args.report_delay,
         saturation_warmup_s=2.0 if quick else 5.0,
@@ -416,8 +467,11 @@ def build_report(
         },
         "fleet": [{**spec.to_json(), "model_rate": spec.model_rate(*r.means)} for spec in r.specs],
         "gateway_args": {p: s.gateway_args(p) for p in s.policies},
-        "saturation": asdict(r.saturation),
+        "complete": r.stopped_by is None and not r.failed_runs,
+        "stopped_by": r.stopped_by,
+        "saturation": asdict(r.saturation) if r.saturation else None,
         "runs": [m.to_json() for m in r.rows],
+        "failed_runs": r.failed_runs,
         "goal": report.goal(r.rows),
         "sidecar_exits": r.sidecar_exits,
         "sidecar_problems": {k: v[:50] for k, v in r.sidecar_problems.items() if v},
@@ -457,11 +511,14 @@ def print_report(data: dict[str, Any], r: Results) -> None:
         f"means {w['mean_prompt_tokens']:.0f} / {w['mean_output_tokens']:.0f} tokens"
     )
     print(f"\n{fleet_table(r.specs, r.means)}\n")
-    print(
-        f"saturation: {sat.measured:.2f} r/s measured ({sat.tokens_per_s:.0f} output tok/s; "
-        f"closed loop, {sat.concurrency} in flight through lor, {sat.window_s:g} s), "
-        f"model {sat.model:.2f} r/s; errors {sat.errors or 0}"
-    )
+    if sat is not None:
+        print(
+            f"saturation: {sat.measured:.2f} r/s measured = {sat.tokens_per_s:.0f} output tok/s "
+            f"/ {r.means[1]:.1f} mean output tokens (closed loop, {sat.concurrency} in flight "
+            f"through lor, {sat.window_s:g} s window; completions in it "
+            f"{sat.completions_per_s:.2f} r/s); model {sat.model:.2f} r/s; "
+            f"errors {sat.errors or 0}"
+        )
     s = data["settings"]
     print(
         f"runs: {s['duration_s']:g} s of Poisson arrivals each, metrics over "
@@ -485,10 +542,16 @@ def _capacity_shares(r: Results) -> dict[str, float]:
 
 def _print_problems(r: Results) -> None:
     lines = []
-    if r.saturation.errors:
-        lines.append(f"  saturation run: errors {r.saturation.errors}")
-    if any(r.saturation.outstanding_after.values()):
-        lines.append(f"  saturation run: units not idle after it: {r.saturation.outstanding_after}")
+    if r.stopped_by:
+        lines.append(f"  the benchmark stopped early: {r.stopped_by}")
+    lines += [
+        f"  {f['policy']} @ {f['load_pct']} %: run FAILED: {f['error']}" for f in r.failed_runs
+    ]
+    sat = r.saturation
+    if sat is not None and sat.errors:
+        lines.append(f"  saturation run: errors {sat.errors}")
+    if sat is not None and any(sat.outstanding_after.values()):
+        lines.append(f"  saturation run: units not idle after it: {sat.outstanding_after}")
     for m in r.rows:
         where = f"  {m.policy} @ {m.load_pct} %"
         lines += [f"{where}: {n} x {kind}" for kind, n in m.errors.items()]
@@ -555,26 +618,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     machine = machine_info()
+    results = Results(fleet.fleet_specs(s.units, s.seed, s.fleet), s.mix.means())
     try:
-        results = run_loop(until_signal(bench(s)))
+        run_loop(until_signal(bench(s, results)))
     except Interrupted as exc:
+        results.stopped_by = f"interrupted by {exc}"
+    except fleet.ChildFailed as exc:
+        results.stopped_by = f"failed: {exc}"
+    if results.stopped_by:
         print(
-            f"interrupted by {exc}; every process this benchmark started was stopped",
+            f"routing benchmark {results.stopped_by}; every process it started was stopped; "
+            "reporting what was measured",
             file=sys.stderr,
         )
-        return 130
-    except fleet.ChildFailed as exc:
-        print(f"routing benchmark: {exc}", file=sys.stderr)
-        return 1
     data = build_report(s, results, machine, time.perf_counter() - started)
     s.out.write_text(json.dumps(data, indent=2) + "\n")
-    title = (
-        f"{len(results.specs)} simulated units, saturation {results.saturation.measured:.1f} "
-        f"r/s; {s.duration_s:g} s runs; {machine['cpu_model']} x{machine['nproc']}"
-    )
-    report.plot(results.rows, s.png, title)
+    if results.rows:
+        report.plot(results.rows, s.png, plot_title(results, s, machine))
     print_report(data, results)
-    return 0
+    if results.stopped_by:
+        return 130 if results.stopped_by.startswith("interrupted") else 1
+    return 1 if results.failed_runs else 0
+
+
+def plot_title(results: Results, s: BenchSettings, machine: dict[str, Any]) -> str:
+    measured = results.saturation.measured if results.saturation else math.nan
+    return (
+        f"{len(results.specs)} simulated units, saturation {measured:.1f} r/s; "
+        f"{s.duration_s:g} s runs; {machine['cpu_model']} x{machine['nproc']}"
+    )
 
 
 if __name__ == "__main__":

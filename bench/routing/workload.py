@@ -79,14 +79,16 @@ class Arrival:
 def poisson_arrivals(
     workload: Workload, rate_per_s: float, duration_s: float, seed: int, limit: int
 ) -> list[Arrival]:
-    """Open-loop arrivals in ``[0, duration_s)``: exponential gaps, at most ``limit``."""
+    """Open-loop arrivals in ``[0, duration_s)``: a Poisson process conditioned on its
+    count, ``rate * duration`` (at most ``limit``) uniform times, so every load offers
+    what it says while keeping Poisson's bursts."""
     rng = random.Random(seed)
-    arrivals: list[Arrival] = []
-    at = rng.expovariate(rate_per_s)
-    while at < duration_s and len(arrivals) < limit:
+    count = min(limit, round(rate_per_s * duration_s))
+    times = sorted(rng.uniform(0.0, duration_s) for _ in range(count))
+    arrivals = []
+    for index, at in enumerate(times):
         spec = workload.request(rng)
-        arrivals.append(Arrival(len(arrivals), at, spec, spec.body(len(arrivals))))
-        at += rng.expovariate(rate_per_s)
+        arrivals.append(Arrival(index, at, spec, spec.body(index)))
     return arrivals
 
 
