@@ -1,4 +1,8 @@
-"""Engines the sidecar can embed; ``create_engine`` picks one by its settings."""
+"""Engines the sidecar can embed; ``create_engine`` picks one by its settings.
+
+Each kind lives in its own module, imported only when picked: engine ``vllm`` pulls in
+vLLM (and torch) at start, which no other kind, and no test of another kind, pays for.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,12 @@ def create_engine(settings: EngineSettings) -> Engine:
         from engine.sim import SimEngine
 
         return SimEngine(settings.sim, model_name=settings.model)
-    raise EngineUnavailable(
-        f"engine {settings.kind!r} is not part of this build yet; use --engine sim"
-    )
+    if settings.kind == "vllm":
+        from engine.vllm import VllmEngine
+
+        return VllmEngine(settings)
+    if settings.kind == "openai":
+        from engine.openai_upstream import OpenAIUpstreamEngine
+
+        return OpenAIUpstreamEngine(settings)
+    raise EngineUnavailable(f"unknown engine kind {settings.kind!r}; use sim, vllm or openai")

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from engine import EngineUnavailable
 from proxy import settings as config
+from proxy.errors import EngineError
 from proxy.serving import run_loop, serve_until_drained, wait_for_signal
 
 log = logging.getLogger("unitproxy")
@@ -63,6 +64,22 @@ ENGINE = (
     Flag("--sim-error-after-tokens", "engine.sim.error_after_tokens", "N"),
     Flag("--sim-hang-after-requests", "engine.sim.hang_after_requests", "N"),
     Flag("--sim-crash-after-requests", "engine.sim.crash_after_requests", "N"),
+    Flag("--served-model-name", "engine.served_model_name", "NAME"),
+    Flag("--tokenizer", "engine.tokenizer", "PATH"),
+    Flag("--tensor-parallel-size", "engine.tensor_parallel_size", "N"),
+    Flag("--pipeline-parallel-size", "engine.pipeline_parallel_size", "N"),
+    Flag("--data-parallel-size", "engine.data_parallel_size", "N"),
+    Flag("--max-num-seqs", "engine.max_num_seqs", "N"),
+    Flag("--max-model-len", "engine.max_model_len", "TOKENS"),
+    Flag("--dtype", "engine.dtype"),
+    Flag("--quantization", "engine.quantization", "METHOD"),
+    Flag("--speculative-config", "engine.speculative_config", "JSON"),
+    Flag("--additional-config", "engine.additional_config", "JSON"),
+    Flag("--engine-args", "engine.engine_args", "JSON"),
+    Flag("--upstream-api-key", "engine.upstream_api_key", "KEY"),
+    Flag("--upstream-metrics-interval", "engine.upstream_metrics_interval_s", "SECONDS"),
+    Flag("--upstream-timeout", "engine.upstream_timeout_s", "SECONDS"),
+    Flag("--upstream-vllm-extras", "engine.upstream_vllm_extras", "{true,false}"),
 )
 SIDECAR = (
     Flag("--unit-id", "sidecar.unit_id", "ID"),
@@ -222,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineUnavailable as exc:
         print(f"unitproxy: invalid configuration: engine.kind: {exc}", file=sys.stderr)
         return 2
+    except EngineError as exc:  # the engine did not come up; its cause is in the message
+        print(f"unitproxy: engine failed to start: {exc.message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

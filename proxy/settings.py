@@ -8,6 +8,7 @@ below. Every field says its default and unit.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -158,7 +159,85 @@ class EngineSettings(_Section):
     upstream_url: str | None = Field(
         None, description="Base URL of the OpenAI-compatible server, for engine openai. No default."
     )
+    # -- engine vllm: passed through to vLLM's engine arguments ----------------------
+    served_model_name: str | None = Field(
+        None,
+        description="Model name shown in /v1/models and expected in requests, for engine vllm. Default: the model path.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer path or name, for engine vllm. Default: the model's."
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Tensor parallel degree (devices per pipeline stage), for engine vllm. Default 1.",
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Pipeline parallel stages, for engine vllm. Default 1."
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="Data parallel replicas inside the engine, for engine vllm. Default 1."
+    )
+    max_num_seqs: int | None = Field(
+        None, gt=0, description="Most sequences in one batch, for engine vllm. Default: vLLM's."
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Longest prompt plus output, in tokens, for engine vllm. Default: the model's.",
+    )
+    dtype: str = Field(
+        "auto",
+        description="Weight and activation dtype (auto, bfloat16, float16, float32), for engine vllm. Default auto.",
+    )
+    quantization: str | None = Field(
+        None, description="Quantization method (e.g. fp8, awq), for engine vllm. Default none."
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description='Speculative decoding config as a JSON object (e.g. {"method": "ngram", "num_speculative_tokens": 4}), for engine vllm. Default none.',
+    )
+    additional_config: dict[str, Any] | None = Field(
+        None,
+        description='Platform-specific config as a JSON object (Neuron: {"override_neuron_config": {...}}), for engine vllm. Default none.',
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Any other vLLM engine arguments as a JSON object (e.g. {"enforce_eager": true}); they win over the fields above. Default none.',
+    )
+    # -- engine openai ---------------------------------------------------------------
+    upstream_api_key: str | None = Field(
+        None, description="Bearer token sent to the upstream, for engine openai. Default none."
+    )
+    upstream_metrics_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="Time between two reads of the upstream's /metrics, in s, for engine openai. Default 1.",
+    )
+    upstream_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait to connect to the upstream, and for its /health and /metrics, in s, for engine openai. Default 10.",
+    )
+    upstream_vllm_extras: bool = Field(
+        True,
+        description="Ask the upstream for vLLM's stream extras (token ids, usage in every chunk); turn off for servers that reject unknown fields. Default true.",
+    )
     sim: SimSettings = Field(default_factory=SimSettings)  # type: ignore[arg-type]
+
+    @field_validator("speculative_config", "additional_config", "engine_args", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        # Flags and TOML strings carry these as JSON text; env values arrive parsed.
+        if not isinstance(value, str):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object")
+        return parsed
 
 
 ProbeKind = Literal["grpc", "grpc-watch", "http", "tcp"]

@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import aiohttp
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from proxy.cli import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
 from proxy.procutil import die_with_parent
@@ -153,8 +153,19 @@ def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
         value = getattr(section, name)
         if name in section.model_fields_set and value is not None:
             assert not f.many, f"{f.flag}: repeatable flags are not passed on"
-            argv += [f.flag, str(value)]
+            argv += [f.flag, _flag_value(value)]
     return argv
+
+
+def _flag_value(value: object) -> str:
+    """A settings value as the command line writes it (tables as JSON, secrets revealed)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def allocate_ports(up: UpSettings) -> Iterator[int]:

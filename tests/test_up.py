@@ -237,3 +237,13 @@ async def test_a_child_that_cannot_start_fails_up_and_stops_the_rest(
     pids = [int(pid) for pid in re.findall(r"started \S+(?: \S+)? \(pid (\d+)\)", output)]
     assert len(pids) == 5, output
     assert [pid for pid in pids if _alive(pid)] == []
+
+
+def test_table_values_reach_the_sidecars_as_json() -> None:
+    from proxy.cli import ENGINE
+    from proxy.settings import load
+    from proxy.up import given_flags
+
+    settings = load({"engine": {"engine_args": {"enforce_eager": True}, "kind": "sim"}})
+    argv = given_flags(settings, ENGINE)
+    assert argv[argv.index("--engine-args") + 1] == '{"enforce_eager": true}'

@@ -1,0 +1,116 @@
+"""docs/ against the code: the configuration reference is what its generator makes now,
+and every setting, flag, environment variable, metric and link the docs name exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import build_parser
+from tests.test_deploy import _gen_config_reference, exported_metric_names
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+FILE_SUFFIXES = {"yaml", "json", "md", "py", "toml", "txt"}
+REGENERATE = "docs/configuration.md is stale: run `python scripts/gen_config_reference.py`"
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+def _code_spans(text: str) -> list[str]:
+    """Inline code spans and the lines of fenced code blocks."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+    inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return [line for block in blocks for line in block.splitlines()] + inline
+
+
+def test_configuration_reference_is_fresh() -> None:
+    made = _gen_config_reference().render()
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == made, REGENERATE
+
+
+def test_configuration_reference_lists_every_setting() -> None:
+    gen = _gen_config_reference()
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for section in gen.sections():
+        for name, _ in gen.leaf_fields(section):
+            key = ".".join((*section.path, name))
+            assert f"### `{key}`" in text, f"{key} is missing: {REGENERATE}"
+            assert f"`{gen.env_name((*section.path, name))}`" in text
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_environment_variables_named_in_docs_exist(path: Path) -> None:
+    gen = _gen_config_reference()
+    known = {gen.env_name((*s.path, n)) for s in gen.sections() for n, _ in gen.leaf_fields(s)}
+    named = set(re.findall(r"\bUNITPROXY_[A-Z0-9_]*__[A-Z0-9_]+\b", _text(path)))
+    assert named <= known, f"{path.name} names settings that do not exist: {named - known}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_setting_keys_named_in_docs_exist(path: Path) -> None:
+    gen = _gen_config_reference()
+    sections = {".".join(s.path) for s in gen.sections()}
+    keys = {".".join((*s.path, n)) for s in gen.sections() for n, _ in gen.leaf_fields(s)}
+    for span in _code_spans(_text(path)):
+        for key in re.findall(r"^([a-z_]+(?:\.[a-z_]+)+)$", span.strip()):
+            if key.rsplit(".", 1)[1] in FILE_SUFFIXES:
+                continue
+            if key.split(".")[0] in sections:
+                assert key in keys | sections, f"{path.name}: `{key}` is no setting"
+
+
+def _subcommand_flags() -> dict[str, set[str]]:
+    gen = _gen_config_reference()
+    return {
+        name: {opt for action in parser._actions for opt in action.option_strings}
+        for name, parser in gen._subcommands(build_parser()).items()
+    }
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_unitproxy_command_lines_in_docs_use_real_flags(path: Path) -> None:
+    flags = _subcommand_flags()
+    every = set().union(*flags.values())
+    for span in _code_spans(_text(path)):
+        for command, rest in re.findall(r"\bunitproxy (sidecar|follower|gateway|up)\b(.*)", span):
+            options = rest.split(" -- ")[0]  # after --: the worker's own command
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", options):
+                assert flag in flags[command], f"{path.name}: `unitproxy {command}` has no {flag}"
+        lone = re.fullmatch(r"(--[a-z][a-z0-9-]*)(?:[ =].*)?", span.strip())
+        if lone:
+            assert lone[1] in every, f"{path.name}: `{span}`: no unitproxy command has {lone[1]}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_metrics_named_in_docs_exist(path: Path) -> None:
+    known = exported_metric_names() | _families()
+    named = set(re.findall(r"\bunitproxy_[a-z0-9_]+", _text(path)))
+    assert named <= known, f"{path.name} names metrics that do not exist: {named - known}"
+
+
+def _families() -> set[str]:
+    """Names as the docs write them: histograms without _bucket/_sum/_count."""
+    return {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported_metric_names()}
+
+
+def test_operations_guide_explains_every_metric() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    rows = set(re.findall(r"^\| `(unitproxy_[a-z0-9_]+)` \|", text, flags=re.M))
+    missing = _families() - rows
+    assert not missing, f"docs/operations.md: add a row to the metrics table for {sorted(missing)}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(path: Path) -> None:
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", _text(path)):
+        if re.match(r"[a-z]+://", target):
+            continue
+        assert (path.parent / target).exists(), f"{path.name}: link to {target} is broken"
