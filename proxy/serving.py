@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -9,7 +10,8 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Protocol
+from types import TracebackType
+from typing import Any, Protocol, Self
 
 import grpc
 from aiohttp import web
@@ -88,6 +90,36 @@ def advertised_host(host: str, advertise: str | None = None) -> str:
     if host in ("0.0.0.0", "::", ""):
         return socket.gethostname()
     return f"[{host}]" if ":" in host else host
+
+
+class Service(abc.ABC):
+    """A server that builds itself in ``_start`` and owns what it opens in ``_stack``.
+
+    ``async with`` starts it; leaving the block (or a failed start) closes everything
+    it opened, in reverse order.
+    """
+
+    def __init__(self) -> None:
+        self._stack = AsyncExitStack()
+
+    @abc.abstractmethod
+    async def _start(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stack.aclose()
 
 
 class Signals:

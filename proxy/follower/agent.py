@@ -12,10 +12,7 @@ import contextlib
 import logging
 import random
 import signal
-from contextlib import AsyncExitStack
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 import aiohttp
 from aiohttp import web
@@ -29,7 +26,7 @@ from proxy.checks import Checker, CheckPolicy, Probe
 from proxy.httputil import json_response
 from proxy.metrics import HealthMetrics
 from proxy.procutil import die_with_parent
-from proxy.serving import advertised_host, cancel_tasks, start_grpc, start_http
+from proxy.serving import Service, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import CheckSpec, Settings
 
 log = logging.getLogger(__name__)
@@ -75,8 +72,9 @@ class NodeState:
         self.changes.notify()
 
 
-class FollowerAgent:
+class FollowerAgent(Service):
     def __init__(self, settings: Settings, worker_command: list[str] | None = None):
+        super().__init__()
         self.settings = settings
         self.node = settings.follower.node_name
         self.registry = CollectorRegistry()
@@ -88,24 +86,7 @@ class FollowerAgent:
         self.worker_exited = asyncio.Event()
         self.http_url = ""
         self.grpc_target = ""
-        self._stack = AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self._start()
-        except BaseException:
-            await self._stack.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._stack.aclose()
 
     async def _start(self) -> None:
         s, stack = self.settings, self._stack

@@ -8,9 +8,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from contextlib import AsyncExitStack
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import aiohttp
 import grpc
@@ -37,7 +35,15 @@ from proxy.httputil import (
 )
 from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, ServingMetrics
-from proxy.serving import Drain, Gate, advertised_host, cancel_tasks, start_grpc, start_http
+from proxy.serving import (
+    Drain,
+    Gate,
+    Service,
+    advertised_host,
+    cancel_tasks,
+    start_grpc,
+    start_http,
+)
 from proxy.settings import Settings, UnitTarget
 from proxy.tls import ClientTLS, server_tls
 
@@ -53,10 +59,11 @@ UNIT_CHANNEL_OPTIONS = (
 )
 
 
-class Gateway:
+class Gateway(Service):
     """A running gateway: ``async with Gateway(settings) as gateway`` serves until exit."""
 
     def __init__(self, settings: Settings):
+        super().__init__()
         self.settings = settings
         self.registry = CollectorRegistry()
         self.metrics = ServingMetrics(self.registry)
@@ -68,7 +75,6 @@ class Gateway:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self.redis_source: RedisSource | None = None
-        self._stack = AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._served = False
         self.api_keys = ApiKeys()
@@ -79,22 +85,6 @@ class Gateway:
         self.drain = Drain(
             lambda: self.gate.in_flight, self.changes, settings.server.drain_timeout_s
         )
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self._start()
-        except BaseException:
-            await self._stack.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._stack.aclose()
 
     async def _start(self) -> None:
         s, stack = self.settings, self._stack

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from contextlib import AsyncExitStack
-from types import TracebackType
-from typing import Self
 
 import aiohttp
 import grpc
@@ -25,7 +22,7 @@ from proxy.errors import EngineError
 from proxy.load import UnitState
 from proxy.metrics import HealthMetrics, ServingMetrics, UnitMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
-from proxy.serving import Drain, advertised_host, cancel_tasks, start_grpc, start_http
+from proxy.serving import Drain, Service, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import FollowerTarget, Settings
 from proxy.sidecar import grpc_api, http
 from proxy.sidecar.core import SidecarCore
@@ -41,10 +38,11 @@ INFERENCE_SERVICE = "unitproxy.v1.Inference"
 LEADER = "leader"
 
 
-class Sidecar:
+class Sidecar(Service):
     """A running sidecar: ``async with Sidecar(settings) as sidecar`` serves until exit."""
 
     def __init__(self, settings: Settings, engine: Engine | None = None):
+        super().__init__()
         self.settings = settings
         self.registry = CollectorRegistry()
         self.changes = Broadcast()
@@ -72,24 +70,7 @@ class Sidecar:
         )
         self.http_url = ""
         self.grpc_target = ""
-        self._stack = AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self._start()
-        except BaseException:
-            await self._stack.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._stack.aclose()
 
     async def _start(self) -> None:
         s = self.settings
