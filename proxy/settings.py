@@ -456,6 +456,11 @@ class GatewaySettings(_Section):
         gt=0,
         description="Most open HTTP connections from this gateway to one unit. Default 512.",
     )
+    response_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for a unit to start answering (its first token, when streaming), in s; past it the request gets 504 and the unit a failure toward ejection. Default 300.",
+    )
     request_timeout_s: float | None = Field(
         None, gt=0, description="Deadline of a request that brings none, in s. Default none."
     )

@@ -349,3 +349,52 @@ async def test_gateway_endpoints(
         assert name in text
     async with http.post(f"{gw.http_url}/v1/nothing", json={}) as resp:
         assert resp.status == 404
+
+
+async def test_errors_mid_stream_count_toward_ejection(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim={"error_after_tokens": 2})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway([a, b], policy="round_robin", eject_after=2, eject_s=30)
+    body = {"prompt": "x", "max_tokens": 5, "stream": True}
+    for _ in range(4):  # round robin: a, b, a, b
+        async with http.post(f"{gw.http_url}/v1/completions", json=body) as resp:
+            await resp.read()
+    assert gw.router.units["a"].ejected_until > 0, "two streams that ended in errors"
+    assert gw.router.units["b"].ejected_until == 0
+
+
+async def test_a_unit_that_never_answers_gets_504_and_is_ejected(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    import contextlib
+
+    from proxy.settings import load
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_and_say_nothing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    wedged = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = wedged.sockets[0].getsockname()[1]
+    reports = await start_sidecar(sidecar={"unit_id": "a"})  # its gRPC says SERVING
+    settings = load({
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        "gateway": {"units": [f"a=http://127.0.0.1:{port},{reports.grpc_target}"],
+                    "response_timeout_s": 0.3, "eject_after": 2, "eject_s": 30},
+    })  # fmt: skip
+    async with Gateway(settings) as gw:
+        await wait_until(lambda: bool(gw.router.serving()), what="a reports SERVING")
+        for _ in range(2):
+            async with http.post(f"{gw.http_url}/v1/completions", json={"prompt": "x"}) as resp:
+                assert resp.status == 504
+                assert "no response within 0.3 s" in (await resp.json())["error"]["message"]
+        assert gw.router.units["a"].ejected_until > 0
+        assert gw.router.units["a"].inflight == 0
+    for writer in held:
+        writer.close()
+    wedged.close()
+    with contextlib.suppress(Exception):
+        await wedged.wait_closed()

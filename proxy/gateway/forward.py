@@ -39,6 +39,25 @@ PASSED_HEADERS = ("Content-Type", "Retry-After")
 MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed for all purposes
 
 
+class UnitTimeout(DeadlineExceeded):
+    """The unit took longer than the gateway allows to start answering."""
+
+
+# A 503 whose code says the unit is not taking work (its state) is a refusal, like 429;
+# any other 503 is the unit failing and counts toward its ejection.
+NOT_TAKING_WORK = frozenset({"starting", "not_serving", "draining"})
+
+
+def _refusal(status: int, body: bytes) -> bool:
+    if status == 429:
+        return True
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return code in NOT_TAKING_WORK
+
+
 @dataclass(slots=True)
 class Refused:
     """A unit said no before any work: the attempt may go to another unit."""
@@ -133,13 +152,12 @@ class Forwarder:
             timeout = aiohttp.ClientTimeout(total=left)
         outcome = Outcome.FAILED
         try:
-            async with self._sessions[unit.id].post(
-                f"{unit.http_url}{request.path}", data=body, headers=headers, timeout=timeout
-            ) as upstream:
+            upstream = await self._response(unit, request.path, body, headers, timeout, deadline)
+            async with upstream:
                 if upstream.status in (429, 503):
-                    # 429: full, no fault. 503: not serving, counts toward ejection.
-                    outcome = Outcome.REFUSED if upstream.status == 429 else Outcome.FAILED
-                    return Refused(str(upstream.status), upstream.status, await upstream.read(),
+                    data = await upstream.read()
+                    outcome = Outcome.REFUSED if _refusal(upstream.status, data) else Outcome.FAILED
+                    return Refused(str(upstream.status), upstream.status, data,
                                    _passed_headers(upstream, unit.id, request_id))  # fmt: skip
                 outcome = Outcome.FAILED if upstream.status >= 500 else Outcome.OK
                 if upstream.content_type == "text/event-stream":
@@ -152,6 +170,9 @@ class Forwarder:
                 self._metrics.ttft.labels(route).observe(time.monotonic() - started)
                 return web.Response(status=upstream.status, body=data,
                                     headers=_passed_headers(upstream, unit.id, request_id))  # fmt: skip
+        except UnitTimeout as exc:
+            log.warning("%s", exc.message)
+            raise
         except TimeoutError as exc:
             outcome = Outcome.OK  # the request's own deadline, not the unit's fault
             raise DeadlineExceeded("the request's deadline passed") from exc
@@ -165,6 +186,30 @@ class Forwarder:
             )
         finally:
             self._router.release(unit, outcome)
+
+    async def _response(
+        self,
+        unit: Unit,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        client_timeout: aiohttp.ClientTimeout | None,
+        deadline: float | None,
+    ) -> aiohttp.ClientResponse:
+        """The unit's response headers (with its first token, when streaming).
+
+        A unit that sends none within ``response_timeout_s`` has failed: 504, and it
+        counts toward its ejection. The request's own deadline is no fault of the unit.
+        """
+        limit = self._settings.response_timeout_s
+        post = self._sessions[unit.id].post(f"{unit.http_url}{path}", data=body, headers=headers,
+                                            timeout=client_timeout)  # fmt: skip
+        try:
+            return await asyncio.wait_for(post, limit)
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline - MIN_LEFT_S:
+                raise
+            raise UnitTimeout(f"unit {unit.id} sent no response within {limit:g} s") from None
 
     async def _pipe(
         self,
@@ -183,6 +228,7 @@ class Forwarder:
         )
         response.headers["Cache-Control"] = "no-cache"
         tail = b"\n\n"
+        last = b""
         try:
             first = True
             async for data in upstream.content.iter_any():
@@ -191,11 +237,11 @@ class Forwarder:
                     self._metrics.ttft.labels(route).observe(time.monotonic() - started)
                     first = False
                 await response.write(data)
-                tail = data[-2:]
+                tail, last = data[-2:], data
             if first:
                 await response.prepare(request)
             await response.write_eof()
-            return response, True
+            return response, not _ended_by_unit_error(last)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             if not response.prepared:
                 raise  # nothing reached the client yet: the attempt may go elsewhere
@@ -211,6 +257,12 @@ class Forwarder:
             await response.write(separator + openai_api.sse_error(error.body()))
             await response.write_eof()
             return response, isinstance(exc, TimeoutError)
+
+
+def _ended_by_unit_error(last: bytes) -> bool:
+    """Did the unit end the stream with an error event of its own (not the deadline)?"""
+    at = last.rfind(b'data: {"error"')
+    return at >= 0 and b"timeout_error" not in last[at:]
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -1,0 +1,758 @@
+"""Failover under streaming load: what clients lose, and how fast the gateway routes away.
+
+Each repetition starts a fresh cell on 127.0.0.1: N units (``python -m proxy
+follower`` and ``python -m proxy sidecar --engine sim --follower f1=TARGET`` each)
+behind one ``python -m proxy gateway``, sidecar and gateway ports chosen free
+beforehand (a restarted sidecar comes back on its own). C clients in this process
+stream completions back to back through the gateway, each with a deadline
+(x-unitproxy-timeout-ms), and an observer polls the gateway's /units every 10 ms.
+
+Scenarios:
+
+    rolling-restart          each unit in turn: SIGTERM its sidecar (drain), wait for it
+                             to exit, start it again on the same ports, wait until the
+                             gateway routes to it again (SERVING and not ejected), next
+    rolling-restart-serving  the same, but the next unit drains as soon as the gateway
+                             shows the last one SERVING, ejected or not
+    follower-kill            SIGKILL the follower agent of unit u0; it stays dead
+    sidecar-kill             SIGKILL the sidecar of unit u0 (streams on it are cut)
+
+Reported per scenario (over all repetitions): requests by outcome; lost = every request
+that did not end as a whole stream; client errors by kind; and per fault, from just
+before ``os.kill`` (monotonic clock of this process):
+
+    away (log)    the gateway's log line "unit X: SERVING -> ..." (ms timestamps)
+    away (poll)   the first /units poll that shows the unit not SERVING
+    last routed   the last /units poll in which the unit's routed counter went up
+    last started  the start of the last request the unit answered (x-unitproxy-unit)
+
+    .venv/bin/python bench/failover/under_load.py            # about 3 minutes
+    .venv/bin/python bench/failover/under_load.py --quick    # 1 repetition each
+    .venv/bin/python bench/failover/under_load.py --scenarios follower-kill --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "bench" / "results" / "failover_under_load.json"
+HOST = "127.0.0.1"
+DEADLINE_MS = 30_000
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0  # SIGCONT + SIGTERM, then SIGKILL after this
+POLL_S = 0.01
+SIM = ["--sim-decode-step-ms", "5", "--sim-decode-ms-per-seq", "0",
+       "--sim-prefill-ms-per-token", "0"]  # fmt: skip
+FOLLOWER_LINE = re.compile(rb"gRPC health (\S+), HTTP (\S+),")
+# The gateway stops routing to a unit on either line: its report says so, or it is gone.
+AWAY = re.compile(
+    r"^(\S+ \S+) \S+ proxy\.gateway\.router: unit (\S+): "
+    r"(?:SERVING -> (\S+)|no load report \((.*)\))"
+)
+
+T = TypeVar("T")
+
+
+# -- child processes ------------------------------------------------------------------
+
+
+class ChildFailed(Exception):
+    """A child exited early or did not come up; the message says which and why."""
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    log: Path
+    proc: asyncio.subprocess.Process
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+
+    def tail(self, lines: int = 10) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    async def stop(self) -> int:
+        if self.proc.returncode is None:
+            self.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            self.signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await self.proc.wait()
+            except TimeoutError:
+                self.signal(signal.SIGKILL)
+                await self.proc.wait()
+        assert self.proc.returncode is not None
+        return self.proc.returncode
+
+
+@asynccontextmanager
+async def running(name: str, args: Sequence[str], log: Path) -> AsyncIterator[Child]:
+    """``python -m proxy ARGS``, output to ``log``; stopped on the way out, whatever happened."""
+    with log.open("ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", *args,
+            cwd=REPO, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+        )  # fmt: skip
+    child = Child(name, log, proc)
+    try:
+        yield child
+    finally:
+        await child.stop()
+
+
+def free_ports(n: int) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+async def until_ready(http: aiohttp.ClientSession, child: Child, url: str) -> None:
+    async with asyncio.timeout(START_TIMEOUT_S):
+        while True:
+            if child.proc.returncode is not None:
+                raise ChildFailed(f"{child.name} exited ({child.proc.returncode}):\n{child.tail()}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"{url}/ready") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+
+
+async def follower_target(child: Child) -> str:
+    async with asyncio.timeout(START_TIMEOUT_S):
+        while not (match := FOLLOWER_LINE.search(child.log.read_bytes())):
+            if child.proc.returncode is not None:
+                raise ChildFailed(f"{child.name} exited early:\n{child.tail()}")
+            await asyncio.sleep(0.02)
+    return match[1].decode()
+
+
+# -- the cell -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class UnitProcs:
+    id: str
+    http_port: int
+    grpc_port: int
+    follower_target: str
+    follower: Child | None = None
+    sidecar: Child | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    def sidecar_args(self) -> list[str]:
+        return ["sidecar", "--host", HOST, "--http-port", str(self.http_port),
+                "--grpc-port", str(self.grpc_port), "--unit-id", self.id,
+                "--follower", f"f1={self.follower_target}", *SIM]  # fmt: skip
+
+
+@dataclass(slots=True)
+class Cell:
+    units: list[UnitProcs]
+    gateway: Child
+    gateway_url: str
+    workdir: Path
+    stack: AsyncExitStack
+    exits: dict[str, list[int]] = field(default_factory=dict)
+
+    async def start_sidecar(self, http: aiohttp.ClientSession, unit: UnitProcs) -> None:
+        log = self.workdir / f"{unit.id}.sidecar.log"
+        unit.sidecar = await self.stack.enter_async_context(
+            running(f"sidecar {unit.id}", unit.sidecar_args(), log)
+        )
+        await until_ready(http, unit.sidecar, unit.http_url)
+
+
+async def start_cell(
+    http: aiohttp.ClientSession, n: int, workdir: Path, stack: AsyncExitStack
+) -> Cell:
+    ports = free_ports(2 * n + 2)
+    units = []
+    for i in range(n):
+        log = workdir / f"u{i}.follower.log"
+        args = ["follower", "--host", HOST, "--http-port", "0", "--grpc-port", "0",
+                "--node-name", "f1"]  # fmt: skip
+        follower = await stack.enter_async_context(running(f"follower u{i}", args, log))
+        unit = UnitProcs(f"u{i}", ports[2 * i], ports[2 * i + 1], await follower_target(follower))
+        unit.follower = follower
+        units.append(unit)
+    gw_http, gw_grpc = ports[-2:]
+    flags = [f for u in units for f in ("--unit", f"{u.id}={u.http_url},{HOST}:{u.grpc_port}")]
+    args = ["gateway", "--host", HOST, "--http-port", str(gw_http), "--grpc-port", str(gw_grpc),
+            *flags]  # fmt: skip
+    # Entered before the sidecars, so stopped after them: it sees every drain.
+    gateway = await stack.enter_async_context(running("gateway", args, workdir / "gateway.log"))
+    cell = Cell(units, gateway, f"http://{HOST}:{gw_http}", workdir, stack)
+    for unit in units:
+        await cell.start_sidecar(http, unit)
+    await until_ready(http, gateway, cell.gateway_url)
+    await every_unit_serving(http, cell.gateway_url)
+    return cell
+
+
+async def every_unit_serving(http: aiohttp.ClientSession, gateway_url: str) -> None:
+    """The gateway's /ready needs one unit; the load must start with all of them."""
+    async with asyncio.timeout(START_TIMEOUT_S):
+        while True:
+            async with http.get(f"{gateway_url}/units") as resp:
+                units = (await resp.json())["units"]
+            if all(u["state"] == "SERVING" and not u["ejected_for_s"] for u in units):
+                return
+            await asyncio.sleep(0.05)
+
+
+# -- load and observation -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    kind: str  # "ok", or what the client saw instead
+    unit: str | None
+    started: float
+    ended: float
+
+
+def classify(events: list[bytes], tokens: int) -> str:
+    if events and events[-1] == b"data: [DONE]\n":
+        got = len(events) - 1
+        return "ok" if got == tokens else f"short stream ({got}/{tokens} tokens)"
+    if events:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return f"SSE error event: {json.loads(events[-1][6:])['error']['type']}"
+    return "stream cut without an error event"
+
+
+async def one_stream(http: aiohttp.ClientSession, url: str, tokens: int) -> Result:
+    body = {"prompt": "x", "max_tokens": tokens, "stream": True}
+    started, unit = time.monotonic(), None
+    try:
+        async with asyncio.timeout(DEADLINE_MS / 1000 + 5):
+            headers = {"x-unitproxy-timeout-ms": str(DEADLINE_MS)}
+            async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+                unit = resp.headers.get("x-unitproxy-unit")
+                if resp.status != 200:
+                    code = (await resp.json()).get("error", {}).get("code", "")
+                    kind = f"HTTP {resp.status} {code}".strip()
+                else:
+                    events = [line async for line in resp.content if line.startswith(b"data: ")]
+                    kind = classify(events, tokens)
+    except TimeoutError:
+        kind = "hung past its deadline"
+    except aiohttp.ClientError as exc:
+        kind = f"connection error: {type(exc).__name__}"
+    return Result(kind, unit, started, time.monotonic())
+
+
+class Load:
+    def __init__(self, http: aiohttp.ClientSession, url: str, clients: int, tokens: int):
+        self.results: list[Result] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._loop(http, url, tokens)) for _ in range(clients)]
+
+    async def _loop(self, http: aiohttp.ClientSession, url: str, tokens: int) -> None:
+        while not self._stop.is_set():
+            self.results.append(await one_stream(http, url, tokens))
+
+    async def stop(self) -> list[Result]:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        return self.results
+
+
+@dataclass(slots=True)
+class Sample:
+    at: float
+    state: str | None
+    routed: int
+    ejected: bool
+
+
+class Observer:
+    """Polls the gateway's /units; keeps every sample of every unit."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str):
+        self.samples: dict[str, list[Sample]] = {}
+        self._task = asyncio.create_task(self._poll(http, url))
+
+    async def _poll(self, http: aiohttp.ClientSession, url: str) -> None:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"{url}/units") as resp:
+                    body = await resp.json()
+                now = time.monotonic()
+                for u in body["units"]:
+                    sample = Sample(now, u["state"], u["routed"], u["ejected_for_s"] > 0)
+                    self.samples.setdefault(u["id"], []).append(sample)
+            await asyncio.sleep(POLL_S)
+
+    def latest(self, unit: str) -> Sample | None:
+        samples = self.samples.get(unit)
+        return samples[-1] if samples else None
+
+    async def until(self, unit: str, routable: bool, timeout_s: float = 30) -> float:
+        """Wait for a sample showing the unit SERVING (and, if asked, not ejected)."""
+        seen = len(self.samples.get(unit, []))
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for s in self.samples.get(unit, [])[seen:]:
+                    if s.state == "SERVING" and not (routable and s.ejected):
+                        return s.at
+                seen = len(self.samples.get(unit, []))
+                await asyncio.sleep(POLL_S)
+
+    def first_away(self, unit: str, after: float) -> float | None:
+        return next(
+            (s.at for s in self.samples[unit] if s.at >= after and s.state != "SERVING"), None
+        )
+
+    def last_routed(self, unit: str, after: float, until: float) -> float | None:
+        """The first sample after the unit's routed counter last went up in the window."""
+        window = [s for s in self.samples[unit] if s.at <= until]
+        last = None
+        for prev, cur in itertools.pairwise(window):
+            if cur.at >= after and cur.routed > prev.routed:
+                last = cur.at
+        return last
+
+    def ejected_during(self, unit: str, after: float, until: float) -> bool:
+        return any(s.ejected for s in self.samples[unit] if after <= s.at <= until)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def gateway_away_lines(log: Path) -> list[tuple[float, str, str]]:
+    """(wall-clock time, unit, why) of each line where the gateway stops routing to a unit:
+    "SERVING -> X", or "no load report (...)"."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        if match := AWAY.match(line):
+            stamp, ms = match[1].split(",")
+            at = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
+            found.append((at, match[2], match[3] or match[4]))
+    return found
+
+
+# -- faults ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Fault:
+    unit: str
+    what: str
+    at: float  # time.monotonic(), just before os.kill
+    wall: float  # time.time(), the same moment
+    ended: float = 0.0  # when the scenario stopped watching this fault
+    down_until: float = 0.0  # the unit was down until then (restarted or watch ended)
+    away_because: str = ""  # the gateway's log: the new state, or why the report went
+    drain_s: float | None = None  # SIGTERM -> the sidecar exited
+    exit_code: int | None = None
+    ready_s: float | None = None  # restart -> the new sidecar's /ready says 200
+    serving_again_s: float | None = None  # restart -> SERVING at the gateway
+    routable_again_s: float | None = None  # restart -> SERVING and not ejected
+    timings_ms: dict[str, float | None] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    ejected: bool = False
+
+
+def inject(unit: UnitProcs, child: Child | None, sig: signal.Signals, what: str) -> Fault:
+    assert child is not None
+    fault = Fault(unit.id, what, time.monotonic(), time.time())
+    child.signal(sig)
+    return fault
+
+
+async def rolling_restart(
+    http: aiohttp.ClientSession, cell: Cell, observer: Observer, routable: bool
+) -> list[Fault]:
+    faults = []
+    for unit in cell.units:
+        assert unit.sidecar is not None
+        old = unit.sidecar
+        fault = inject(unit, old, signal.SIGTERM, "SIGTERM sidecar (drain), restart")
+        fault.exit_code = await old.proc.wait()
+        fault.drain_s = time.monotonic() - fault.at
+        restarted = fault.down_until = time.monotonic()
+        await cell.start_sidecar(http, unit)
+        fault.ready_s = time.monotonic() - restarted
+        fault.serving_again_s = await observer.until(unit.id, False) - restarted
+        if routable:
+            fault.routable_again_s = await observer.until(unit.id, True) - restarted
+        fault.ended = time.monotonic()
+        faults.append(fault)
+    return faults
+
+
+async def kill_one(cell: Cell, follower: bool, watch_s: float) -> list[Fault]:
+    unit = cell.units[0]
+    child, what = (
+        (unit.follower, "SIGKILL follower") if follower else (unit.sidecar, "SIGKILL sidecar")
+    )
+    fault = inject(unit, child, signal.SIGKILL, what)
+    await asyncio.sleep(watch_s)
+    fault.ended = fault.down_until = time.monotonic()
+    return [fault]
+
+
+SCENARIOS = ("rolling-restart", "rolling-restart-serving", "follower-kill", "sidecar-kill")
+
+
+async def run_fault(
+    name: str, http: aiohttp.ClientSession, cell: Cell, observer: Observer, watch_s: float
+) -> list[Fault]:
+    if name == "rolling-restart":
+        return await rolling_restart(http, cell, observer, routable=True)
+    if name == "rolling-restart-serving":
+        return await rolling_restart(http, cell, observer, routable=False)
+    return await kill_one(cell, name == "follower-kill", watch_s)
+
+
+TIMINGS = ("away_log", "away_poll", "last_routed", "last_started")
+
+
+def measure(fault: Fault, observer: Observer, results: list[Result], log: Path) -> None:
+    def ms(t: float | None) -> float | None:
+        return None if t is None else round((t - fault.at) * 1000, 1)
+
+    logged = next(
+        ((at, why) for at, unit, why in gateway_away_lines(log)
+         if unit == fault.unit and at >= fault.wall - 0.01),
+        None,
+    )  # fmt: skip
+    answered = [
+        r.started
+        for r in results
+        if r.unit == fault.unit and fault.at <= r.started <= fault.down_until
+    ]
+    fault.timings_ms = {
+        "away_log": None if logged is None else round((logged[0] - fault.wall) * 1000, 1),
+        "away_poll": ms(observer.first_away(fault.unit, fault.at)),
+        "last_routed": ms(observer.last_routed(fault.unit, fault.at, fault.down_until)),
+        "last_started": ms(max(answered)) if answered else None,
+    }
+    on_unit = [r for r in results if r.unit == fault.unit and r.started < fault.at < r.ended]
+    fault.in_flight = dict(Counter(r.kind for r in on_unit))
+    fault.ejected = observer.ejected_during(fault.unit, fault.at, fault.ended)
+    fault.away_because = "" if logged is None else logged[1]
+
+
+# -- one repetition -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Repetition:
+    scenario: str
+    index: int
+    error: str = ""
+    outcomes: dict[str, int] = field(default_factory=dict)
+    faults: list[Fault] = field(default_factory=list)
+    gateway_retries: dict[str, float] = field(default_factory=dict)
+    # Every line where the gateway stopped routing to a unit, faulty or not:
+    # (ms after the first fault, unit, why).
+    gateway_events: list[tuple[float, str, str]] = field(default_factory=list)
+
+
+async def gateway_retries(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(f"{url}/metrics") as resp:
+        lines = (await resp.text()).splitlines()
+    found = {}
+    for line in lines:
+        if line.startswith("unitproxy_retries_total{"):
+            found[line.split('reason="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+async def repetition(settings: BenchSettings, name: str, index: int, workdir: Path) -> Repetition:
+    rep = Repetition(name, index)
+    tag = workdir / f"{name}-{index}"
+    tag.mkdir()
+    async with AsyncExitStack() as stack:
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        try:
+            cell = await start_cell(http, settings.units, tag, stack)
+            observer = Observer(http, cell.gateway_url)
+            stack.push_async_callback(observer.close)
+            load = Load(http, cell.gateway_url, settings.clients, settings.tokens)
+            await asyncio.sleep(settings.settle_s)
+            rep.faults = await run_fault(name, http, cell, observer, settings.watch_s)
+            await asyncio.sleep(settings.settle_s)
+            results = await load.stop()
+            for fault in rep.faults:
+                measure(fault, observer, results, cell.gateway.log)
+            rep.outcomes = dict(Counter(r.kind for r in results))
+            first = rep.faults[0].wall
+            rep.gateway_events = [(round((at - first) * 1000, 1), unit, why)
+                                  for at, unit, why in gateway_away_lines(cell.gateway.log)]  # fmt: skip
+            rep.gateway_retries = await gateway_retries(http, cell.gateway_url)
+        except (ChildFailed, TimeoutError) as exc:
+            rep.error = str(exc) or type(exc).__name__
+    return rep
+
+
+# -- results --------------------------------------------------------------------------
+
+
+def lost(outcomes: dict[str, int]) -> int:
+    return sum(n for kind, n in outcomes.items() if kind != "ok")
+
+
+def stats(values: Sequence[float | None], missing: str = "-", digits: int = 0) -> str:
+    """min / p50 / max of the known values; ``missing`` counts the unknown ones."""
+    known = [v for v in values if v is not None]
+    absent = len(values) - len(known)
+    if not known:
+        return missing if values else "-"
+    text = " / ".join(f"{v:.{digits}f}" for v in (min(known), statistics.median(known), max(known)))
+    return text if not absent else f"{text} ({absent} {missing})"
+
+
+def scenario_rows(reps: list[Repetition]) -> list[tuple[str, ...]]:
+    rows = []
+    for name in dict.fromkeys(r.scenario for r in reps):
+        mine = [r for r in reps if r.scenario == name]
+        faults = [f for r in mine for f in r.faults]
+        total = Counter[str]()
+        for r in mine:
+            total.update(r.outcomes)
+        times = [
+            stats([f.timings_ms.get(key) for f in faults], "none" if "last" in key else "-")
+            for key in TIMINGS
+        ]
+        rows.append((
+            name, str(len(faults)), str(sum(total.values())), str(lost(total)), *times,
+            f"{sum(f.ejected for f in faults)}/{len(faults)}",
+        ))  # fmt: skip
+    return rows
+
+
+def table(reps: list[Repetition]) -> str:
+    head = ("scenario", "faults", "requests", "lost", "away log ms", "away poll ms",
+            "last routed ms", "last started ms", "ejected")  # fmt: skip
+    rows = [head, *scenario_rows(reps)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in rows]  # fmt: skip
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def notes(reps: list[Repetition]) -> list[str]:
+    lines = []
+    for name in dict.fromkeys(r.scenario for r in reps):
+        mine = [r for r in reps if r.scenario == name]
+        errors = Counter[str]()
+        for r in mine:
+            errors.update({k: n for k, n in r.outcomes.items() if k != "ok"})
+        seen = ", ".join(f"{k}: {n}" for k, n in errors.most_common()) or "none"
+        lines.append(f"  {name}: errors seen by clients: {seen}")
+        why = Counter(f.away_because for r in mine for f in r.faults)
+        lines.append(f"      the gateway's log, routing away: {dict(why)}")
+        in_flight = Counter[str]()
+        for f in (f for r in mine for f in r.faults):
+            in_flight.update(f.in_flight)
+        lines.append(f"      streams in flight on the faulty unit at the fault: {dict(in_flight)}")
+        drains = [f.drain_s for r in mine for f in r.faults if f.drain_s is not None]
+        if drains:
+            ready = [f.ready_s for r in mine for f in r.faults]
+            back = [f.serving_again_s for r in mine for f in r.faults]
+            routable = [f.routable_again_s for r in mine for f in r.faults]
+            codes = sorted({f.exit_code for r in mine for f in r.faults if f.exit_code is not None})
+            lines.append(
+                f"      drain (SIGTERM -> exit) s: {stats(drains, digits=2)} "
+                f"min/p50/max, exit codes {codes}"
+            )
+            lines.append(f"      restart -> sidecar ready s: {stats(ready, digits=2)}; -> SERVING "
+                         f"at gateway s: {stats(back, digits=2)}; -> routable s: "
+                         f"{stats(routable, digits=2)}")  # fmt: skip
+        retried = Counter[str]()
+        for r in mine:
+            retried.update(r.gateway_retries)
+        lines.append(f"      gateway retries by reason: {dict(retried) or 'none'}")
+        lines += [f"      !!! repetition {r.index}: {r.error}" for r in mine if r.error]
+        for r in mine:
+            faulty = {f.unit for f in r.faults}
+            lines += [f"      !!! repetition {r.index}: the gateway also stopped routing to "
+                      f"{unit} at {ms:+.0f} ms: {why}"
+                      for ms, unit, why in r.gateway_events if unit not in faulty]  # fmt: skip
+    return lines
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        loop = f"uvloop {metadata.version('uvloop')}"
+    except metadata.PackageNotFoundError:
+        loop = "asyncio"
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu,
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "platform": platform.platform(),
+        "loop": loop,
+        "aiohttp": aiohttp.__version__,
+    }
+
+
+# -- main -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    scenarios: tuple[str, ...]
+    repeat: int
+    units: int
+    clients: int
+    tokens: int
+    settle_s: float
+    watch_s: float
+    out: Path
+    keep_logs: bool
+
+
+async def run_all(settings: BenchSettings, workdir: Path) -> list[Repetition]:
+    reps = []
+    for name in settings.scenarios:
+        for index in range(settings.repeat):
+            rep = await repetition(settings, name, index, workdir)
+            shown = rep.error or f"{sum(rep.outcomes.values())} requests, {lost(rep.outcomes)} lost"
+            print(f"  {name} #{index}: {shown}", file=sys.stderr, flush=True)
+            reps.append(rep)
+    return reps
+
+
+async def until_signal(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main``; SIGTERM cancels it like Ctrl-C does, so every child is stopped."""
+    task = asyncio.ensure_future(main)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated, of {','.join(SCENARIOS)} (all)")  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=3, help="fresh cells per scenario (3)")
+    parser.add_argument("--quick", action="store_true", help="1 repetition per scenario")
+    parser.add_argument("--units", type=int, default=2, help="units in the cell (2)")
+    parser.add_argument("--clients", type=int, default=16, help="streaming clients (16)")
+    parser.add_argument("--tokens", type=int, default=100,
+                        help="tokens a stream; 5 ms each (100: 0.5 s)")  # fmt: skip
+    parser.add_argument("--settle", type=float, default=2.0, help="load before and after (2 s)")
+    parser.add_argument("--watch", type=float, default=3.0, help="after a kill (3 s)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON ({DEFAULT_OUT})")
+    parser.add_argument("--keep-logs", action="store_true", help="keep child logs even if all ok")
+    args = parser.parse_args(argv)
+    names = tuple(n.strip() for n in args.scenarios.split(",") if n.strip())
+    if not names or set(names) - set(SCENARIOS):
+        parser.error(f"--scenarios: unknown {sorted(set(names) - set(SCENARIOS))}")
+    if args.units < 2:
+        parser.error("--units must be at least 2: failover needs somewhere to go")
+    return BenchSettings(names, 1 if args.quick else args.repeat, args.units, args.clients,
+                         args.tokens, args.settle, args.watch, args.out, args.keep_logs)  # fmt: skip
+
+
+def fault_json(fault: Fault) -> dict[str, Any]:
+    found = asdict(fault)
+    for key in ("at", "ended", "down_until"):
+        found.pop(key)
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="failover-under-load-"))
+    started = time.monotonic()
+    try:
+        reps = run_loop(until_signal(run_all(settings, workdir)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"interrupted; every child was stopped; logs in {workdir}", file=sys.stderr)
+        return 130
+    failed = any(r.error for r in reps)
+    logs = str(workdir)
+    if not failed and not any(lost(r.outcomes) for r in reps) and not settings.keep_logs:
+        shutil.rmtree(workdir, ignore_errors=True)
+        logs += " (removed: every repetition ran, no request lost; --keep-logs keeps them)"
+    report: dict[str, Any] = {
+        "benchmark": "failover_under_load",
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "settings": {**asdict(settings), "out": str(settings.out)},
+        "machine": machine_info(),
+        "duration_s": round(time.monotonic() - started, 1),
+        "logs": logs,
+        "table": table(reps).splitlines(),
+        "repetitions": [
+            {**asdict(r), "lost": lost(r.outcomes), "faults": [fault_json(f) for f in r.faults]}
+            for r in reps
+        ],
+    }
+    settings.out.parent.mkdir(parents=True, exist_ok=True)
+    settings.out.write_text(json.dumps(report, indent=2) + "\n")
+    m = report["machine"]
+    print(f"command: {report['command']}")
+    print(f"machine: nproc {m['nproc']}, {m['cpu_model']}, {m['python']}, loop {m['loop']}")
+    print(f"{settings.units} units, {settings.clients} streaming clients of {settings.tokens} "
+          f"tokens, {settings.repeat} repetitions; {report['duration_s']:g} s in all\n")  # fmt: skip
+    print(table(reps))
+    print("times from just before os.kill, min / p50 / max over faults; 'none': no request "
+          "was routed to (or answered by) the unit after the fault; lost = requests that did "
+          "not end as a whole stream; ejected = faults after which passive health ejected "
+          "the unit")  # fmt: skip
+    print("\n".join(notes(reps)))
+    print(f"\nlogs: {logs}\nJSON: {settings.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
