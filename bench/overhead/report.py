@@ -1,0 +1,206 @@
+"""From measured windows to rows: ratios to direct, the table, the issue's targets, the PNG.
+
+A row pools every repeat of one (scenario, concurrency, target): counts, CPU and time
+are summed, TTFT percentiles are taken over all samples. Ratios and added TTFT compare
+a row with the ``direct`` row of the same scenario and concurrency; the per-repeat
+range of the throughput ratio (each repeat against the direct run beside it) shows
+how much the machine's noise moved it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Run = dict[str, Any]  # one measured window: see run.py's run_one
+Row = dict[str, Any]
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def _per(value: float, count: int, scale: float) -> float | None:
+    return value * scale / count if count else None
+
+
+def _main_count(scenario: str) -> str:
+    """The throughput that matters: requests for non-streamed completions, else chunks."""
+    return "requests" if scenario == "completions" else "chunks"
+
+
+def aggregate(runs: Sequence[Run]) -> list[Row]:
+    groups: dict[tuple[str, int, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[(run["scenario"], run["concurrency"], run["target"])].append(run)
+    rows = {key: _pool(key, group) for key, group in groups.items()}
+    for (scenario, concurrency, _), row in rows.items():
+        direct = rows.get((scenario, concurrency, "direct"))
+        _compare(row, direct, groups.get((scenario, concurrency, "direct"), []), groups)
+    return list(rows.values())
+
+
+def _pool(key: tuple[str, int, str], runs: list[Run]) -> Row:
+    scenario, concurrency, target = key
+    window = sum(r["window_s"] for r in runs)
+    requests = sum(r["requests"] for r in runs)
+    chunks = sum(r["chunks"] for r in runs)
+    ttfts = [t for r in runs for t in r["ttfts"]]
+    roles = ("router", "sidecar", "client", "machine")
+    cpu = {role: sum(r["cpu_s"].get(role, 0.0) for r in runs) for role in roles}
+    # Whatever else ran on the machine meanwhile (other work, idle routers): noise.
+    others = cpu["machine"] - cpu["router"] - cpu["sidecar"] - cpu["client"]
+    errors: dict[str, int] = defaultdict(int)
+    for r in runs:
+        for kind, n in r["errors"].items():
+            errors[kind] += n
+        if r["outstanding_after"] not in (0, None):
+            errors[f"sidecar showed {r['outstanding_after']} outstanding after the run"] += 1
+    p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
+    router = target != "direct"
+    return {
+        "scenario": scenario,
+        "concurrency": concurrency,
+        "target": target,
+        "repeats": len(runs),
+        "window_s": window,
+        "requests": requests,
+        "chunks": chunks,
+        "requests_per_s": requests / window if window else 0.0,
+        "chunks_per_s": chunks / window if window else 0.0,
+        "ttft_samples": len(ttfts),
+        "ttft_p50_ms": None if p50 is None else p50 * 1000,
+        "ttft_p99_ms": None if p99 is None else p99 * 1000,
+        "router_cpu_s": cpu["router"] if router else None,
+        "router_cpu_pct": 100 * cpu["router"] / window if router and window else None,
+        "router_cpu_ms_per_1k_chunks": _per(cpu["router"], chunks, 1e6) if router else None,
+        "router_cpu_us_per_request": _per(cpu["router"], requests, 1e6) if router else None,
+        "sidecar_cpu_pct": 100 * cpu["sidecar"] / window if window else None,
+        "sidecar_cpu_us_per_request": _per(cpu["sidecar"], requests, 1e6),
+        "client_cpu_pct": 100 * cpu["client"] / window if window else None,
+        "client_cpu_us_per_request": _per(cpu["client"], requests, 1e6),
+        "others_cpu_pct": max(0.0, 100 * others / window) if window else None,
+        # Client + router + sidecar CPU per unit of throughput: what bounds the rate once
+        # they alone fill the cores, whatever else the machine was doing.
+        "total_cpu_us_per_unit": _per(
+            cpu["client"] + cpu["sidecar"] + (cpu["router"] if router else 0.0),
+            requests if _main_count(scenario) == "requests" else chunks,
+            1e6,
+        ),
+        "errors": dict(errors),
+        "error_count": sum(errors.values()),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+def _compare(
+    row: Row,
+    direct: Row | None,
+    direct_runs: list[Run],
+    groups: dict[tuple[str, int, str], list[Run]],
+) -> None:
+    d = direct or {}
+    row["requests_ratio"] = _ratio(row["requests_per_s"], d.get("requests_per_s"))
+    row["chunks_ratio"] = _ratio(row["chunks_per_s"] or None, d.get("chunks_per_s"))
+    row["added_ttft_p50_ms"] = _diff(row["ttft_p50_ms"], d.get("ttft_p50_ms"))
+    row["added_ttft_p99_ms"] = _diff(row["ttft_p99_ms"], d.get("ttft_p99_ms"))
+    count = _main_count(row["scenario"])
+    by_repeat = {r["repeat"]: r for r in direct_runs}
+    ratios = []
+    for run in groups[(row["scenario"], row["concurrency"], row["target"])]:
+        base = by_repeat.get(run["repeat"])
+        if base and base[count] and base["window_s"] and run["window_s"]:
+            rate, base_rate = run[count] / run["window_s"], base[count] / base["window_s"]
+            ratios.append(rate / base_rate)
+    row["ratio_of"] = count
+    row["cpu_bound_ratio"] = _ratio(d.get("total_cpu_us_per_unit"), row["total_cpu_us_per_unit"])
+    row["ratio_per_repeat"] = ratios
+
+
+def find(rows: Sequence[Row], scenario: str, concurrency: int, target: str) -> Row | None:
+    for row in rows:
+        if (row["scenario"], row["concurrency"], row["target"]) == (scenario, concurrency, target):
+            return row
+    return None
+
+
+# -- the table ------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 0, sign: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
+
+
+def _spread(row: Row) -> str:
+    ratios = row["ratio_per_repeat"]
+    main = row[f"{row['ratio_of']}_ratio"]
+    if main is None or row["target"] == "direct":
+        return "-"
+    if len(ratios) < 2:
+        return f"{main:.2f}"
+    return f"{main:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
+    ("scenario", lambda r: r["scenario"]),
+    ("conc", lambda r: str(r["concurrency"])),
+    ("target", lambda r: r["target"]),
+    ("req/s", lambda r: fmt(r["requests_per_s"])),
+    ("chunks/s", lambda r: fmt(r["chunks_per_s"] or None)),
+    ("x direct (repeats)", _spread),
+    ("CPU-bound x", lambda r: fmt(r["cpu_bound_ratio"], 2) if r["target"] != "direct" else "-"),
+    ("TTFT p50", lambda r: fmt(r["ttft_p50_ms"], 2)),
+    ("p99 ms", lambda r: fmt(r["ttft_p99_ms"], 2)),
+    (
+        "+p50",
+        lambda r: fmt(r["added_ttft_p50_ms"], 2, sign=True) if r["target"] != "direct" else "",
+    ),
+    (
+        "+p99 ms",
+        lambda r: fmt(r["added_ttft_p99_ms"], 2, sign=True) if r["target"] != "direct" else "",
+    ),
+    ("router CPU%", lambda r: fmt(r["router_cpu_pct"])),
+    ("ms/1k chunks", lambda r: fmt(r["router_cpu_ms_per_1k_chunks"], 1)),
+    ("us/req", lambda r: fmt(r["router_cpu_us_per_request"])),
+    ("sidecar CPU%", lambda r: fmt(r["sidecar_cpu_pct"])),
+    ("client CPU%", lambda r: fmt(r["client_cpu_pct"])),
+    ("others CPU%", lambda r: fmt(r["others_cpu_pct"])),
+    ("errors", lambda r: str(r["error_count"])),
+)
+
+
+def table(rows: Sequence[Row]) -> str:
+    cells = [[name for name, _ in COLUMNS]]
+    cells += [[cell(row) for _, cell in COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+
+    def line(values: list[str]) -> str:
+        out = []
+        for i, (v, w) in enumerate(zip(values, widths, strict=True)):
+            out.append(v.ljust(w) if i in (0, 2) else v.rjust(w))
+        return "  ".join(out)
+
+    lines = [line(values) for values in cells]
+    body, previous = [], None
+    for row, text in zip(rows, lines[1:], strict=True):
+        key = (row["scenario"], row["concurrency"])
+        if previous is not None and key != previous:
+            body.append("")
+        body.append(text)
+        previous = key
+    return "\n".join([lines[0], "-" * len(lines[0]), *body])

@@ -1,0 +1,501 @@
+"""Router overhead: the same load direct to a sidecar, through unitproxy and through peers.
+
+One sidecar on the sim engine (every simulated cost 0 except the per-token step, 256
+slots) is the only worker behind every router; the load goes to it directly and
+through each target, all targets up at once and interleaved: every repeat runs each
+(scenario, concurrency) cell once per target, in an order that rotates, so the ratios
+hold on a noisy 2-core machine. Scenarios with a different per-token step get their
+own backend (and their own set of routers), started in turn.
+
+    scenario     load                                              backend
+    stream-0ms   SSE POST /v1/completions, 64 tokens               0 ms/token
+    stream-5ms   the same                                          5 ms/token
+    completions  POST /v1/completions, max_tokens 16, not streamed 0 ms/token
+    grpc         gRPC Inference/Generate, 64 tokens (direct and    0 ms/token
+                 unitproxy only: the peers have no gRPC front)
+
+Targets: direct, unitproxy (the gateway, policy lor), vllm-router and sglang-router
+(round_robin: with one worker their cheapest policy), and sglang-router+nodelay (the
+same with TCP_NODELAY forced on its accepted sockets). The peers are PyPI packages in
+their own virtual environments under bench/.venvs, put there by
+
+    bash bench/overhead/setup_peers.sh
+
+and left out, with the reason printed, where they are missing or do not start. Every
+router and the sidecar log at warning level, so no target pays for per-request logs.
+
+Per row: requests/s and chunks/s (gRPC: messages), the ratio to direct (with its range
+over the repeats), TTFT p50/p99 at the client and what the target adds over direct,
+router CPU (utime+stime from /proc of the router and every process below it) per
+1,000 chunks and per request, the sidecar's and the client's CPU. The client is this
+process (uvloop, one aiohttp session or one gRPC channel per run). "Saturation" is
+the highest concurrency run.
+
+    .venv/bin/python bench/overhead/run.py             # full: about 17 minutes on 2 cores
+    .venv/bin/python bench/overhead/run.py --quick     # smoke run: about 2 minutes
+    .venv/bin/python bench/overhead/run.py --targets direct,unitproxy --scenarios grpc
+
+Writes the table to stdout, JSON to bench/results/overhead.json, a PNG beside it and
+the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Coroutine, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+if __package__ in (None, ""):  # run as a file: make the bench.overhead package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import aiohttp
+
+from bench.overhead import goals, output, report
+from bench.overhead.load import SCENARIOS, Scenario, measure, open_client
+from bench.overhead.procs import ChildFailed, machine_busy_s
+from bench.overhead.targets import (
+    ALL_TARGETS,
+    MODEL,
+    Backend,
+    Target,
+    TargetStatus,
+    protocols,
+    start_backend,
+    start_target,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "bench" / "results" / "overhead.json"
+QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
+MIN_SLOTS = 256  # sidecar capacity and sim batch slots: never the bottleneck
+IDLE_TIMEOUT_S = 5.0  # after a run, the sidecar must show 0 outstanding within this
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    duration_s: float
+    warmup_s: float
+    repeats: int
+    concurrency: tuple[int, ...]
+    scenarios: tuple[str, ...]
+    targets: tuple[str, ...]
+    max_requests: int
+    quick: bool
+    out: Path
+    gateway_args: tuple[str, ...] = ()
+
+    @property
+    def log_dir(self) -> Path:
+        return self.out.with_name(self.out.stem + "-logs")
+
+    def cells(self) -> int:
+        per_scenario = {
+            s: sum(1 for t in self.targets if SCENARIOS[s].protocol in protocols(t))
+            for s in self.scenarios
+        }
+        return self.repeats * len(self.concurrency) * sum(per_scenario.values())
+
+
+# -- one run --------------------------------------------------------------------------
+
+
+async def run_one(
+    scenario: Scenario,
+    concurrency: int,
+    target: Target,
+    backend: Backend,
+    repeat: int,
+    settings: BenchSettings,
+) -> dict[str, Any]:
+    address = target.address(scenario.protocol)
+    assert address is not None
+
+    def read_cpu() -> dict[str, float]:
+        return {
+            "router": target.router.cpu_s() if target.router else 0.0,
+            "sidecar": backend.child.cpu_s(),
+            "client": time.process_time(),
+            "machine": machine_busy_s(),
+        }
+
+    async with open_client(scenario, address, MODEL, concurrency) as request:
+        window = await measure(
+            request,
+            concurrency,
+            settings.warmup_s,
+            settings.duration_s,
+            settings.max_requests,
+            read_cpu,
+        )
+    return {
+        "scenario": scenario.name,
+        "concurrency": concurrency,
+        "target": target.name,
+        "repeat": repeat,
+        **asdict(window),
+        "outstanding_after": await outstanding_when_idle(backend.http_url),
+    }
+
+
+async def outstanding_when_idle(http_url: str) -> int | None:
+    """The sidecar's outstanding count, polled until 0 or IDLE_TIMEOUT_S; None if unreadable."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + IDLE_TIMEOUT_S
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        while True:
+            try:
+                async with session.get(f"{http_url}/load") as resp:
+                    outstanding = int((await resp.json())["outstanding"])
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+                return None
+            if outstanding == 0 or loop.time() > deadline:
+                return outstanding
+            await asyncio.sleep(0.05)
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _summary(run: dict[str, Any]) -> str:
+    rate = run["requests"] / run["window_s"] if run["window_s"] else 0.0
+    chunks = run["chunks"] / run["window_s"] if run["window_s"] else 0.0
+    errors = sum(run["errors"].values())
+    text = f"{rate:,.0f} req/s, {chunks:,.0f} chunks/s"
+    return text + (f", {errors} ERRORS" if errors else "")
+
+
+# -- one backend and its routers ------------------------------------------------------
+
+
+async def run_phase(
+    step_ms: float, scenarios: Sequence[Scenario], settings: BenchSettings, done: list[int]
+) -> tuple[list[dict[str, Any]], list[TargetStatus], dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
+    statuses: list[TargetStatus] = []
+    slots = max(MIN_SLOTS, 2 * max(settings.concurrency))
+    total = settings.cells()
+    async with AsyncExitStack() as stack:
+        backend = await start_backend(stack, step_ms, slots, settings.log_dir)
+        targets: list[Target] = []
+        for name in settings.targets:
+            target, status = await start_target(
+                stack, name, backend, settings.log_dir, settings.gateway_args
+            )
+            statuses.append(status)
+            if target is None:
+                _progress(f"!!! {name} ({step_ms:g} ms/token backend) is left out: {status.reason}")
+            else:
+                targets.append(target)
+        cell = 0
+        for repeat in range(settings.repeats):
+            for scenario in scenarios:
+                for concurrency in settings.concurrency:
+                    cell += 1
+                    able = [t for t in targets if scenario.protocol in protocols(t.name)]
+                    shift = (repeat + cell) % max(1, len(able))
+                    for target in able[shift:] + able[:shift]:
+                        backend.child.check_alive()
+                        if not _alive(target, statuses):
+                            continue
+                        done[0] += 1
+                        label = f"[{done[0]}/{total}] r{repeat + 1} {scenario.name} c={concurrency} {target.name}"
+                        try:
+                            run = await run_one(
+                                scenario, concurrency, target, backend, repeat, settings
+                            )
+                        except ChildFailed as exc:
+                            _mark_failed(target, statuses, str(exc))
+                            continue
+                        runs.append(run)
+                        _progress(f"{label}: {_summary(run)}")
+        backend_info = {
+            "decode_step_ms": step_ms,
+            "argv": shlex.join(backend.child.argv),
+            "log": str(backend.child.log_path),
+        }
+        live = {t.name: t for t in targets}
+    # Everything is stopped now: exit codes and logs are final.
+    backend_info["exit_code"] = backend.child.exit_code
+    # sglang-router probes a worker's HTTP port with an HTTP/2 preface (gRPC detection).
+    text = backend.child.log_path.read_text(errors="replace")
+    backend_info["http2_preface_errors"] = text.count("PRI/Upgrade")
+    backend_info["log_problems"] = backend.child.log_problems()
+    for status in statuses:
+        target = live.get(status.name)
+        if target is not None and target.router is not None:
+            status.exit_code = target.router.exit_code
+            status.log_problems = target.router.log_problems()
+    return runs, statuses, backend_info
+
+
+def _alive(target: Target, statuses: list[TargetStatus]) -> bool:
+    if target.router is None or target.router.process.returncode is None:
+        return all(s.available for s in statuses if s.name == target.name)
+    _mark_failed(target, statuses, f"exited with {target.router.process.returncode}")
+    return False
+
+
+def _mark_failed(target: Target, statuses: list[TargetStatus], reason: str) -> None:
+    for status in statuses:
+        if status.name == target.name and status.available:
+            status.available = False
+            status.reason = f"failed during the run: {reason}"
+            _progress(f"!!! {target.name}: {status.reason}")
+
+
+async def run_all(settings: BenchSettings) -> dict[str, Any]:
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    steps = sorted({SCENARIOS[name].decode_step_ms for name in settings.scenarios})
+    runs, phases, done = [], [], [0]
+    for step in steps:
+        scenarios = [
+            SCENARIOS[n] for n in settings.scenarios if SCENARIOS[n].decode_step_ms == step
+        ]
+        _progress(f"backend at {step:g} ms/token: {', '.join(s.name for s in scenarios)}")
+        phase_runs, statuses, backend = await run_phase(step, scenarios, settings, done)
+        runs += phase_runs
+        phases.append({"backend": backend, "targets": [asdict(s) for s in statuses]})
+    return {"runs": runs, "phases": phases}
+
+
+# -- settings -------------------------------------------------------------------------
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(part) for part in _names(text)]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("concurrency must be at least 1")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Router overhead: direct vs unitproxy vs vllm-router vs sglang-router.",
+        epilog="Peers: bash bench/overhead/setup_peers.sh installs them into bench/.venvs.",
+    )
+    add = parser.add_argument
+    add("--duration", type=float, help="measured window per run, in s. Default 3 (--quick: 1).")
+    add("--warmup", type=float, help="uncounted warm-up per run, in s. Default 0.5.")
+    add("--repeats", type=int, help="rounds over every cell and target. Default 5 (--quick: 1).")
+    add(
+        "--concurrency",
+        type=_ints,
+        action="extend",
+        metavar="N[,N...]",
+        help="closed-loop workers. Default 1,16,64 (--quick: 1,16).",
+    )
+    add(
+        "--scenarios",
+        type=_names,
+        action="extend",
+        metavar="NAME[,NAME...]",
+        help=f"of {', '.join(SCENARIOS)}. Default all.",
+    )
+    add(
+        "--targets",
+        type=_names,
+        action="extend",
+        metavar="NAME[,NAME...]",
+        help=f"of {', '.join(ALL_TARGETS)}. Default all; direct is always run (the baseline).",
+    )
+    add(
+        "--max-requests",
+        type=int,
+        default=2_000_000,
+        help="most requests started per run (a safety bound). Default 2,000,000.",
+    )
+    add(
+        "--out",
+        type=Path,
+        help=f"JSON results; the PNG and logs go beside it. Default "
+        f"{DEFAULT_OUT.relative_to(REPO)} (--quick: {QUICK_OUT.name}).",
+    )
+    add(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the unitproxy gateway (repeatable), e.g. --gateway-arg=--load-source=poll.",
+    )
+    add(
+        "--from-json",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: print the report and draw the PNG again from a JSON this bench wrote.",
+    )
+    add(
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 s windows, concurrency 1 and 16, one repeat (about 2 minutes).",
+    )
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    scenarios = tuple(dict.fromkeys(args.scenarios or SCENARIOS))
+    targets = tuple(dict.fromkeys(["direct", *(args.targets or ALL_TARGETS)]))
+    for kind, names, known in (
+        ("scenario", scenarios, SCENARIOS),
+        ("target", targets, ALL_TARGETS),
+    ):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            parser.error(f"unknown {kind} {', '.join(unknown)}; choose from {', '.join(known)}")
+    if (args.duration is not None and args.duration <= 0) or (args.warmup or 0) < 0:
+        parser.error("--duration must be above 0 and --warmup at least 0")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    # --quick changes only the defaults; flags given explicitly still win.
+    duration, warmup, repeats, conc = (
+        (1.0, 0.5, 1, (1, 16)) if args.quick else (3.0, 0.5, 5, (1, 16, 64))
+    )
+    return BenchSettings(
+        duration_s=duration if args.duration is None else args.duration,
+        warmup_s=warmup if args.warmup is None else args.warmup,
+        repeats=repeats if args.repeats is None else args.repeats,
+        concurrency=tuple(dict.fromkeys(args.concurrency or conc)),
+        scenarios=scenarios,
+        targets=targets,
+        max_requests=args.max_requests,
+        quick=args.quick,
+        out=args.out or (QUICK_OUT if args.quick else DEFAULT_OUT),
+        gateway_args=tuple(args.gateway_arg),
+    )
+
+
+# -- the report ---------------------------------------------------------------------
+
+
+def build_report(
+    settings: BenchSettings, result: dict[str, Any], load_before: float, started: float
+) -> dict[str, Any]:
+    rows = report.aggregate(result["runs"])
+    order = {name: i for i, name in enumerate(settings.targets)}
+    rows.sort(
+        key=lambda r: (
+            settings.scenarios.index(r["scenario"]),
+            r["concurrency"],
+            order[r["target"]],
+        )
+    )
+    verdicts = goals.verdicts(rows, settings.concurrency)
+    return {
+        "benchmark": "overhead",
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "settings": {**asdict(settings), "out": str(settings.out)},
+        "scenarios": {n: asdict(SCENARIOS[n]) for n in settings.scenarios},
+        "machine": {
+            **output.machine_info(),
+            "loadavg_1min_before": load_before,
+            "loadavg_1min_after": os.getloadavg()[0],
+        },
+        "phases": result["phases"],
+        "rows": rows,
+        "verdicts": [v.to_json() for v in verdicts],
+        "errors_total": sum(r["error_count"] for r in rows),
+        "runs": [{k: v for k, v in run.items() if k != "ttfts"} for run in result["runs"]],
+        "png": str(settings.out.with_suffix(".png")),
+        "out": str(settings.out),
+    }
+
+
+# -- main -----------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; raised so that every ``finally`` runs."""
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+async def until_signal(main: Awaitable[T]) -> T:
+    """Await ``main``; SIGINT or SIGTERM cancel it (children are stopped) and raise Interrupted."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        task.cancel()
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await main
+    except asyncio.CancelledError:
+        if received:
+            raise Interrupted(received[0]) from None
+        raise
+    finally:
+        for sig, handler in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.from_json is not None:
+        return output.redraw(args.from_json)
+    settings = parse_settings(argv)
+    settings.out.parent.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    per_run = settings.warmup_s + settings.duration_s + 0.3
+    _progress(
+        f"{settings.cells()} runs of ~{per_run:.1f} s: about {settings.cells() * per_run / 60:.0f} "
+        f"minutes plus start-ups; logs in {settings.log_dir}"
+    )
+    signal.signal(signal.SIGTERM, _interrupt)  # outside the loop; until_signal inside it
+    try:
+        result = run_loop(until_signal(run_all(settings)))
+    except (KeyboardInterrupt, Interrupted) as exc:
+        print(
+            f"interrupted ({str(exc) or 'SIGINT'}); everything started was stopped", file=sys.stderr
+        )
+        return 130
+    except ChildFailed as exc:
+        print(f"!!! {exc}", file=sys.stderr)
+        return 1
+    rep = build_report(settings, result, load_before, started)
+    settings.out.write_text(json.dumps(rep, indent=1) + "\n")
+    output.draw(rep)
+    output.print_report(rep)
+    return 1 if rep["errors_total"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""What the load goes to: one sidecar on the sim engine, and each router in front of it.
+
+One backend (``python -m proxy sidecar --engine sim``) per per-token step, shared by
+every target: ``direct`` is the sidecar itself, the others are routers with that one
+sidecar as their only worker, all up at once so runs can be interleaved.
+
+    direct                 the sidecar's HTTP and gRPC ports
+    unitproxy              python -m proxy gateway --unit u0=HTTP,GRPC (policy lor)
+    vllm-router            bench/.venvs/vllm-router/bin/vllm-router --worker-urls HTTP
+    sglang-router          bench/.venvs/sglang-router: python -m sglang_router.launch_router
+    sglang-router+nodelay  the same with LD_PRELOAD=bench/.venvs/nodelay.so: TCP_NODELAY
+                           on every socket it accepts (it leaves Nagle on as shipped)
+
+The peers come from ``bash bench/overhead/setup_peers.sh``; a peer that is not there,
+or does not start, is reported and left out.
+
+What the peers ask of a worker, seen against the sidecar: vllm-router GETs /health;
+sglang-router GETs /health, /server_info, /get_server_info, /model_info,
+/get_model_info (the last four 404 on the sidecar: it logs warnings and goes on) and
+sends an HTTP/2 preface to the HTTP port (its gRPC-worker detection; the sidecar logs
+it as a bad request), and refuses a /v1/completions body without "model".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.overhead.procs import HOST, Child, ChildFailed, free_ports, running
+
+REPO = Path(__file__).resolve().parents[2]
+VENVS = REPO / "bench" / ".venvs"
+SETUP = "bash bench/overhead/setup_peers.sh"
+READY_TIMEOUT_S = 60.0  # a child must answer a real request within this
+MODEL = "unitproxy-sim"  # the sim engine's served model
+
+
+@dataclass
+class Backend:
+    child: Child
+    http_url: str
+    grpc_target: str
+    decode_step_ms: float
+
+
+@dataclass
+class Target:
+    name: str
+    http_url: str | None
+    grpc_target: str | None
+    router: Child | None  # None: direct
+    version: str = ""
+
+    def address(self, protocol: str) -> str | None:
+        return self.grpc_target if protocol == "grpc" else self.http_url
+
+
+@dataclass
+class TargetStatus:
+    """Per target and backend: how it ran, or why it could not."""
+
+    name: str
+    available: bool
+    reason: str = ""
+    version: str = ""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log: str = ""
+    exit_code: int | None = None
+    log_problems: list[str] = field(default_factory=list)
+
+
+class Unavailable(Exception):
+    """This target cannot run here; the message says why."""
+
+
+# -- readiness ------------------------------------------------------------------------
+
+
+async def _poll(
+    child: Child, probe: Callable[[aiohttp.ClientSession], Any], timeout_s: float
+) -> None:
+    """Call ``probe`` until it returns True, within ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        while loop.time() < deadline:
+            child.check_alive()
+            try:
+                if await probe(session):
+                    return
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(0.1)
+    raise ChildFailed(f"{child.name} not ready in {timeout_s:g} s ({last}); see {child.log_path}")
+
+
+def _ready(url: str) -> Callable[[aiohttp.ClientSession], Any]:
+    async def probe(session: aiohttp.ClientSession) -> bool:
+        async with session.get(f"{url}/ready") as resp:
+            return resp.status == 200
+
+    return probe
+
+
+def _answers(url: str) -> Callable[[aiohttp.ClientSession], Any]:
+    """Ready when a real completion comes back through it."""
+    body = {"model": MODEL, "prompt": "ready?", "max_tokens": 2}
+
+    async def probe(session: aiohttp.ClientSession) -> bool:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            return resp.status == 200 and bool((await resp.json())["choices"])
+
+    return probe
+
+
+# -- the backend ----------------------------------------------------------------------
+
+
+async def start_backend(
+    stack: AsyncExitStack, decode_step_ms: float, slots: int, log_dir: Path
+) -> Backend:
+    http_port, grpc_port = free_ports(2)
+    argv = [
+        sys.executable, "-m", "proxy", "sidecar",
+        "--host", HOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--engine", "sim", "--unit-id", "u0",
+        "--sim-decode-step-ms", f"{decode_step_ms:g}",
+        "--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-seq", "0",
+        "--capacity", str(slots), "--sim-max-num-seqs", str(slots),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    log = log_dir / f"sidecar-{decode_step_ms:g}ms.log"
+    child = await stack.enter_async_context(running("sidecar", argv, log))
+    url = f"http://{HOST}:{http_port}"
+    await _poll(child, _ready(url), READY_TIMEOUT_S)
+    return Backend(child, url, f"{HOST}:{grpc_port}", decode_step_ms)
+
+
+# -- the targets ----------------------------------------------------------------------
+
+Launch = tuple[list[str], dict[str, str], str]  # argv, extra environment, version
+
+
+def _peer_version(venv: str, dist: str) -> str:
+    found = sorted((VENVS / venv).glob(f"lib/python*/site-packages/{dist}-*.dist-info"))
+    return found[-1].name.removeprefix(f"{dist}-").removesuffix(".dist-info") if found else ""
+
+
+def _vllm(backend: Backend, port: int, metrics_port: int) -> Launch:
+    exe = VENVS / "vllm-router" / "bin" / "vllm-router"
+    if not exe.exists():
+        raise Unavailable(f"vllm-router is not installed ({exe} missing): run {SETUP}")
+    argv = [
+        str(exe), "--host", HOST, "--port", str(port),
+        "--worker-urls", backend.http_url, "--policy", "round_robin",
+        "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    return argv, {}, _peer_version("vllm-router", "vllm_router")
+
+
+def _sglang(nodelay: bool) -> Callable[[Backend, int, int], Launch]:
+    def launch(backend: Backend, port: int, metrics_port: int) -> Launch:
+        python = VENVS / "sglang-router" / "bin" / "python"
+        version = _peer_version("sglang-router", "sglang_router")
+        if not python.exists() or not version:
+            raise Unavailable(
+                f"sglang-router is not installed (in {python.parent.parent}): run {SETUP}"
+            )
+        env = {}
+        if nodelay:
+            shim = VENVS / "nodelay.so"
+            if not shim.exists():
+                raise Unavailable(f"{shim} is missing (built by {SETUP} where cc exists)")
+            env["LD_PRELOAD"] = str(shim)
+        argv = [
+            str(python), "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+            "--worker-urls", backend.http_url, "--policy", "round_robin",
+            "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
+            "--log-level", "warn", "--shutdown-grace-period-secs", "1",
+        ]  # fmt: skip
+        return argv, env, version
+
+    return launch
+
+
+PEERS: dict[str, Callable[[Backend, int, int], Launch]] = {
+    "vllm-router": _vllm,
+    "sglang-router": _sglang(nodelay=False),
+    "sglang-router+nodelay": _sglang(nodelay=True),
+}
+ALL_TARGETS = ("direct", "unitproxy", *PEERS)
+PROTOCOLS = {"direct": ("http", "grpc"), "unitproxy": ("http", "grpc")}  # peers: http only
+
+
+def protocols(name: str) -> Sequence[str]:
+    return PROTOCOLS.get(name, ("http",))
+
+
+async def _start_gateway(
+    stack: AsyncExitStack, backend: Backend, log_dir: Path, extra: Sequence[str]
+) -> Target:
+    http_port, grpc_port = free_ports(2)
+    argv = [
+        sys.executable, "-m", "proxy", "gateway",
+        "--host", HOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--unit", f"u0={backend.http_url},{backend.grpc_target}",
+        "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    log = log_dir / f"unitproxy-{backend.decode_step_ms:g}ms.log"
+    child = await stack.enter_async_context(running("unitproxy", argv, log))
+    url = f"http://{HOST}:{http_port}"
+    await _poll(child, _ready(url), READY_TIMEOUT_S)
+    await _poll(child, _answers(url), READY_TIMEOUT_S)
+    return Target("unitproxy", url, f"{HOST}:{grpc_port}", child, "this tree")
+
+
+async def _start_peer(
+    stack: AsyncExitStack, name: str, backend: Backend, log_dir: Path
+) -> tuple[Target, dict[str, str]]:
+    port, metrics_port = free_ports(2)
+    argv, env, version = PEERS[name](backend, port, metrics_port)
+    log = log_dir / f"{name}-{backend.decode_step_ms:g}ms.log"
+    child = await stack.enter_async_context(running(name, argv, log, env))
+    url = f"http://{HOST}:{port}"
+    await _poll(child, _answers(url), READY_TIMEOUT_S)
+    return Target(name, url, None, child, version), env
+
+
+async def start_target(
+    stack: AsyncExitStack,
+    name: str,
+    backend: Backend,
+    log_dir: Path,
+    gateway_args: Sequence[str] = (),
+) -> tuple[Target | None, TargetStatus]:
+    """Start one target in front of ``backend``; (None, why) when it cannot run.
+
+    A target that fails is stopped at once, not at the end of the phase."""
+    if name == "direct":
+        target = Target("direct", backend.http_url, backend.grpc_target, None)
+        return target, TargetStatus(name, True, argv=backend.child.argv)
+    own = AsyncExitStack()
+    try:
+        env: dict[str, str] = {}
+        if name == "unitproxy":
+            target = await _start_gateway(own, backend, log_dir, gateway_args)
+        else:
+            target, env = await _start_peer(own, name, backend, log_dir)
+    except Unavailable as exc:
+        await own.aclose()
+        return None, TargetStatus(name, False, str(exc))
+    except ChildFailed as exc:
+        with contextlib.suppress(Exception):
+            await own.aclose()
+        return None, TargetStatus(name, False, f"did not start: {exc}")
+    stack.push_async_callback(own.aclose)
+    assert target.router is not None
+    status = TargetStatus(
+        name,
+        True,
+        version=target.version,
+        argv=target.router.argv,
+        env=env,
+        log=str(target.router.log_path),
+    )
+    return target, status
