@@ -307,6 +307,11 @@ class SidecarSettings(_Section):
         gt=0,
         description="Longest time between two load reports to watchers (heartbeat), in s. Default 1.",
     )
+    report_coalesce_s: float = Field(
+        0.005,
+        ge=0,
+        description="Load changes within this long after a report fold into the next one (a change of state goes out at once), in s. Default 0.005.",
+    )
     retry_after_s: int = Field(
         1, ge=0, description="The retry-after header sent with 429 and 503, in s. Default 1."
     )

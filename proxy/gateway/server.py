@@ -249,7 +249,8 @@ class Gateway(Service):
     def _http_app(self, forwarder: Forwarder) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.server.max_body_bytes,
-            middlewares=[error_middleware(), self.api_keys.middleware()],
+            middlewares=[error_middleware()]
+            + ([self.api_keys.middleware()] if self.api_keys.enabled else []),
         )
 
         def inference(route: str) -> Any:

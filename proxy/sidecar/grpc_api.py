@@ -123,10 +123,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
 
 class LoadService(load_pb2_grpc.LoadReportingServicer):
-    def __init__(self, core: SidecarCore, changes: Broadcast, interval_s: float):
+    def __init__(
+        self,
+        core: SidecarCore,
+        changes: Broadcast,
+        interval_s: float,
+        coalesce_s: float = 0.0,
+    ):
         self._core = core
         self._changes = changes
         self._interval_s = interval_s
+        self._coalesce_s = coalesce_s
 
     async def GetLoad(
         self, request: load_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -136,8 +143,15 @@ class LoadService(load_pb2_grpc.LoadReportingServicer):
     async def WatchLoad(
         self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[load_pb2.LoadReport]:
-        # Changes that arrive while a report is being sent fold into the next one.
+        # Changes that arrive while a report is sent, or within the coalescing window
+        # after it, fold into the next report; a change of unit state goes out at once.
+        loop = asyncio.get_running_loop()
+        states = self._core.health.state_changes
         while True:
-            seen = self._changes.version
+            seen, state_seen = self._changes.version, states.version
             yield self._core.report().to_pb()
+            sent_at = loop.time()
             await self._changes.wait(seen, self._interval_s)
+            hold = sent_at + self._coalesce_s - loop.time()
+            if hold > 0 and states.version == state_seen:
+                await states.wait(state_seen, hold)

@@ -146,7 +146,9 @@ class Sidecar(Service):
         inference = grpc_api.InferenceService(
             self.core, self.serving_metrics, s.server.max_prompt_chars, self.api_keys
         )
-        load = grpc_api.LoadService(self.core, self.changes, s.sidecar.report_interval_s)
+        load = grpc_api.LoadService(
+            self.core, self.changes, s.sidecar.report_interval_s, s.sidecar.report_coalesce_s
+        )
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
         load_pb2_grpc.add_LoadReportingServicer_to_server(load, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
