@@ -29,6 +29,8 @@ from proxy.settings import SimSettings
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "unitproxy-sim"
+# Undelivered deltas a sequence may hold before it stops decoding until its reader catches up.
+MAX_BACKLOG = 256
 
 # Behind schedule by more than this (a paused loop), the debt is dropped instead of
 # being paid back as a burst of instant steps.
@@ -360,6 +362,10 @@ class SimEngine(Engine):
 
     def _advance(self, seq: _Seq) -> bool:
         """One token (or the simulated error) for ``seq``; true when it is finished."""
+        if len(seq.deltas) >= MAX_BACKLOG:
+            # Its reader is behind (a client that stopped reading): the sequence keeps
+            # its slot but makes no token, so memory stays bounded (backpressure).
+            return False
         fail_after = self._settings.error_after_tokens
         if fail_after is not None and seq.completion_tokens >= fail_after:
             seq.error = EngineError(f"simulated engine error after {fail_after} tokens")
