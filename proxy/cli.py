@@ -113,6 +113,7 @@ GATEWAY = (
     Flag("--eject-after", "gateway.eject_after", "N"),
     Flag("--eject-time", "gateway.eject_s", "SECONDS"),
     Flag("--request-timeout", "gateway.request_timeout_s", "SECONDS"),
+    Flag("--response-timeout", "gateway.response_timeout_s", "SECONDS"),
     Flag("--report-delay", "gateway.report_delay_s", "SECONDS"),
     Flag("--correct-load", "gateway.correct_load", choices=("true", "false")),
 )
