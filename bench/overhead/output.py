@@ -80,6 +80,10 @@ def print_report(rep: dict[str, Any]) -> None:
         print(f"  {name}: {sc['description']}")
     print("one sidecar backend per per-token step, shared by every target of that step:")
     for phase in rep["phases"]:
+        code = phase["backend"].get("code") or {}
+        dirty = code.get("uncommitted") or []
+        changes = f", uncommitted: {' '.join(dirty)}" if dirty else ""
+        print(f"  product code: commit {code.get('commit', '?')}{changes}")
         print(f"  {phase['backend']['argv']}")
         for t in phase["targets"]:
             if t["name"] == "direct":

@@ -47,6 +47,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -188,6 +189,7 @@ async def run_phase(
     statuses: list[TargetStatus] = []
     slots = max(MIN_SLOTS, 2 * max(settings.concurrency))
     total = settings.cells()
+    code = code_version()  # what the sidecar and gateway of this phase load
     async with AsyncExitStack() as stack:
         backend = await start_backend(stack, step_ms, slots, settings.log_dir)
         targets: list[Target] = []
@@ -226,6 +228,7 @@ async def run_phase(
             "decode_step_ms": step_ms,
             "argv": shlex.join(backend.child.argv),
             "log": str(backend.child.log_path),
+            "code": code,
         }
         live = {t.name: t for t in targets}
     # Everything is stopped now: exit codes and logs are final.
@@ -240,6 +243,25 @@ async def run_phase(
             status.exit_code = target.router.exit_code
             status.log_problems = target.router.log_problems()
     return runs, statuses, backend_info
+
+
+def code_version() -> dict[str, Any]:
+    """The commit of this tree and its uncommitted product files (others may edit them)."""
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip()
+
+    changed = git("status", "--porcelain", "--", "proxy", "engine", "protos")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted": [line[3:] for line in changed.splitlines()],
+    }
 
 
 def _alive(target: Target, statuses: list[TargetStatus]) -> bool:
