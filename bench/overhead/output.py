@@ -78,7 +78,7 @@ def print_report(rep: dict[str, Any]) -> None:
     )
     for name, sc in rep["scenarios"].items():
         print(f"  {name}: {sc['description']}")
-    print("one sidecar backend per per-token step, shared by every target of that step:")
+    print("one sidecar per target, all with these flags but their own ports:")
     for phase in rep["phases"]:
         code = phase["backend"].get("code") or {}
         dirty = code.get("uncommitted") or []
@@ -123,24 +123,24 @@ def _print_problems(rep: dict[str, Any]) -> None:
         print("\nno errors: every response had status 200/OK and the expected chunks")
     for phase in rep["phases"]:
         backend = phase["backend"]
-        if backend["http2_preface_errors"]:
-            print(
-                f"sidecar ({backend['decode_step_ms']:g} ms/token): "
-                f"{backend['http2_preface_errors']} of its logged errors are HTTP/2 prefaces "
-                "sent to its HTTP port: sglang-router's gRPC-worker detection at start-up"
-            )
-        procs = [("sidecar", backend)] + [(t["name"], t) for t in phase["targets"] if t["log"]]
+        step = f"{backend['decode_step_ms']:g} ms/token"
+        # A JSON from before one sidecar per target had one shared sidecar.
+        sidecars = backend.get("sidecars") or {"shared": backend}
+        procs = [(f"sidecar of {name}", info) for name, info in sidecars.items()]
+        procs += [(t["name"], t) for t in phase["targets"] if t["log"]]
         for name, info in procs:
             code, problems = info.get("exit_code"), info.get("log_problems") or []
             if code not in (0, None):
+                print(f"{name} ({step}) exited with {code} on SIGTERM")
+            if info.get("http2_preface_errors"):
                 print(
-                    f"{name} ({backend['decode_step_ms']:g} ms/token) exited with {code} on SIGTERM"
+                    f"{name} ({step}): {info['http2_preface_errors']} of its logged errors are "
+                    "HTTP/2 prefaces sent to its HTTP port: sglang-router's gRPC-worker "
+                    "detection at start-up"
                 )
-            if problems:
-                print(
-                    f"{name} ({backend['decode_step_ms']:g} ms/token) log: {len(problems)} "
-                    f"warnings/errors, first ones:"
-                )
+            # Each preface is logged as one error line and one traceback: nothing else to show.
+            if problems and len(problems) > 2 * (info.get("http2_preface_errors") or 0):
+                print(f"{name} ({step}) log: {len(problems)} warnings/errors, first ones:")
                 for line in problems[:PRINTED_LOG_LINES]:
                     print(f"    {line[:160]}")
 

@@ -1,11 +1,13 @@
 """Router overhead: the same load direct to a sidecar, through unitproxy and through peers.
 
-One sidecar on the sim engine (every simulated cost 0 except the per-token step, 256
-slots) is the only worker behind every router; the load goes to it directly and
-through each target, all targets up at once and interleaved: every repeat runs each
-(scenario, concurrency) cell once per target, in an order that rotates, so the ratios
-hold on a noisy 2-core machine. Scenarios with a different per-token step get their
-own backend (and their own set of routers), started in turn.
+Each target has its own sidecar on the sim engine, all identical (every simulated cost
+0 except the per-token step, 256 slots): the load goes to one directly and to each
+router with its sidecar as its only worker. All targets are up at once and
+interleaved: every repeat runs each (scenario, concurrency) cell once per target, in an
+order that rotates, so the ratios hold on a noisy 2-core machine. Scenarios with a
+different per-token step get their own sidecars and routers, started in turn. (Not one
+shared sidecar: unitproxy's gateway holds a WatchLoad stream to its unit, and a shared
+sidecar would push load reports to it while the other targets run.)
 
     scenario     load                                              backend
     stream-0ms   SSE POST /v1/completions, 64 tokens               0 ms/token
@@ -117,10 +119,10 @@ async def run_one(
     scenario: Scenario,
     concurrency: int,
     target: Target,
-    backend: Backend,
     repeat: int,
     settings: BenchSettings,
 ) -> dict[str, Any]:
+    backend = target.backend
     address = target.address(scenario.protocol)
     assert address is not None
 
@@ -189,11 +191,13 @@ async def run_phase(
     statuses: list[TargetStatus] = []
     slots = max(MIN_SLOTS, 2 * max(settings.concurrency))
     total = settings.cells()
-    code = code_version()  # what the sidecar and gateway of this phase load
+    code = code_version()  # what the sidecars and the gateway of this phase load
     async with AsyncExitStack() as stack:
-        backend = await start_backend(stack, step_ms, slots, settings.log_dir)
         targets: list[Target] = []
+        backends: dict[str, Backend] = {}
         for name in settings.targets:
+            backend = await start_backend(stack, step_ms, slots, settings.log_dir, name)
+            backends[name] = backend
             target, status = await start_target(
                 stack, name, backend, settings.log_dir, settings.gateway_args
             )
@@ -210,39 +214,44 @@ async def run_phase(
                     able = [t for t in targets if scenario.protocol in protocols(t.name)]
                     shift = (repeat + cell) % max(1, len(able))
                     for target in able[shift:] + able[:shift]:
-                        backend.child.check_alive()
+                        target.backend.child.check_alive()
                         if not _alive(target, statuses):
                             continue
                         done[0] += 1
                         label = f"[{done[0]}/{total}] r{repeat + 1} {scenario.name} c={concurrency} {target.name}"
                         try:
-                            run = await run_one(
-                                scenario, concurrency, target, backend, repeat, settings
-                            )
+                            run = await run_one(scenario, concurrency, target, repeat, settings)
                         except ChildFailed as exc:
                             _mark_failed(target, statuses, str(exc))
                             continue
                         runs.append(run)
                         _progress(f"{label}: {_summary(run)}")
-        backend_info = {
-            "decode_step_ms": step_ms,
-            "argv": shlex.join(backend.child.argv),
-            "log": str(backend.child.log_path),
-            "code": code,
-        }
         live = {t.name: t for t in targets}
     # Everything is stopped now: exit codes and logs are final.
-    backend_info["exit_code"] = backend.child.exit_code
-    # sglang-router probes a worker's HTTP port with an HTTP/2 preface (gRPC detection).
-    text = backend.child.log_path.read_text(errors="replace")
-    backend_info["http2_preface_errors"] = text.count("PRI/Upgrade")
-    backend_info["log_problems"] = backend.child.log_problems()
+    backend_info = {
+        "decode_step_ms": step_ms,
+        "argv": shlex.join(backends[settings.targets[0]].child.argv),
+        "code": code,
+        "sidecars": {name: _sidecar_info(b) for name, b in backends.items()},
+    }
     for status in statuses:
         target = live.get(status.name)
         if target is not None and target.router is not None:
             status.exit_code = target.router.exit_code
             status.log_problems = target.router.log_problems()
     return runs, statuses, backend_info
+
+
+def _sidecar_info(backend: Backend) -> dict[str, Any]:
+    text = backend.child.log_path.read_text(errors="replace")
+    return {
+        "argv": shlex.join(backend.child.argv),
+        "log": str(backend.child.log_path),
+        "exit_code": backend.child.exit_code,
+        # sglang-router probes a worker's HTTP port with an HTTP/2 preface (gRPC detection).
+        "http2_preface_errors": text.count("PRI/Upgrade"),
+        "log_problems": backend.child.log_problems(),
+    }
 
 
 def code_version() -> dict[str, Any]:
@@ -287,7 +296,7 @@ async def run_all(settings: BenchSettings) -> dict[str, Any]:
         scenarios = [
             SCENARIOS[n] for n in settings.scenarios if SCENARIOS[n].decode_step_ms == step
         ]
-        _progress(f"backend at {step:g} ms/token: {', '.join(s.name for s in scenarios)}")
+        _progress(f"backends at {step:g} ms/token: {', '.join(s.name for s in scenarios)}")
         phase_runs, statuses, backend = await run_phase(step, scenarios, settings, done)
         runs += phase_runs
         phases.append({"backend": backend, "targets": [asdict(s) for s in statuses]})
