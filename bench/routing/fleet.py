@@ -265,6 +265,35 @@ async def wait_until(
     raise ChildFailed(f"{child.name}: GET {path} not ready in {timeout_s:g} s (last: {body})")
 
 
+READY_BODY = b'{"model":"unitproxy-sim","prompt":"ready?","max_tokens":2}'
+
+
+async def answers(
+    session: aiohttp.ClientSession, child: Child, timeout_s: float = READY_TIMEOUT_S
+) -> None:
+    """Wait until a real completion comes back through the child (a gateway whose
+    /ready holds can still fail every request, say in a tree that is mid-edit)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = ""
+    while loop.time() < deadline:
+        child.check_alive()
+        try:
+            async with session.post(
+                f"{child.http_url}/v1/completions",
+                data=READY_BODY,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=5.0),
+            ) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            last = type(exc).__name__
+        await asyncio.sleep(0.2)
+    raise ChildFailed(f"{child.name}: no completion through it in {timeout_s:g} s (last: {last})")
+
+
 @dataclass
 class Fleet:
     specs: list[UnitSpec]
@@ -329,7 +358,8 @@ async def running_gateway(
     session: aiohttp.ClientSession,
     log_path: Path,
 ) -> AsyncIterator[Child]:
-    """A fresh gateway over the fleet, once every unit's report reached it."""
+    """A fresh gateway over the fleet, once every unit's report reached it and a
+    completion came back through it."""
     args = [
         "gateway",
         "--host",
@@ -348,6 +378,7 @@ async def running_gateway(
             await wait_until(
                 session, gateway, "/ready", lambda _, body: body.get("serving_units") == units
             )
+            await answers(session, gateway)
         except ChildFailed as exc:
             fleet.check_alive()  # a dead unit is the fleet's failure, not the gateway's
             raise GatewayFailed(str(exc)) from exc

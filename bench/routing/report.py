@@ -23,6 +23,7 @@ from bench.routing.client import OpenLoopRun, Outcome
 
 SLOS_S = {"1s": 1.0, "300ms": 0.3}
 GOAL = ("lor", "round_robin", 85, 1.5)  # lor goodput@1s >= 1.5x round_robin's at 85 % load
+PEER_GOAL = ("lor", 85)  # lor goodput@1s >= every peer policy's at 85 % load (and at each load)
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -197,6 +198,52 @@ def goal(rows: Sequence[RunMetrics]) -> dict[str, Any]:
     }
 
 
+def peer_goal(rows: Sequence[RunMetrics], peer_policies: Sequence[str]) -> dict[str, Any]:
+    """lor's goodput@1s against every peer policy run at the same load: the headline at
+    85 % load, and each load run."""
+    mine, headline_load = PEER_GOAL
+    by = {(m.policy, m.load_pct): m for m in rows}
+    per_load: dict[int, dict[str, dict[str, Any]]] = {}
+    for load_pct in sorted({m.load_pct for m in rows}):
+        ours = by.get((mine, load_pct))
+        theirs = [by[p, load_pct] for p in peer_policies if (p, load_pct) in by]
+        if ours is None or not theirs:
+            continue
+        a = ours.goodput["1s"]
+        per_load[load_pct] = {
+            m.policy: {"lor": a, "peer": m.goodput["1s"], "met": a >= m.goodput["1s"]}
+            for m in theirs
+        }
+    lines = [_peer_goal_line(mine, load, peers) for load, peers in per_load.items()]
+    headline = per_load.get(headline_load)
+    if headline is None:
+        lines.insert(
+            0,
+            f"goal (peers): not checked ({mine} and a peer policy at {headline_load} % load "
+            "were not both run)",
+        )
+    return {
+        "checked": headline is not None,
+        "met": None if headline is None else all(v["met"] for v in headline.values()),
+        "met_every_load": bool(per_load)
+        and all(v["met"] for peers in per_load.values() for v in peers.values()),
+        "per_load": per_load,
+        "lines": lines,
+    }
+
+
+def _peer_goal_line(mine: str, load_pct: int, peers: dict[str, dict[str, Any]]) -> str:
+    met = all(v["met"] for v in peers.values())
+    a = next(iter(peers.values()))["lor"]
+    against = ", ".join(
+        f"{p} {v['peer']:.1f}{'' if v['met'] else ' (higher)'}" for p, v in peers.items()
+    )
+    return (
+        f"goal (peers): {mine} goodput@1s {a:.1f} r/s at {load_pct} % load >= every peer "
+        f"policy's ({against}): {'MET' if met else 'NOT MET'}"
+    )
+
+
 # -- the picture ----------------------------------------------------------------------
 
 
@@ -218,7 +265,7 @@ def plot(rows: Sequence[RunMetrics], path: Path, title: str) -> None:
         style = {
             "marker": MARKERS[i % len(MARKERS)],
             "label": policy,
-            "linestyle": "--" if "delayed" in policy else "-",
+            "linestyle": _linestyle(policy),
         }
         good_ax.plot(loads, [m.goodput["1s"] for m in mine], **style)
         ttft_ax.plot(loads, [_finite_s(m.ttft_p99_ms) for m in mine], **style)
@@ -254,6 +301,12 @@ def plot(rows: Sequence[RunMetrics], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _linestyle(policy: str) -> str:
+    if ":" in policy:  # a peer router's policy
+        return "-."
+    return "--" if "delayed" in policy else "-"
 
 
 def _finite_s(ms: float | None) -> float:

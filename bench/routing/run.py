@@ -16,11 +16,16 @@ slots, so queues form inside the engines and TTFT grows instead of 429s), then:
 
 Policies: lor, p2c, round_robin, random, and lor-delayed (lor with every load report
 applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
-on stale load) and lor-delayed-corrected (the same delay, correction on).
+on stale load) and lor-delayed-corrected (the same delay, correction on). Beside them the
+peer routers' load-aware policies over the same fleet, each run started fresh like the
+gateway (``peers.py`` says what each does, how it measures load and why it was chosen):
+vllm-router:power_of_two, vllm-router:cache_aware, sglang-router:power_of_two,
+sglang-router:cache_aware. A peer that is not installed is reported and skipped.
 
     .venv/bin/python -m bench.routing.run            # the full run: 14.5 min on 2 busy cores
     .venv/bin/python -m bench.routing.run --quick    # smoke run: 2.5-3 min
     .venv/bin/python bench/routing/run.py --policies lor,round_robin --loads 85 --duration 30
+    .venv/bin/python -m bench.routing.run --quick --policies lor,vllm-router:power_of_two
 
 Writes a table to stdout, JSON to bench/results/routing.json, a PNG beside it, and the
 children's logs to bench/results/routing-logs/.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -43,19 +49,20 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 if __package__ in (None, ""):  # run as a file: make the bench.routing package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
 
-from bench.routing import client, fleet, report, workload
+from bench.routing import client, fleet, peers, report, workload
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
-ALL_POLICIES = ("lor", "p2c", "round_robin", "random", "lor-delayed", "lor-delayed-corrected")
+OWN_POLICIES = ("lor", "p2c", "round_robin", "random", "lor-delayed", "lor-delayed-corrected")
+ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
 RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected requests (+100)
 GATEWAY_TRIES = 3  # starts of a run's gateway before the run is given up
@@ -92,6 +99,7 @@ class BenchSettings:
         return workload.QUICK_WORKLOAD if self.quick else workload.DEFAULT_WORKLOAD
 
     def gateway_args(self, policy: str) -> list[str]:
+        """The gateway's policy flags for one of OWN_POLICIES."""
         delay = ["--report-delay", f"{self.report_delay_s:g}"]
         return {
             "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
@@ -139,6 +147,10 @@ async def measure_saturation(
             s.saturation_warmup_s,
             s.saturation_window_s,
         )
+    if run.tokens_per_s == 0:
+        raise fleet.ChildFailed(
+            f"the saturation run streamed no tokens (errors {dict(run.errors)}); see {log}"
+        )
     return Saturation(
         measured=run.tokens_per_s / means[1],
         model=sum(spec.model_rate(*means) for spec in units.specs),
@@ -150,6 +162,33 @@ async def measure_saturation(
         per_unit=dict(sorted(run.per_unit.items())),
         outstanding_after=await units.wait_idle(session),
     )
+
+
+class RouterProcess(Protocol):
+    """A run's router: the gateway (fleet.Child) or a peer (peers.RunningPeer)."""
+
+    @property
+    def http_url(self) -> str: ...
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    def cpu_s(self) -> float: ...
+
+    def log_problems(self) -> list[str]: ...
+
+
+def running_router(
+    s: BenchSettings,
+    policy: str,
+    units: fleet.Fleet,
+    session: aiohttp.ClientSession,
+    log: Path,
+) -> contextlib.AbstractAsyncContextManager[RouterProcess]:
+    peer = peers.PEER_POLICIES.get(policy)
+    if peer is not None:
+        return peers.running_peer(peer, units, log)
+    return fleet.running_gateway(units, s.gateway_args(policy), session, log)
 
 
 @dataclass(frozen=True)
@@ -164,7 +203,7 @@ class CpuSample:
     host_total: int
 
     @classmethod
-    def take(cls, gateway: fleet.Child, units: fleet.Fleet) -> CpuSample:
+    def take(cls, gateway: RouterProcess, units: fleet.Fleet) -> CpuSample:
         busy, total = _host_jiffies()
         return cls(
             time.perf_counter(), gateway.cpu_s(), units.cpu_s(), time.process_time(), busy, total
@@ -201,10 +240,10 @@ async def policy_run(
 ) -> report.RunMetrics:
     limit = int(RUN_LIMIT_FACTOR * rate * s.duration_s) + 100
     arrivals = workload.poisson_arrivals(s.mix, rate, s.duration_s, s.seed * 1000 + load_pct, limit)
-    log = s.log_dir / f"gateway-{policy}-{load_pct}.log"
-    args = s.gateway_args(policy)
+    name = policy.replace(":", "-") if policy in peers.PEER_POLICIES else f"gateway-{policy}"
+    log = s.log_dir / f"{name}-{load_pct}.log"
     started = time.perf_counter()
-    async with fleet.running_gateway(units, args, session, log) as gateway:
+    async with running_router(s, policy, units, session, log) as gateway:
         before = CpuSample.take(gateway, units)
         run = await client.open_loop(
             session, f"{gateway.http_url}/v1/completions", arrivals, s.drain_s
@@ -239,6 +278,9 @@ class Results:
     failed_runs: list[dict[str, Any]] = field(default_factory=list)
     sidecar_exits: dict[str, int | None] = field(default_factory=dict)
     sidecar_problems: dict[str, list[str]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # policy: why it was not run
+    get_load: str | None = None  # what a unit answers to the peers' load poll
+    http2_probes: int = 0  # log records on the units from sglang-router's HTTP/2 preface
     stopped_by: str | None = None  # why the benchmark ended early, if it did
 
 
@@ -255,18 +297,24 @@ async def bench(s: BenchSettings, results: Results) -> None:
                 f"fleet of {len(units.specs)} units up; measuring saturation "
                 f"({s.saturation_warmup_s:g} s + {s.saturation_window_s:g} s)"
             )
+            if any(p in peers.PEER_POLICIES for p in s.policies):
+                results.get_load = await peers.get_load_answer(session, units.sidecars[0].http_url)
+                progress(results.get_load)
             results.saturation = sat = await measure_saturation(s, units, session, results.means)
             progress(
                 f"saturation {sat.measured:.1f} r/s from tokens/s (model {sat.model:.1f} r/s, "
                 f"completions in the window {sat.completions_per_s:.1f} r/s)"
             )
             for load_pct in s.loads:
-                for policy in s.policies:
+                for policy in [p for p in s.policies if p not in results.skipped]:
                     await one_run(s, policy, load_pct, sat.measured, units, session, results)
     finally:
         if units is not None:  # the fleet started: say how each unit ended
             results.sidecar_exits = {c.name: c.exit_code for c in units.sidecars}
-            results.sidecar_problems = {c.name: c.log_problems() for c in units.sidecars}
+            for child in units.sidecars:
+                problems, probes = peers.unit_log_problems(child.log_path)
+                results.sidecar_problems[child.name] = problems
+                results.http2_probes += probes
 
 
 async def one_run(
@@ -352,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=_names,
         metavar="NAME[,NAME...]",
-        help=f"of {', '.join(ALL_POLICIES)}. Default all.",
+        help=f"of {', '.join(ALL_POLICIES)}. Default all; a peer router's policies are "
+        "skipped, and reported, when it is not installed.",
     )
     add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")
     add(
@@ -466,13 +515,20 @@ def build_report(
             "mean_output_tokens": mean_output,
         },
         "fleet": [{**spec.to_json(), "model_rate": spec.model_rate(*r.means)} for spec in r.specs],
-        "gateway_args": {p: s.gateway_args(p) for p in s.policies},
+        "gateway_args": {p: s.gateway_args(p) for p in s.policies if p in OWN_POLICIES},
+        "peers": {
+            p: peers.PEER_POLICIES[p].to_json() for p in s.policies if p in peers.PEER_POLICIES
+        },
+        "skipped_policies": r.skipped,
+        "get_load": r.get_load,
+        "sidecar_http2_probes": r.http2_probes,
         "complete": r.stopped_by is None and not r.failed_runs,
         "stopped_by": r.stopped_by,
         "saturation": asdict(r.saturation) if r.saturation else None,
         "runs": [m.to_json() for m in r.rows],
         "failed_runs": r.failed_runs,
         "goal": report.goal(r.rows),
+        "goal_peers": report.peer_goal(r.rows, list(peers.PEER_POLICIES)),
         "sidecar_exits": r.sidecar_exits,
         "sidecar_problems": {k: v[:50] for k, v in r.sidecar_problems.items() if v},
         "png": str(s.png),
@@ -530,8 +586,18 @@ def print_report(data: dict[str, Any], r: Results) -> None:
         print(f"\nshare of requests per unit at {load_pct} % load:")
         print(report.routing_table(r.rows, load_pct, shares))
     print(f"\n{data['goal']['line']}")
+    print("\n".join(data["goal_peers"]["lines"]))
+    _print_peers(data)
     _print_problems(r)
     print(f"\nwall time {data['wall_s'] / 60:.1f} min; JSON {s['out']}; PNG {data['png']}")
+
+
+def _print_peers(data: dict[str, Any]) -> None:
+    run = {p: info for p, info in data["peers"].items() if p not in data["skipped_policies"]}
+    if run:
+        print(f"\npeer policies (load signal); {data['get_load']}:")
+    for name, info in run.items():
+        print(f"  {name} {info['version']}: {info['load_signal']}")
 
 
 def _capacity_shares(r: Results) -> dict[str, float]:
@@ -541,7 +607,7 @@ def _capacity_shares(r: Results) -> dict[str, float]:
 
 
 def _print_problems(r: Results) -> None:
-    lines = []
+    lines = [f"  {policy}: SKIPPED: {why}" for policy, why in r.skipped.items()]
     if r.stopped_by:
         lines.append(f"  the benchmark stopped early: {r.stopped_by}")
     lines += [
@@ -554,14 +620,15 @@ def _print_problems(r: Results) -> None:
         lines.append(f"  saturation run: units not idle after it: {sat.outstanding_after}")
     for m in r.rows:
         where = f"  {m.policy} @ {m.load_pct} %"
+        router = "router" if m.policy in peers.PEER_POLICIES else "gateway"
         lines += [f"{where}: {n} x {kind}" for kind, n in m.errors.items()]
         if m.unfinished:
             lines.append(f"{where}: {m.unfinished} requests unfinished after the drain bound")
         if any(m.outstanding_after.values()):
             lines.append(f"{where}: units not idle after the run: {m.outstanding_after}")
         if m.gateway_exit != 0:
-            lines.append(f"{where}: gateway exited with {m.gateway_exit} after SIGTERM")
-        lines += [f"{where}: gateway log: {line}" for line in m.gateway_problems[:5]]
+            lines.append(f"{where}: {router} exited with {m.gateway_exit} after SIGTERM")
+        lines += [f"{where}: {router} log: {line}" for line in m.gateway_problems[:5]]
         if m.send_lag_p99_ms is not None and m.send_lag_p99_ms > 50:
             lines.append(f"{where}: arrivals sent late, p99 {m.send_lag_p99_ms:.0f} ms")
     for unit, code in r.sidecar_exits.items():
@@ -569,6 +636,11 @@ def _print_problems(r: Results) -> None:
             lines.append(f"  sidecar {unit} exited with {code} after SIGTERM")
     for unit, problems in r.sidecar_problems.items():
         lines += [f"  sidecar {unit} log: {line}" for line in problems[:3]]
+    if r.http2_probes:
+        print(
+            f"\n(left out below: {r.http2_probes} error records on the units from "
+            "sglang-router's HTTP/2 preface, its gRPC-worker probe at start)"
+        )
     print("\nproblems:" if lines else "\nno problems: no errors, every unit idle after each run")
     print("\n".join(lines[:80]))
 
@@ -619,6 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     machine = machine_info()
     results = Results(fleet.fleet_specs(s.units, s.seed, s.fleet), s.mix.means())
+    results.skipped = skipped_policies(s.policies)
+    for policy, why in results.skipped.items():
+        progress(f"{policy}: skipped: {why}")
     try:
         run_loop(until_signal(bench(s, results)))
     except Interrupted as exc:
@@ -639,6 +714,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if results.stopped_by:
         return 130 if results.stopped_by.startswith("interrupted") else 1
     return 1 if results.failed_runs else 0
+
+
+def skipped_policies(policies: Sequence[str]) -> dict[str, str]:
+    """The peer policies whose router is not installed here, and why."""
+    found = {}
+    for policy in policies:
+        peer = peers.PEER_POLICIES.get(policy)
+        why = peer.router.unavailable() if peer is not None else None
+        if why is not None:
+            found[policy] = why
+    return found
 
 
 def plot_title(results: Results, s: BenchSettings, machine: dict[str, Any]) -> str:

@@ -1,8 +1,10 @@
 """The seeded workload: long-tailed prompt and output lengths, Poisson arrivals.
 
-Prompts are token ids (the simulator counts them exactly) and outputs are exact: the
-simulator generates ``max_tokens`` tokens, with ``ignore_eos`` sent as a real engine
-would need it. The same seed and rate give the same requests at the same offsets, so
+Prompts are text of whitespace-separated numbers, one simulated token each (the
+simulator counts words exactly; sglang-router refuses token-id prompts), distinct per
+request with no shared prefixes; outputs are exact: the simulator generates
+``max_tokens`` tokens, with ``ignore_eos`` sent as a real engine would need it, and
+``model`` as sglang-router needs it. The same seed and rate give the same requests at the same offsets, so
 every policy at one load sees the identical sequence.
 """
 
@@ -14,6 +16,8 @@ import random
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+MODEL = "unitproxy-sim"  # the sim engine's served model
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,15 @@ class RequestSpec:
     max_tokens: int
 
     def body(self, index: int) -> bytes:
-        # Distinct ids per request, so the simulated text differs; the count is what costs.
-        ids = [(index + i) % 50_000 for i in range(self.prompt_tokens)]
-        request = {"prompt": ids, "max_tokens": self.max_tokens, "stream": True, "ignore_eos": True}
+        # Distinct words per request, so the simulated text differs; the count is what costs.
+        words = " ".join(str((index + i) % 50_000) for i in range(self.prompt_tokens))
+        request = {
+            "model": MODEL,
+            "prompt": words,
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
         return json.dumps(request, separators=(",", ":")).encode()
 
 

@@ -1,0 +1,239 @@
+"""Peer routers over the same fleet: vllm-router and sglang-router, load-aware policies.
+
+A peer policy is named ``ROUTER:POLICY``. Each run starts the router fresh with every
+unit's HTTP URL as a worker, waits until its worker list shows every unit healthy and a
+completion comes back through it, and stops it after (SIGTERM to its process group).
+Its CPU is that of its whole process tree. The routers come from
+``bash bench/overhead/setup_peers.sh``; one that is not installed is reported and its
+policies are skipped.
+
+What the policies do (read in the routers' source, and checked against a worker that
+logs what it is asked; vllm-router 0.1.17, sglang-router 0.3.2):
+
+    power_of_two  two distinct healthy workers at random, the one with the lower load.
+                  Load is the router's own count of requests it has in flight to the
+                  worker, plus (vllm-router) or instead of (sglang-router) the value
+                  polled from the worker's ``GET /get_load`` (every 30 s as observed).
+                  The sidecar has no /get_load (404): both routers compare their own
+                  in-flight counts only. They are the only router in front of the fleet,
+                  so their counts are each unit's outstanding requests, fresher than a
+                  30 s poll; nothing of the signal is lost.
+    cache_aware   the routers' default: when the in-flight counts are imbalanced
+                  (max - min > 64 AND max > 1.5 min, the shipped thresholds) the worker
+                  with the fewest in flight; otherwise the worker whose approximate
+                  prefix tree best matches the prompt, or, below a 0.3 match, the one
+                  with the smallest tree (fewest prompt characters routed to it).
+                  The prompts here share no prefixes, so balanced means "least prompt
+                  text so far", and the shortest-queue branch only acts on imbalance
+                  above 64 requests.
+
+What they ask of a unit besides /v1/completions: both GET /health; sglang-router also
+GETs /server_info, /get_server_info, /model_info, /get_model_info (404 on the sidecar:
+it warns and goes on), refuses token-id prompts and a body without "model", and opens
+each worker's HTTP port with an HTTP/2 preface (its gRPC-worker probe), which the
+sidecar logs as an error with a traceback. Those expected lines are left out of the
+problems reported (``EXPECTED``, ``unit_log_problems``); the run checks the sidecar's
+GET /get_load itself and says what it answered.
+
+Left out: round_robin and random (not load-aware; unitproxy's own are run), vllm-router's
+kv_aware (needs the engines' ZMQ KV events), consistent_hash (affinity, no load) and
+sticky_least_loaded (least *sessions*: without a session id every count stays 0 and the
+choice is a hash of the request), sglang-router's manual (sticky keys).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.overhead import procs
+from bench.overhead.targets import SETUP, VENVS, _answers, _peer_version, _poll
+from bench.routing import fleet
+
+READY_TIMEOUT_S = 60.0  # every worker healthy in the router, and a completion through it
+# Warnings the routers log on every start or stop against the sidecar; not problems.
+EXPECTED = (
+    "Concurrency queue processor shutting down",  # vllm-router, on SIGTERM
+    "returned 404, falling back to",  # sglang-router: /server_info, /model_info
+    "No tokenizer_path or model_path found",  # sglang-router: no tokenizer wanted
+)
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+HTTP2_PREFACE = "Pause on PRI/Upgrade"  # the sidecar's error on sglang-router's probe
+RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d ", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Router:
+    name: str
+    dist: str  # the installed distribution, for its version
+    level: str  # its --log-level for warnings and above
+
+    @property
+    def venv(self) -> Path:
+        return VENVS / self.name
+
+    def command(self) -> list[str]:
+        if self.name == "vllm-router":
+            return [str(self.venv / "bin" / "vllm-router")]
+        return [str(self.venv / "bin" / "python"), "-m", "sglang_router.launch_router"]
+
+    def version(self) -> str:
+        return _peer_version(self.name, self.dist)
+
+    def unavailable(self) -> str | None:
+        """Why this router cannot run here, or None."""
+        if not Path(self.command()[0]).exists() or not self.version():
+            return f"{self.name} is not installed (in {self.venv}): run {SETUP}"
+        return None
+
+
+ROUTERS = {
+    "vllm-router": Router("vllm-router", "vllm_router", "warning"),
+    "sglang-router": Router("sglang-router", "sglang_router", "warn"),
+}
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    router: Router
+    policy: str
+    load_signal: str  # one line for the report: what it compares
+
+    @property
+    def name(self) -> str:
+        return f"{self.router.name}:{self.policy}"
+
+    def argv(self, worker_urls: Sequence[str], port: int, metrics_port: int) -> list[str]:
+        argv = [
+            *self.router.command(),
+            "--host", fleet.HOST, "--port", str(port),
+            "--worker-urls", *worker_urls,
+            "--policy", self.policy,
+            "--prometheus-host", fleet.HOST, "--prometheus-port", str(metrics_port),
+            "--log-level", self.router.level,
+        ]  # fmt: skip
+        if self.router.name == "sglang-router":
+            argv += ["--shutdown-grace-period-secs", "1"]  # its default waits 180 s
+        return argv
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "router": self.router.name,
+            "policy": self.policy,
+            "version": self.router.version(),
+            "load_signal": self.load_signal,
+            "unavailable": self.router.unavailable(),
+        }
+
+
+OWN_COUNTS = "its own in-flight requests per unit (/get_load: 404 on the sidecar)"
+SHORTEST_QUEUE = (
+    "its own in-flight requests, only when max - min > 64 and max > 1.5 min; "
+    "otherwise the prompt's prefix tree"
+)
+PEER_POLICIES = {
+    p.name: p
+    for p in (
+        PeerPolicy(ROUTERS["vllm-router"], "power_of_two", OWN_COUNTS),
+        PeerPolicy(ROUTERS["vllm-router"], "cache_aware", SHORTEST_QUEUE),
+        PeerPolicy(ROUTERS["sglang-router"], "power_of_two", OWN_COUNTS),
+        PeerPolicy(ROUTERS["sglang-router"], "cache_aware", SHORTEST_QUEUE),
+    )
+}
+
+
+def installed() -> list[str]:
+    return [name for name, p in PEER_POLICIES.items() if p.router.unavailable() is None]
+
+
+# -- one router per run ---------------------------------------------------------------
+
+
+@dataclass
+class RunningPeer:
+    """What a run needs of its router: the URL, CPU, and how it ended."""
+
+    policy: PeerPolicy
+    child: procs.Child
+    http_url: str
+
+    def cpu_s(self) -> float:
+        return self.child.cpu_s()  # the whole process tree
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.child.exit_code
+
+    def log_problems(self) -> list[str]:
+        problems = self.child.log_problems()
+        return [line for line in problems if not any(e in line for e in EXPECTED)]
+
+
+def unit_log_problems(path: Path) -> tuple[list[str], int]:
+    """A unit's problem lines, less the log records of sglang-router's HTTP/2 preface;
+    and how many such records there were."""
+    text = path.read_text(errors="replace")
+    starts = [m.start() for m in RECORD_START.finditer(text)]
+    records = [text[a:b] for a, b in zip([0, *starts], [*starts, len(text)], strict=True)]
+    probes = sum(HTTP2_PREFACE in r for r in records)
+    lines = [
+        line
+        for record in records
+        if HTTP2_PREFACE not in record
+        for line in record.splitlines()
+        if any(mark in line for mark in fleet.PROBLEM_MARKS)
+    ]
+    return lines, probes
+
+
+async def get_load_answer(session: aiohttp.ClientSession, unit_url: str) -> str:
+    """What a unit answers to GET /get_load, the peers' load poll: a line for the report."""
+    try:
+        async with session.get(f"{unit_url}/get_load", timeout=PROBE_TIMEOUT) as resp:
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"GET /get_load on a unit failed ({type(exc).__name__})"
+    if status == 404:
+        return (
+            "the sidecar has no GET /get_load (404): the peers' power_of_two compares "
+            "only the router's own in-flight counts (see bench/routing/peers.py)"
+        )
+    return f"GET /get_load on a unit answered {status}: the peers may use it"
+
+
+def _all_healthy(url: str, units: int) -> Callable[[aiohttp.ClientSession], Any]:
+    """Ready when the router's GET /workers lists every unit as healthy."""
+
+    async def probe(session: aiohttp.ClientSession) -> bool:
+        async with session.get(f"{url}/workers") as resp:
+            workers = (await resp.json(content_type=None))["workers"]
+        return len(workers) == units and all(w["is_healthy"] for w in workers)
+
+    return probe
+
+
+@asynccontextmanager
+async def running_peer(
+    policy: PeerPolicy, units: fleet.Fleet, log_path: Path
+) -> AsyncIterator[RunningPeer]:
+    """A fresh peer router over the fleet, once it sees every unit healthy and answers."""
+    if (why := policy.router.unavailable()) is not None:
+        raise fleet.GatewayFailed(why)
+    port, metrics_port = procs.free_ports(2)
+    worker_urls = [child.http_url for child in units.sidecars]
+    argv = policy.argv(worker_urls, port, metrics_port)
+    url = f"http://{fleet.HOST}:{port}"
+    async with procs.running(policy.name, argv, log_path) as child:
+        try:
+            await _poll(child, _all_healthy(url, len(worker_urls)), READY_TIMEOUT_S)
+            await _poll(child, _answers(url), READY_TIMEOUT_S)
+        except procs.ChildFailed as exc:
+            units.check_alive()  # a dead unit is the fleet's failure, not the router's
+            raise fleet.GatewayFailed(str(exc)) from exc
+        yield RunningPeer(policy, child, url)
