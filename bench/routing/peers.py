@@ -7,18 +7,26 @@ Its CPU is that of its whole process tree. The routers come from
 ``bash bench/overhead/setup_peers.sh``; one that is not installed is reported and its
 policies are skipped.
 
-What the policies do (read in the routers' source, and checked against a worker that
-logs what it is asked; vllm-router 0.1.17, sglang-router 0.3.2):
+What the policies do (read in the routers' source, then checked: a worker that logs
+what it is asked, the routers' debug logs, and their GET /workers "load" against the
+units' outstanding counts with 12 requests in flight; vllm-router 0.1.17, sglang-router
+0.3.2). Both poll each worker's ``GET /get_load`` every 30 s for power_of_two; the
+sidecar has no such endpoint (404), so no polled load reaches either router:
 
-    power_of_two  two distinct healthy workers at random, the one with the lower load.
-                  Load is the router's own count of requests it has in flight to the
-                  worker, plus (vllm-router) or instead of (sglang-router) the value
-                  polled from the worker's ``GET /get_load`` (every 30 s as observed).
-                  The sidecar has no /get_load (404): both routers compare their own
-                  in-flight counts only. They are the only router in front of the fleet,
-                  so their counts are each unit's outstanding requests, fresher than a
-                  30 s poll; nothing of the signal is lost.
-    cache_aware   the routers' default: when the in-flight counts are imbalanced
+    vllm-router:power_of_two
+                  two distinct healthy workers at random, the one with the lower load:
+                  the router's own count of requests in flight to it (plus the polled
+                  value, absent here). As the only router in front of the fleet, its
+                  counts are each unit's outstanding requests, fresher than a 30 s poll;
+                  nothing of the signal is lost. Measured: counts match the units'.
+    sglang-router:power_of_two
+                  the same choice, but on the polled value only, falling back to the
+                  router's request counts when a worker has none, and 0.3.2's regular
+                  HTTP router never counts requests for it (measured: /workers load 0
+                  and "X=0 vs Y=0" in its debug log with 12 in flight). Here it is a
+                  random pick of two: it needs /get_load, which the sidecar lacks; with
+                  it, its load would be up to 30 s old.
+    cache_aware   both routers' default: when the in-flight counts are imbalanced
                   (max - min > 64 AND max > 1.5 min, the shipped thresholds) the worker
                   with the fewest in flight; otherwise the worker whose approximate
                   prefix tree best matches the prompt, or, below a 0.3 match, the one
@@ -26,6 +34,13 @@ logs what it is asked; vllm-router 0.1.17, sglang-router 0.3.2):
                   The prompts here share no prefixes, so balanced means "least prompt
                   text so far", and the shortest-queue branch only acts on imbalance
                   above 64 requests.
+    sglang-router:cache_aware-jsq
+                  cache_aware tuned to be as load-aware as it gets:
+                  ``--balance-abs-threshold 0 --balance-rel-threshold 1.0`` take the
+                  shortest-queue branch whenever the counts differ, so every request
+                  goes to the worker with the fewest in flight (join the shortest
+                  queue on exact counts), the prefix tree only breaking full ties.
+                  One router is enough: vllm-router's cache_aware is the same code.
 
 What they ask of a unit besides /v1/completions: both GET /health; sglang-router also
 GETs /server_info, /get_server_info, /model_info, /get_model_info (404 on the sidecar:
@@ -104,10 +119,13 @@ class PeerPolicy:
     router: Router
     policy: str
     load_signal: str  # one line for the report: what it compares
+    variant: str = ""  # the name's suffix when ``flags`` tune the policy
+    flags: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return f"{self.router.name}:{self.policy}"
+        suffix = f"-{self.variant}" if self.variant else ""
+        return f"{self.router.name}:{self.policy}{suffix}"
 
     def argv(self, worker_urls: Sequence[str], port: int, metrics_port: int) -> list[str]:
         argv = [
@@ -117,6 +135,7 @@ class PeerPolicy:
             "--policy", self.policy,
             "--prometheus-host", fleet.HOST, "--prometheus-port", str(metrics_port),
             "--log-level", self.router.level,
+            *self.flags,
         ]  # fmt: skip
         if self.router.name == "sglang-router":
             argv += ["--shutdown-grace-period-secs", "1"]  # its default waits 180 s
@@ -126,6 +145,7 @@ class PeerPolicy:
         return {
             "router": self.router.name,
             "policy": self.policy,
+            "flags": list(self.flags),
             "version": self.router.version(),
             "load_signal": self.load_signal,
             "unavailable": self.router.unavailable(),
@@ -133,17 +153,25 @@ class PeerPolicy:
 
 
 OWN_COUNTS = "its own in-flight requests per unit (/get_load: 404 on the sidecar)"
+NO_SIGNAL = (
+    "NONE here: it needs /get_load (404 on the sidecar) and counts no in-flight requests "
+    "itself, so it picks at random"
+)
 SHORTEST_QUEUE = (
     "its own in-flight requests, only when max - min > 64 and max > 1.5 min; "
     "otherwise the prompt's prefix tree"
 )
+JSQ = "its own in-flight requests: the fewest, whenever the counts differ"
+# The shortest-queue branch whenever max > min: (max - min) > 0 and max > 1.0 * min.
+BALANCE_ALWAYS = ("--balance-abs-threshold", "0", "--balance-rel-threshold", "1.0")
 PEER_POLICIES = {
     p.name: p
     for p in (
         PeerPolicy(ROUTERS["vllm-router"], "power_of_two", OWN_COUNTS),
         PeerPolicy(ROUTERS["vllm-router"], "cache_aware", SHORTEST_QUEUE),
-        PeerPolicy(ROUTERS["sglang-router"], "power_of_two", OWN_COUNTS),
+        PeerPolicy(ROUTERS["sglang-router"], "power_of_two", NO_SIGNAL),
         PeerPolicy(ROUTERS["sglang-router"], "cache_aware", SHORTEST_QUEUE),
+        PeerPolicy(ROUTERS["sglang-router"], "cache_aware", JSQ, "jsq", BALANCE_ALWAYS),
     )
 }
 
@@ -201,8 +229,8 @@ async def get_load_answer(session: aiohttp.ClientSession, unit_url: str) -> str:
         return f"GET /get_load on a unit failed ({type(exc).__name__})"
     if status == 404:
         return (
-            "the sidecar has no GET /get_load (404): the peers' power_of_two compares "
-            "only the router's own in-flight counts (see bench/routing/peers.py)"
+            "the sidecar has no GET /get_load (404), the peers' polled load for "
+            "power_of_two (see bench/routing/peers.py)"
         )
     return f"GET /get_load on a unit answered {status}: the peers may use it"
 

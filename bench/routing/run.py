@@ -43,6 +43,7 @@ import os
 import platform
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -480,6 +481,26 @@ def machine_info() -> dict[str, Any]:
         "client_loop": _loop_name(),
         "aiohttp": aiohttp.__version__,
         "loadavg_1min_before": os.getloadavg()[0],
+        "code": code_version(),  # the gateway measured: commit and uncommitted files
+    }
+
+
+def code_version() -> dict[str, Any]:
+    """The commit of this tree and its uncommitted product files (others may edit them)."""
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout
+
+    changed = git("status", "--porcelain", "--", "proxy", "engine", "protos")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip(),
+        "uncommitted": [line.split(maxsplit=1)[-1] for line in changed.splitlines()],
     }
 
 
@@ -561,6 +582,9 @@ def print_report(data: dict[str, Any], r: Results) -> None:
         f"machine: nproc {m['nproc']}, {m['cpu_model']}, {m['python']}, client loop "
         f"{m['client_loop']}, load average (1 min) before: {m['loadavg_1min_before']:.2f}"
     )
+    code = m["code"]
+    dirty = f", uncommitted: {' '.join(code['uncommitted'])}" if code["uncommitted"] else ""
+    print(f"product code: commit {code['commit']}{dirty}")
     w = data["workload"]
     print(
         f"workload: prompt lognormal {w['prompt']}, output {w['output']} (exact, ignore_eos); "
