@@ -45,11 +45,18 @@ def timeout_header(left_s: float) -> str:
     return f"{left_s * 1000:.3f}"
 
 
-class ClientGone(Exception):
+class ClientClosed(Exception):
     """The client closed the connection while its response was being written."""
 
-    def __init__(self, response: web.StreamResponse):
+    def __init__(self) -> None:
         super().__init__("client closed the connection")
+
+
+class ClientGone(ClientClosed):
+    """ClientClosed, with the aiohttp response that was being written (to return it)."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__()
         self.response = response
 
 
@@ -61,19 +68,27 @@ def json_response(data: Any, status: int = 200) -> web.Response:
     )
 
 
+def error_parts(
+    exc: UnitProxyError, request_id: str | None, unit_id: str | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and OpenAI error body for ``exc``."""
+    headers = {"Content-Type": "application/json"}
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    if unit_id:
+        headers[UNIT_HEADER] = unit_id
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    elif isinstance(exc, Unavailable):
+        headers["Retry-After"] = "1"
+    return exc.http_status, headers, json.dumps(exc.body(), separators=(",", ":")).encode()
+
+
 def error_response(
     exc: UnitProxyError, request_id: str | None, unit_id: str | None = None
 ) -> web.Response:
-    response = json_response(exc.body(), status=exc.http_status)
-    if request_id:
-        response.headers[REQUEST_ID_HEADER] = request_id
-    if unit_id:
-        response.headers[UNIT_HEADER] = unit_id
-    if isinstance(exc, Overloaded):
-        response.headers["Retry-After"] = str(exc.retry_after_s)
-    elif isinstance(exc, Unavailable):
-        response.headers["Retry-After"] = "1"
-    return response
+    status, headers, body = error_parts(exc, request_id, unit_id)
+    return web.Response(status=status, body=body, headers=headers)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -14,29 +14,22 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-
-import aiohttp
-from aiohttp import web
+from typing import Protocol
 
 from proxy import openai_api
 from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
-from proxy.httputil import (
-    DEADLINE_HEADER,
-    REQUEST_ID_HEADER,
-    UNIT_HEADER,
-    ClientGone,
-    timeout_header,
-    timeout_s,
-)
+from proxy.gateway.upstream import Broken, ConnectFailed, Connection, Pool
+from proxy.httputil import DEADLINE_HEADER, REQUEST_ID_HEADER, UNIT_HEADER, timeout_header
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import Gate
 
 log = logging.getLogger(__name__)
 
-PASSED_HEADERS = ("Content-Type", "Retry-After")
+PASSED_HEADERS = (("content-type", "Content-Type"), ("retry-after", "Retry-After"))
 MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed for all purposes
+POST = b"POST"
 
 
 class UnitTimeout(DeadlineExceeded):
@@ -58,6 +51,38 @@ def _refusal(status: int, body: bytes) -> bool:
     return code in NOT_TAKING_WORK
 
 
+class Downstream(Protocol):
+    """Where the client's response goes: the gateway's own HTTP/1.1 path or aiohttp."""
+
+    @property
+    def started(self) -> bool:
+        """Some of a streamed response went out: no other unit can be tried."""
+
+    def respond(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        """The whole response at once."""
+
+    async def start(self, status: int, headers: dict[str, str]) -> None:
+        """A streamed response: its head goes out with the first ``write``."""
+
+    async def write(self, data: bytes) -> None:
+        """Raises ClientGone when the client closed the connection."""
+
+    async def end(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Inbound:
+    """What the gateway takes from the client's request."""
+
+    path: str
+    route: str
+    body: bytes
+    request_id: str
+    content_type: str | None = None
+    authorization: str | None = None
+    timeout_s: float | None = None  # from DEADLINE_HEADER, already checked
+
+
 @dataclass(slots=True)
 class Refused:
     """A unit said no before any work: the attempt may go to another unit."""
@@ -72,7 +97,7 @@ class Forwarder:
     def __init__(
         self,
         router: Router,
-        sessions: dict[str, aiohttp.ClientSession],
+        pools: dict[str, Pool],
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
         gate: Gate,
@@ -81,15 +106,19 @@ class Forwarder:
         self._gate = gate
         self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
         self._router = router
-        self._sessions = sessions
+        self._pools = pools
         self._metrics = metrics
         self._gw = gateway_metrics
         self._settings = router.settings
+        self._ttft = {route: metrics.ttft.labels(route) for route in ("completions", "chat")}
+        self._duration = {
+            route: metrics.request_duration.labels(route) for route in ("completions", "chat")
+        }
 
-    async def handle(self, request: web.Request, route: str, request_id: str) -> web.StreamResponse:
+    async def handle(self, down: Downstream, req: Inbound) -> None:
+        """Answer ``req`` through ``down``; raises UnitProxyError before any response."""
         started = time.monotonic()
-        body = await request.read()
-        deadline = self._deadline(request)
+        deadline = self._deadline(req, started)
         tried: set[str] = set()
         refused: Refused | None = None
         self._gate.enter()
@@ -107,105 +136,100 @@ class Forwarder:
                     raise
                 tried.add(unit.id)
                 self._gw.routed.labels(unit.id).inc()
-                result = await self._attempt(
-                    unit, request, route, body, request_id, deadline, started
-                )
-                if not isinstance(result, Refused):
-                    return result
-                refused = result
+                refused = await self._attempt(unit, down, req, deadline, started)
+                if refused is None:
+                    return
             assert refused is not None
-            return web.Response(status=refused.status, body=refused.body, headers=refused.headers)
+            down.respond(refused.status, refused.headers, refused.body)
         finally:
             self._gate.exit()
-            self._metrics.request_duration.labels(route).observe(time.monotonic() - started)
+            self._duration[req.route].observe(time.monotonic() - started)
 
-    def _deadline(self, request: web.Request) -> float | None:
-        now = time.monotonic()
-        budget = timeout_s(request.headers.get(DEADLINE_HEADER))
-        if budget is not None:
-            return now + budget
+    def _deadline(self, req: Inbound, now: float) -> float | None:
+        if req.timeout_s is not None:
+            return now + req.timeout_s
         timeout = self._settings.request_timeout_s
         return None if timeout is None else now + timeout
 
-    async def _attempt(
-        self,
-        unit: Unit,
-        request: web.Request,
-        route: str,
-        body: bytes,
-        request_id: str,
-        deadline: float | None,
-        started: float,
-    ) -> web.StreamResponse | Refused:
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json"),
-                   REQUEST_ID_HEADER: request_id}  # fmt: skip
-        authorization = self._unit_auth or request.headers.get("Authorization")
+    def _headers(self, req: Inbound) -> dict[str, str]:
+        headers = {"Content-Type": req.content_type or "application/json",
+                   REQUEST_ID_HEADER: req.request_id}  # fmt: skip
+        authorization = self._unit_auth or req.authorization
         if authorization:
             headers["Authorization"] = authorization
-        timeout = None
+        return headers
+
+    async def _attempt(
+        self, unit: Unit, down: Downstream, req: Inbound, deadline: float | None, started: float
+    ) -> Refused | None:
+        """One try on ``unit``: None when the client got the unit's answer."""
+        headers = self._headers(req)
+        left = None
         if deadline is not None:
             left = deadline - time.monotonic()
             if left < MIN_LEFT_S:
                 self._router.release(unit, Outcome.OK)
                 raise DeadlineExceeded("the request's deadline passed")
             headers[DEADLINE_HEADER] = timeout_header(left)
-            timeout = aiohttp.ClientTimeout(total=left)
         outcome = Outcome.FAILED
+        conn: Connection | None = None
+        last = [b""]  # what the client got last: an error event must start on its own line
         try:
-            upstream = await self._response(unit, request.path, body, headers, timeout, deadline)
-            async with upstream:
-                if upstream.status in (429, 503):
-                    data = await upstream.read()
-                    outcome = Outcome.REFUSED if _refusal(upstream.status, data) else Outcome.FAILED
-                    return Refused(str(upstream.status), upstream.status, data,
-                                   _passed_headers(upstream, unit.id, request_id))  # fmt: skip
-                outcome = Outcome.FAILED if upstream.status >= 500 else Outcome.OK
-                if upstream.content_type == "text/event-stream":
-                    response, ok = await self._pipe(
-                        request, upstream, unit, request_id, route, started
-                    )
+            async with asyncio.timeout(left):
+                conn = await self._response(unit, req, headers, deadline)
+                status = conn.status
+                if status in (429, 503):
+                    data = await conn.read()
+                    outcome = Outcome.REFUSED if _refusal(status, data) else Outcome.FAILED
+                    return Refused(str(status), status, data,
+                                   _passed_headers(conn, unit.id, req.request_id))  # fmt: skip
+                outcome = Outcome.FAILED if status >= 500 else Outcome.OK
+                if conn.headers.get("content-type", "").startswith("text/event-stream"):
+                    ok = await self._pipe(conn, down, unit, req, started, last)
                     outcome = Outcome.OK if ok else Outcome.FAILED
-                    return response
-                data = await upstream.read()
-                self._metrics.ttft.labels(route).observe(time.monotonic() - started)
-                return web.Response(status=upstream.status, body=data,
-                                    headers=_passed_headers(upstream, unit.id, request_id))  # fmt: skip
+                    return None
+                data = await conn.read()
+                self._ttft[req.route].observe(time.monotonic() - started)
+                down.respond(status, _passed_headers(conn, unit.id, req.request_id), data)
+                return None
         except UnitTimeout as exc:
             log.warning("%s", exc.message)
             raise
         except TimeoutError as exc:
             outcome = Outcome.OK  # the request's own deadline, not the unit's fault
-            raise DeadlineExceeded("the request's deadline passed") from exc
+            error = DeadlineExceeded("the request's deadline passed")
+            if not down.started:
+                raise error from exc
+            log.warning("request %s: %s", req.request_id, error.message)
+            await _end_with_error(down, error, last[0])
+            return None
         except asyncio.CancelledError:
             outcome = Outcome.CANCELLED  # the client went away: no failure of the unit
             raise
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            log.info("unit %s: %s", unit.id, exc or type(exc).__name__)
+        except (ConnectFailed, Broken) as exc:
+            if down.started:
+                raise
+            log.info("unit %s: %s", unit.id, exc)
             return Refused(
                 "connect", 503, _unavailable(unit, exc), {"Content-Type": "application/json"}
             )
         finally:
+            if conn is not None:
+                conn.done()  # kept for reuse only when its response was read to the end
             self._router.release(unit, outcome)
 
     async def _response(
-        self,
-        unit: Unit,
-        path: str,
-        body: bytes,
-        headers: dict[str, str],
-        client_timeout: aiohttp.ClientTimeout | None,
-        deadline: float | None,
-    ) -> aiohttp.ClientResponse:
-        """The unit's response headers (with its first token, when streaming).
+        self, unit: Unit, req: Inbound, headers: dict[str, str], deadline: float | None
+    ) -> Connection:
+        """The unit's response head (with its first token, when streaming).
 
         A unit that sends none within ``response_timeout_s`` has failed: 504, and it
         counts toward its ejection. The request's own deadline is no fault of the unit.
         """
         limit = self._settings.response_timeout_s
-        post = self._sessions[unit.id].post(f"{unit.http_url}{path}", data=body, headers=headers,
-                                            timeout=client_timeout)  # fmt: skip
         try:
-            return await asyncio.wait_for(post, limit)
+            async with asyncio.timeout(limit):
+                return await self._pools[unit.id].request(POST, req.path, headers, req.body)
         except TimeoutError:
             if deadline is not None and time.monotonic() >= deadline - MIN_LEFT_S:
                 raise
@@ -213,50 +237,42 @@ class Forwarder:
 
     async def _pipe(
         self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        conn: Connection,
+        down: Downstream,
         unit: Unit,
-        request_id: str,
-        route: str,
+        req: Inbound,
         started: float,
-    ) -> tuple[web.StreamResponse, bool]:
+        last: list[bytes],
+    ) -> bool:
         """Pass the SSE bytes through; on a broken upstream end with an SSE error event.
 
-        Returns the response and whether the unit did its part (False: it broke)."""
-        response = web.StreamResponse(
-            status=upstream.status, headers=_passed_headers(upstream, unit.id, request_id)
-        )
-        response.headers["Cache-Control"] = "no-cache"
-        tail = b"\n\n"
-        last = b""
+        Returns whether the unit did its part (False: it broke or ended with an error)."""
+        headers = _passed_headers(conn, unit.id, req.request_id)
+        headers["Cache-Control"] = "no-cache"
+        await down.start(conn.status, headers)
         try:
             first = True
-            async for data in upstream.content.iter_any():
+            while (data := await conn.read_some()) is not None:
                 if first:
-                    await response.prepare(request)
-                    self._metrics.ttft.labels(route).observe(time.monotonic() - started)
+                    self._ttft[req.route].observe(time.monotonic() - started)
                     first = False
-                await response.write(data)
-                tail, last = data[-2:], data
-            if first:
-                await response.prepare(request)
-            await response.write_eof()
-            return response, not _ended_by_unit_error(last)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            if not response.prepared:
+                await down.write(data)
+                last[0] = data
+        except Broken as exc:
+            if not down.started:
                 raise  # nothing reached the client yet: the attempt may go elsewhere
-            if isinstance(exc, aiohttp.ClientConnectionResetError) and _client_gone(request):
-                raise ClientGone(response) from exc
-            error: UnitProxyError = (
-                DeadlineExceeded("the request's deadline passed")
-                if isinstance(exc, TimeoutError)
-                else Unavailable(f"unit {unit.id} broke the stream: {exc or type(exc).__name__}")
-            )
-            log.warning("request %s: %s", request_id, error.message)
-            separator = b"" if tail == b"\n\n" else b"\n\n"
-            await response.write(separator + openai_api.sse_error(error.body()))
-            await response.write_eof()
-            return response, isinstance(exc, TimeoutError)
+            error = Unavailable(f"unit {unit.id} broke the stream: {exc}")
+            log.warning("request %s: %s", req.request_id, error.message)
+            await _end_with_error(down, error, last[0])
+            return False
+        await down.end()
+        return not _ended_by_unit_error(last[0])
+
+
+async def _end_with_error(down: Downstream, error: UnitProxyError, last: bytes) -> None:
+    separator = b"" if not last or last.endswith(b"\n\n") else b"\n\n"
+    await down.write(separator + openai_api.sse_error(error.body()))
+    await down.end()
 
 
 def _ended_by_unit_error(last: bytes) -> bool:
@@ -265,16 +281,9 @@ def _ended_by_unit_error(last: bytes) -> bool:
     return at >= 0 and b"timeout_error" not in last[at:]
 
 
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-def _passed_headers(
-    upstream: aiohttp.ClientResponse, unit_id: str, request_id: str
-) -> dict[str, str]:
-    headers = {name: upstream.headers[name] for name in PASSED_HEADERS if name in upstream.headers}
-    headers[UNIT_HEADER] = upstream.headers.get(UNIT_HEADER, unit_id)
+def _passed_headers(conn: Connection, unit_id: str, request_id: str) -> dict[str, str]:
+    headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}
+    headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit_id)
     headers[REQUEST_ID_HEADER] = request_id
     return headers
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
-import uuid
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -20,18 +21,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
-from proxy.gateway.forward import Forwarder
+from proxy.gateway import front
+from proxy.gateway.forward import Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.loadsource import PollSource, RedisSource, WatchSource
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
+from proxy.gateway.upstream import Pool
 from proxy.httputil import (
+    DEADLINE_HEADER,
     REQUEST_ID_HEADER,
+    ClientClosed,
     ClientGone,
     admin_drain,
     error_middleware,
-    error_response,
+    error_parts,
     json_response,
+    timeout_s,
 )
 from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, ServingMetrics
@@ -42,10 +48,9 @@ from proxy.serving import (
     advertised_host,
     cancel_tasks,
     start_grpc,
-    start_http,
 )
 from proxy.settings import Settings, UnitTarget
-from proxy.tls import ClientTLS, server_tls
+from proxy.tls import ClientTLS, ServerTLS, server_tls
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +78,12 @@ class Gateway(Service):
         self.http_url = ""
         self.grpc_target = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._pools: dict[str, Pool] = {}
         self.redis_source: RedisSource | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._served = False
         self.api_keys = ApiKeys()
+        self._requests: dict[tuple[str, str], Any] = {}
         self._client_tls: ClientTLS | None = None
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
@@ -98,8 +104,8 @@ class Gateway(Service):
             self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate,
             self.api_keys, self._unit_key(),
         )  # fmt: skip
-        forwarder = Forwarder(
-            self.router, self._sessions, self.metrics, self.gateway_metrics, self.gate,
+        self.forwarder = Forwarder(
+            self.router, self._pools, self.metrics, self.gateway_metrics, self.gate,
             self._unit_key(),
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
@@ -110,8 +116,7 @@ class Gateway(Service):
 
         await self._publish_health()
         _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, register, tls=tls)
-        app = self._http_app(forwarder)
-        bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
+        bound_http = await self._start_http(http_port, tls)
         host = advertised_host(s.server.host, s.server.advertise_host)
         scheme = "http" if tls is None else "https"
         self.http_url, self.grpc_target = f"{scheme}://{host}:{bound_http}", f"{host}:{bound_grpc}"
@@ -150,16 +155,7 @@ class Gateway(Service):
     def _connect(self, unit: Unit) -> None:
         limit = self.settings.gateway.connections_per_unit
         tls = self._client_tls
-        connector = aiohttp.TCPConnector(
-            limit=limit,
-            limit_per_host=limit,
-            keepalive_timeout=60,
-            ssl=tls.ssl_context if tls is not None else True,
-        )
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
-        self._sessions[unit.id] = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False
-        )
+        self._pools[unit.id] = Pool(unit.http_url, limit, tls.ssl_context if tls else None)
         if tls is not None and self.settings.gateway.tls_ca_file is not None:
             channel = grpc.aio.secure_channel(
                 unit.grpc_target, tls.grpc_credentials, options=UNIT_CHANNEL_OPTIONS
@@ -174,8 +170,8 @@ class Gateway(Service):
         )
 
     async def _close_clients(self) -> None:
-        for session in self._sessions.values():
-            await session.close()
+        for pool in self._pools.values():
+            await pool.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -198,7 +194,7 @@ class Gateway(Service):
     def _discovered(self, target: UnitTarget) -> Unit:
         """A unit registered in Redis but not configured here: route to it too."""
         unit = self.router.add(target)
-        if unit.id not in self._sessions:
+        if unit.id not in self._pools:
             self._connect(unit)
         return unit
 
@@ -246,7 +242,67 @@ class Gateway(Service):
 
     # --- HTTP ---------------------------------------------------------------------
 
-    def _http_app(self, forwarder: Forwarder) -> web.Application:
+    async def _start_http(self, port: int, tls: ServerTLS | None) -> int:
+        """The lean front serves inference requests; it hands anything else to aiohttp."""
+        s, stack = self.settings.server, self._stack
+        runner = web.AppRunner(
+            self._http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        assert runner.server is not None
+        http_front = front.Front(ROUTES, self._serve_front, runner.server, s.max_body_bytes)
+        server = await asyncio.get_running_loop().create_server(
+            http_front.protocol,
+            s.host,
+            port,
+            ssl=None if tls is None else tls.ssl_context,
+            reuse_address=True,
+        )
+
+        async def stop() -> None:
+            server.close()
+            await http_front.shutdown(1.0)
+
+        stack.push_async_callback(stop)
+        return int(server.sockets[0].getsockname()[1])
+
+    async def _serve_front(self, response: front.Response, head: front.Head, body: bytes) -> None:
+        await self._inference(response, head.route, head.path, body, head.headers)
+
+    async def _inference(
+        self,
+        down: front.Response | AiohttpResponse,
+        route: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+    ) -> None:
+        """One inference request, whichever HTTP path it came by; counted by status."""
+        code = "500"
+        request_id = headers.get(REQUEST_ID_HEADER) or os.urandom(16).hex()
+        try:
+            self.api_keys.check(headers.get("authorization"))
+            req = Inbound(path, route, body, request_id, headers.get("content-type"),
+                          headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)))  # fmt: skip
+            await self.forwarder.handle(down, req)
+            code = str(down.status)
+        except UnitProxyError as exc:
+            code = str(exc.http_status)
+            down.respond(*error_parts(exc, request_id))
+        except (ClientClosed, asyncio.CancelledError):
+            code = "499"
+            raise
+        finally:
+            self._count(route, code)
+
+    def _count(self, route: str, code: str) -> None:
+        counter = self._requests.get((route, code))
+        if counter is None:
+            counter = self._requests[route, code] = self.metrics.requests.labels(route, code)
+        counter.inc()
+
+    def _http_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.server.max_body_bytes,
             middlewares=[error_middleware()]
@@ -255,26 +311,18 @@ class Gateway(Service):
 
         def inference(route: str) -> Any:
             async def handle(request: web.Request) -> web.StreamResponse:
-                code = "500"
-                request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
                 try:
-                    response = await forwarder.handle(request, route, request_id)
-                    code = str(response.status)
-                    return response
-                except UnitProxyError as exc:
-                    code = str(exc.http_status)
-                    return error_response(exc, request_id)
+                    body = await request.read()
                 except web.RequestPayloadError:
-                    code = "400"  # the body could not be read; the error middleware answers
+                    self._count(route, "400")  # the error middleware answers
                     raise
+                down = AiohttpResponse(request)
+                try:
+                    await self._inference(down, route, request.path, body, request.headers)
                 except ClientGone as gone:
-                    code = "499"
                     return gone.response
-                except asyncio.CancelledError:
-                    code = "499"
-                    raise
-                finally:
-                    self.metrics.requests.labels(route, code).inc()
+                assert down.response is not None
+                return down.response
 
             return handle
 
@@ -295,9 +343,12 @@ class Gateway(Service):
         if not serving:
             raise Unavailable("no unit is SERVING", code="no_unit_available")
         unit = random.choice(serving)
-        async with self._sessions[unit.id].get(f"{unit.http_url}/v1/models") as resp:
-            return web.Response(status=resp.status, body=await resp.read(),
-                                content_type="application/json")  # fmt: skip
+        conn = await self._pools[unit.id].request(b"GET", "/v1/models", {})
+        try:
+            body = await conn.read()
+        finally:
+            conn.done()
+        return web.Response(status=conn.status, body=body, content_type="application/json")
 
     async def _ready(self, request: web.Request) -> web.Response:
         body = self._ready_body()
@@ -335,6 +386,47 @@ class Gateway(Service):
         return web.Response(
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+
+class AiohttpResponse:
+    """A forward.Downstream over aiohttp, for requests the lean front handed over."""
+
+    def __init__(self, request: web.Request):
+        self._request = request
+        self.response: web.StreamResponse | None = None
+        self.status = 0
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None and self.response.prepared
+
+    def respond(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.response = web.Response(status=status, body=body, headers=headers)
+
+    async def start(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+        self.response = web.StreamResponse(status=status, headers=headers)
+
+    async def write(self, data: bytes) -> None:
+        response = self.response
+        assert response is not None
+        try:
+            if not response.prepared:
+                await response.prepare(self._request)
+            await response.write(data)
+        except aiohttp.ClientConnectionResetError as exc:
+            raise ClientGone(response) from exc
+
+    async def end(self) -> None:
+        response = self.response
+        assert response is not None
+        try:
+            if not response.prepared:
+                await response.prepare(self._request)
+            await response.write_eof()
+        except aiohttp.ClientConnectionResetError as exc:
+            raise ClientGone(response) from exc
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -1,0 +1,367 @@
+"""The gateway's HTTP/1.1 listener: inference requests on a lean path, the rest to aiohttp.
+
+Every connection starts here. A request head is parsed by httptools; a plain
+``POST /v1/completions`` or ``/v1/chat/completions`` with a Content-Length body (the
+requests a gateway lives on) is served on this connection without building request or
+response objects: the body is handed to the forwarder, the unit's answer written back
+in one write per read, SSE chunk-framed as it comes. Anything else (other routes and
+methods, chunked or compressed bodies, ``Expect``, HTTP/1.0, a head that does not
+parse, a body over the limit, a header the error middleware refuses) hands the
+connection, with every byte of that request, to aiohttp's request handler, which
+serves it from then on: one set of rules for errors, auth and limits, written once.
+
+Requests are framed by Content-Length, so bytes of a next (pipelined) request are
+never lost; they wait until the current response is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import cast
+
+import httptools
+
+from proxy.errors import UnitProxyError
+from proxy.httputil import FORM_TYPES, MAX_REQUEST_ID, REQUEST_ID_HEADER, ClientClosed
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD = 64 * 1024  # a longer head goes to aiohttp, which answers it with its limits
+MAX_UNREAD = 4 * 1024 * 1024  # bytes of later requests buffered before reading pauses
+MAX_FIELD = 8190  # aiohttp's limits on a line and a header: past them it answers 400
+MAX_HEADERS = 128
+KEEPALIVE_S = 75.0  # an idle connection is closed after this (aiohttp's default)
+HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+
+
+@dataclass(slots=True)
+class Head:
+    """A request the lean path serves."""
+
+    route: str
+    path: str
+    headers: dict[str, str]  # lower-case names
+    length: int  # of the body
+    size: int  # of the head, in bytes
+    keep_alive: bool
+
+
+Serve = Callable[["Response", Head, bytes], Awaitable[None]]
+
+
+class _Collect:
+    """httptools callbacks: the URL and the headers of one request head."""
+
+    __slots__ = ("headers", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+
+def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None:
+    """The request in ``raw`` (a whole head) if the lean path serves it, else None."""
+    found = _Collect()
+    parser = httptools.HttpRequestParser(found)
+    try:
+        parser.feed_data(raw)
+    except httptools.HttpParserError:
+        return None
+    if parser.get_method() != b"POST" or parser.get_http_version() != "1.1":
+        return None
+    if len(found.url) > MAX_FIELD or len(found.headers) > MAX_HEADERS:
+        return None
+    path = found.url.split(b"?", 1)[0].decode("latin-1")
+    route = routes.get(path)
+    if route is None:
+        return None
+    headers: dict[str, str] = {}
+    for name, value in found.headers:
+        if name in HANDOFF_HEADERS or len(name) + len(value) > MAX_FIELD:
+            return None
+        key = name.decode("latin-1")
+        if key in headers:
+            if key in ("content-length", REQUEST_ID_HEADER, "content-type", "authorization"):
+                return None  # which one counts is aiohttp's to say
+            continue
+        headers[key] = value.decode("utf-8", "surrogateescape")
+    length = headers.get("content-length", "")
+    if not length.isdigit() or int(length) > max_body:
+        return None
+    if headers.get("content-type", "").split(";", 1)[0].strip().lower() in FORM_TYPES:
+        return None
+    request_id = headers.get(REQUEST_ID_HEADER)
+    if request_id is not None and not _echoable(request_id):
+        return None
+    return Head(route, path, headers, int(length), len(raw), parser.should_keep_alive())
+
+
+def _echoable(request_id: str) -> bool:
+    if len(request_id) > MAX_REQUEST_ID:
+        return False
+    try:
+        request_id.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            reason = HTTPStatus(status).phrase
+        except ValueError:
+            reason = "Unknown"
+        line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {reason}\r\n".encode()
+    return line
+
+
+def _head_bytes(status: int, headers: dict[str, str], framing: bytes, close: bool) -> bytes:
+    parts = [_status_line(status)]
+    parts += [f"{name}: {value}\r\n".encode() for name, value in headers.items()]
+    if close:
+        parts.append(b"Connection: close\r\n")
+    parts.append(framing)
+    return b"".join(parts)
+
+
+class Response:
+    """The response to one lean-path request (a forward.Downstream)."""
+
+    __slots__ = ("_close", "_conn", "_pending", "ended", "started", "status")
+
+    def __init__(self, conn: Connection, close: bool):
+        self._conn = conn
+        self._close = close
+        self._pending = b""  # a streamed head, sent with the first chunk
+        self.status = 0
+        self.started = False
+        self.ended = False
+
+    def respond(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.ended = True
+        framing = b"Content-Length: %d\r\n\r\n" % len(body)
+        self._conn.send(_head_bytes(status, headers, framing, self._close) + body)
+
+    async def start(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+        self._pending = _head_bytes(status, headers, b"Transfer-Encoding: chunked\r\n\r\n",
+                                    self._close)  # fmt: skip
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        chunk = b"%x\r\n%b\r\n" % (len(data), data)
+        if not self.started:
+            chunk = self._pending + chunk
+            self.started = True
+        await self._conn.send_and_drain(chunk)
+
+    async def end(self) -> None:
+        tail = b"0\r\n\r\n"
+        if not self.started:
+            tail = self._pending + tail
+            self.started = True
+        self.ended = True
+        await self._conn.send_and_drain(tail)
+
+
+class Front:
+    """The listener's shared parts; ``protocol()`` makes one Connection per client."""
+
+    def __init__(
+        self,
+        routes: dict[str, str],
+        serve: Serve,
+        fallback: Callable[[], asyncio.Protocol],
+        max_body: int,
+    ):
+        self.routes = routes
+        self.serve = serve
+        self.fallback = fallback
+        self.max_body = max_body
+        self.connections: set[Connection] = set()
+
+    def protocol(self) -> Connection:
+        return Connection(self)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Close idle connections now; requests still running get ``timeout_s``."""
+        for conn in list(self.connections):
+            if conn.task is None:
+                conn.close()
+        running = [c.task for c in self.connections if c.task is not None]
+        if running:
+            await asyncio.wait(running, timeout=timeout_s)
+        for conn in list(self.connections):
+            if conn.task is not None:
+                conn.task.cancel()
+            conn.close()
+
+
+class Connection(asyncio.Protocol):
+    """One client connection on the lean path (until it is handed to aiohttp)."""
+
+    def __init__(self, front: Front):
+        self._front = front
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._head: Head | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._drained: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self._read_paused = False
+        self.closed = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._front.connections.add(self)
+        self._idle = self._loop.call_later(KEEPALIVE_S, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if self.task is None:
+            self._next()
+        elif len(self._buf) > MAX_UNREAD and not self._read_paused and self.transport:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._front.connections.discard(self)
+        if self._idle is not None:
+            self._idle.cancel()
+        if self.task is not None:
+            self.task.cancel()  # the client went away: the forwarder cancels upstream
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    # -- framing ---------------------------------------------------------------------
+
+    def _next(self) -> None:
+        """At a request boundary: serve the request in the buffer once it is whole."""
+        buf = self._buf
+        if not buf:
+            return
+        head = self._head
+        if head is None:
+            if self._idle is not None:
+                self._idle.cancel()
+                self._idle = None
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD:
+                    self._handoff()
+                return
+            head = parse_head(bytes(buf[: end + 4]), self._front.routes, self._front.max_body)
+            if head is None:
+                self._handoff()
+                return
+            self._head = head
+        total = head.size + head.length
+        if len(buf) < total:
+            return
+        self._head = None
+        if len(buf) == total:
+            body = bytes(buf[head.size :])
+            buf.clear()
+        else:
+            body = bytes(buf[head.size : total])
+            del buf[:total]
+        self.task = self._loop.create_task(self._serve(head, body))
+
+    async def _serve(self, head: Head, body: bytes) -> None:
+        response = Response(self, close=not head.keep_alive)
+        try:
+            await self._front.serve(response, head, body)
+        except (ClientClosed, asyncio.CancelledError):
+            self.close()
+        except Exception:
+            log.exception("request %s %s failed", head.path, head.headers.get(REQUEST_ID_HEADER))
+            if not response.started and not response.ended:
+                error = json.dumps(UnitProxyError("internal error in the gateway").body())
+                response.respond(500, {"Content-Type": "application/json"}, error.encode())
+            else:
+                self.close()
+        finally:
+            self.task = None
+        if not response.ended or not head.keep_alive:
+            self.close()  # a response cut short (the client must not read on), or asked for
+        elif not self.closed:
+            self._after()
+
+    def _after(self) -> None:
+        if self._read_paused and self.transport is not None:
+            self._read_paused = False
+            self.transport.resume_reading()
+        if self._buf:
+            self._next()
+        else:
+            self._idle = self._loop.call_later(KEEPALIVE_S, self.close)
+
+    def _handoff(self) -> None:
+        """From here on aiohttp serves this connection, starting with the buffered bytes."""
+        transport = self.transport
+        assert transport is not None and self.task is None
+        self._front.connections.discard(self)
+        if self._idle is not None:
+            self._idle.cancel()
+        handler = self._front.fallback()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        data, self._buf = bytes(self._buf), bytearray()
+        if self._read_paused:
+            transport.resume_reading()
+        if data:
+            handler.data_received(data)
+
+    # -- writing ---------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        if self.closed or self.transport is None:
+            raise ClientClosed()
+        self.transport.write(data)
+
+    async def send_and_drain(self, data: bytes) -> None:
+        self.send(data)
+        if self._write_paused:
+            self._drained = self._loop.create_future()
+            await self._drained
+            if self.closed:
+                raise ClientClosed()
+
+    def _wake_writer(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+        self._front.connections.discard(self)

@@ -1,0 +1,317 @@
+"""HTTP/1.1 to one unit: a pool of keep-alive connections, responses parsed by httptools.
+
+A general client does much per request that a proxy does not need (cookies, redirects,
+tracing hooks, a header multidict, a stream reader per body). Here a request is one
+write of head and body, the response head arrives as a dict of lower-case names, and
+the body comes out as the bytes that arrived, joined per read: SSE events are passed
+on as they came, never split into lines. Reading pauses while a body waits unread
+(the client behind it is slow), so memory stays bounded.
+
+Errors, mapped once here::
+
+    UpstreamError
+      ConnectFailed   no response head: connect refused or reset, closed before answering
+      Broken          the connection ended or sent garbage after the head
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+HIGH_WATER = 256 * 1024  # unread body bytes at which reading from the unit pauses
+IDLE_KEEP_S = 50.0  # an idle connection older than this is closed, not reused (aiohttp
+# servers close keep-alive connections after 75 s by default)
+
+
+class UpstreamError(Exception):
+    pass
+
+
+class ConnectFailed(UpstreamError):
+    """No response head came: the unit could not be reached or closed the connection."""
+
+
+class Broken(UpstreamError):
+    """The response broke after its head: connection lost or not valid HTTP."""
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; also the response it is carrying."""
+
+    def __init__(self, pool: Pool):
+        self._pool = pool
+        self._loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._head: asyncio.Future[None] | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._complete = False
+        self._keep_alive = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake = False
+        self._paused = False
+        self.closed = False
+        self.reused = False
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(f"not a valid HTTP response: {exc}")
+            self.close()
+        if self._wake:
+            self._wake = False
+            self._set_waiter()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool.lost(self)
+        if not self._complete:
+            self._fail(f"connection closed: {exc}" if exc else "connection closed")
+        self._set_waiter()
+
+    # -- httptools callbacks ---------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.headers = {}
+        self._chunks = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self._keep_alive = self._parser.should_keep_alive()  # known only until the end
+        if self._head is not None and not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        self._wake = True
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._wake = True
+
+    # -- the request -----------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.status = 0
+        self._complete = False
+        self._error = None
+        self._head = self._loop.create_future()
+        self.transport.write(data)
+
+    async def head(self) -> None:
+        """Wait for the response head (``status`` and ``headers``)."""
+        assert self._head is not None
+        if not self._head.done():
+            await self._head
+        self._head.result()
+
+    async def read_some(self) -> bytes | None:
+        """The body bytes that arrived since the last call, joined; None at its end."""
+        while not self._chunks:
+            if self._complete:
+                return None
+            if self._error is not None:
+                raise self._error
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunks, self._chunks = self._chunks, []
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def read(self) -> bytes:
+        parts = []
+        while (data := await self.read_some()) is not None:
+            parts.append(data)
+        return b"".join(parts)
+
+    def done(self) -> None:
+        """The caller is finished with this response: keep the connection or close it."""
+        if self._complete and self._keep_alive and not self.closed:
+            self._pool.put(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+            self._pool.lost(self)
+
+    def _fail(self, why: str) -> None:
+        if self._error is not None:
+            return
+        head_came = self._head is not None and self._head.done()
+        self._error = Broken(why) if head_came else ConnectFailed(why)
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(self._error)
+            self._head.exception()  # retrieved: no "never retrieved" warning if unawaited
+
+    def _set_waiter(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class Pool:
+    """Keep-alive connections to one unit's HTTP address, at most ``limit`` open."""
+
+    def __init__(
+        self,
+        url: str,
+        limit: int,
+        ssl_context: ssl.SSLContext | None = None,
+        connect_timeout_s: float = 2.0,
+    ):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.loop = asyncio.get_running_loop()
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = (
+            (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
+        )
+        self._host_header = parts.netloc.encode("idna")
+        self._limit = limit
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: deque[Connection] = deque()
+        self._open: set[Connection] = set()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+
+    def head_bytes(self, method: bytes, path: str, headers: dict[str, str], length: int) -> bytes:
+        lines = [b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
+                 % (method, path.encode(), self._host_header, length)]  # fmt: skip
+        lines += [f"{name}: {value}\r\n".encode() for name, value in headers.items()]
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    async def request(
+        self, method: bytes, path: str, headers: dict[str, str], body: bytes = b""
+    ) -> Connection:
+        """Send the request and wait for the response head; the caller reads the body
+        and then calls ``done()`` (or ``close()``) on the connection it gets.
+
+        A kept-alive connection the unit closed just as it was reused is replaced once by
+        a new one: nothing of the request was answered on it."""
+        data = self.head_bytes(method, path, headers, len(body)) + body
+        for _ in range(2):
+            conn = await self._get()
+            try:
+                conn.send(data)
+                await conn.head()
+                return conn
+            except ConnectFailed:
+                conn.close()
+                if not conn.reused:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _get(self) -> Connection:
+        while True:
+            if self._closed:
+                raise ConnectFailed("the gateway is closing")
+            now = time.monotonic()
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.closed and now - conn.idle_since < IDLE_KEEP_S:
+                    conn.reused = True
+                    return conn
+                conn.close()
+            if len(self._open) < self._limit:
+                return await self._connect()
+            waiter = self.loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    async def _connect(self) -> Connection:
+        conn = Connection(self)
+        self._open.add(conn)
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                await self.loop.create_connection(
+                    lambda: conn,
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl else None,
+                )
+        except (OSError, TimeoutError) as exc:
+            self.lost(conn)
+            raise ConnectFailed(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            self.lost(conn)
+            raise
+        return conn
+
+    def put(self, conn: Connection) -> None:
+        """A connection whose response was read to its end: keep it for the next."""
+        if self._closed:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+        self._wake_one()
+
+    def lost(self, conn: Connection) -> None:
+        if conn in self._open:
+            self._open.discard(conn)
+            self._wake_one()
+        if conn in self._idle:
+            self._idle.remove(conn)
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def close(self) -> None:
+        self._closed = True
+        for conn in list(self._open):
+            conn.close()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
