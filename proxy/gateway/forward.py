@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from proxy import openai_api
 from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
@@ -110,6 +110,7 @@ class Forwarder:
         self._metrics = metrics
         self._gw = gateway_metrics
         self._settings = router.settings
+        self._routed: dict[str, Any] = {}  # metric children by unit: labels() per request costs
         self._ttft = {route: metrics.ttft.labels(route) for route in ("completions", "chat")}
         self._duration = {
             route: metrics.request_duration.labels(route) for route in ("completions", "chat")
@@ -135,7 +136,10 @@ class Forwarder:
                     self._gw.no_unit_available.inc()
                     raise
                 tried.add(unit.id)
-                self._gw.routed.labels(unit.id).inc()
+                routed = self._routed.get(unit.id)
+                if routed is None:
+                    routed = self._routed[unit.id] = self._gw.routed.labels(unit.id)
+                routed.inc()
                 refused = await self._attempt(unit, down, req, deadline, started)
                 if refused is None:
                     return

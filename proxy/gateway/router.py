@@ -166,8 +166,7 @@ class Router:
                 self._eject(unit)
         elif outcome is Outcome.OK:
             unit.failures = 0
-        self.wake()
-        self._changed(unit)
+        self.wake()  # no _changed: a release changes no state (gauges refresh on a timer)
 
     def _eject(self, unit: Unit) -> None:
         now = self._clock()

@@ -233,9 +233,11 @@ class Gateway(Service):
         """Refresh the per-unit gauges; a unit whose reports stopped is no longer serving."""
         while True:
             now = time.monotonic()
+            correct = self.settings.gateway.correct_load
             for unit in self.router.units.values():
                 age = now - unit.report_at if unit.report is not None else -1.0
                 self.gateway_metrics.report_age.labels(unit.id).set(age)
+                self.gateway_metrics.unit_load.labels(unit.id).set(unit.estimate(correct))
             self.gateway_metrics.queue_waiting.set(self.router.waiting)
             self.router.wake()
             await asyncio.sleep(0.5)
