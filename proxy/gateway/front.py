@@ -27,7 +27,13 @@ from typing import cast
 import httptools
 
 from proxy.errors import UnitProxyError
-from proxy.httputil import FORM_TYPES, MAX_REQUEST_ID, REQUEST_ID_HEADER, ClientClosed
+from proxy.httputil import (
+    DEADLINE_HEADER,
+    FORM_TYPES,
+    MAX_REQUEST_ID,
+    REQUEST_ID_HEADER,
+    ClientClosed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,11 @@ MAX_UNREAD = 4 * 1024 * 1024  # bytes of later requests buffered before reading 
 MAX_FIELD = 8190  # aiohttp's limits on a line and a header: past them it answers 400
 MAX_HEADERS = 128
 KEEPALIVE_S = 75.0  # an idle connection is closed after this (aiohttp's default)
+# The request headers the gateway reads; the others are checked, not kept.
+USED_HEADERS = frozenset(
+    {b"content-length", b"content-type", b"authorization", REQUEST_ID_HEADER.encode(),
+     DEADLINE_HEADER.encode()}
+)  # fmt: skip
 HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 
 
@@ -45,7 +56,7 @@ class Head:
 
     route: str
     path: str
-    headers: dict[str, str]  # lower-case names
+    headers: dict[str, str]  # lower-case names; only USED_HEADERS
     length: int  # of the body
     size: int  # of the head, in bytes
     keep_alive: bool
@@ -90,12 +101,11 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     for name, value in found.headers:
         if name in HANDOFF_HEADERS or len(name) + len(value) > MAX_FIELD:
             return None
-        key = name.decode("latin-1")
-        if key in headers:
-            if key in ("content-length", REQUEST_ID_HEADER, "content-type", "authorization"):
+        if name in USED_HEADERS:
+            key = name.decode()
+            if key in headers:
                 return None  # which one counts is aiohttp's to say
-            continue
-        headers[key] = value.decode("utf-8", "surrogateescape")
+            headers[key] = value.decode("utf-8", "surrogateescape")
     length = headers.get("content-length", "")
     if not length.isdigit() or int(length) > max_body:
         return None

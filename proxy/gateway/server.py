@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from collections import Counter
@@ -282,7 +281,7 @@ class Gateway(Service):
     ) -> None:
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
-        request_id = headers.get(REQUEST_ID_HEADER) or os.urandom(16).hex()
+        request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
         try:
             self.api_keys.check(headers.get("authorization"))
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
