@@ -13,11 +13,13 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy import openai_api
 from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
+from proxy.gateway.front import Producer
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Broken, ConnectFailed, Connection, Pool
@@ -68,6 +70,10 @@ class Downstream(Protocol):
         """Raises ClientGone when the client closed the connection."""
 
     async def end(self) -> None: ...
+
+    def splice_writer(self, producer: Producer) -> Callable[[bytes], None] | None:
+        """A synchronous writer for chunks as they arrive, or None where writes must be
+        awaited."""
 
 
 @dataclass(slots=True)
@@ -239,6 +245,24 @@ class Forwarder:
                 raise
             raise UnitTimeout(f"unit {unit.id} sent no response within {limit:g} s") from None
 
+    def _spliced(
+        self,
+        write: Callable[[bytes], None],
+        down: Downstream,
+        req: Inbound,
+        started: float,
+        last: list[bytes],
+    ) -> Callable[[bytes], None]:
+        ttft = self._ttft[req.route]
+
+        def sink(data: bytes) -> None:
+            if not down.started:
+                ttft.observe(time.monotonic() - started)
+            write(data)
+            last[0] = data
+
+        return sink
+
     async def _pipe(
         self,
         conn: Connection,
@@ -254,7 +278,12 @@ class Forwarder:
         headers = _passed_headers(conn, unit.id, req.request_id)
         headers["Cache-Control"] = "no-cache"
         await down.start(conn.status, headers)
+        write = down.splice_writer(conn)
         try:
+            if write is not None:
+                await conn.splice(self._spliced(write, down, req, started, last))
+                await down.end()
+                return not _ended_by_unit_error(last[0])
             first = True
             while (data := await conn.read_some()) is not None:
                 if first:

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import cast
+from typing import Protocol, cast
 
 import httptools
 
@@ -63,6 +63,14 @@ class Head:
 
 
 Serve = Callable[["Response", Head, bytes], Awaitable[None]]
+
+
+class Producer(Protocol):
+    """What a spliced stream reads from: paused while the client cannot take more."""
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
 
 
 class _Collect:
@@ -189,7 +197,25 @@ class Response:
             tail = self._pending + tail
             self.started = True
         self.ended = True
+        self._conn.producer = None
         await self._conn.send_and_drain(tail)
+
+    def splice_writer(self, producer: Producer) -> Callable[[bytes], None]:
+        """A plain function that writes a streamed chunk at once, called from the unit's
+        protocol callback; while the client's buffer is full, ``producer`` is paused."""
+        conn = self._conn
+        conn.producer = producer
+
+        def write(data: bytes) -> None:
+            if conn.closed or not data:
+                return  # a client gone cancels the request's task; nothing to do here
+            chunk = b"%x\r\n%b\r\n" % (len(data), data)
+            if not self.started:
+                chunk = self._pending + chunk
+                self.started = True
+            conn.transport.write(chunk)  # type: ignore[union-attr]
+
+        return write
 
 
 class Front:
@@ -239,6 +265,7 @@ class Connection(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self._write_paused = False
         self._read_paused = False
+        self.producer: Producer | None = None  # a unit's stream spliced into this client
         self.closed = False
 
     # -- asyncio.Protocol --------------------------------------------------------------
@@ -267,9 +294,13 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        if self.producer is not None:
+            self.producer.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self.producer is not None:
+            self.producer.resume_reading()
         self._wake_writer()
 
     # -- framing ---------------------------------------------------------------------
@@ -321,6 +352,7 @@ class Connection(asyncio.Protocol):
                 self.close()
         finally:
             self.task = None
+            self.producer = None
         if not response.ended or not head.keep_alive:
             self.close()  # a response cut short (the client must not read on), or asked for
         elif not self.closed:

@@ -419,6 +419,9 @@ class AiohttpResponse:
         except aiohttp.ClientConnectionResetError as exc:
             raise ClientGone(response) from exc
 
+    def splice_writer(self, producer: front.Producer) -> None:
+        return None  # aiohttp's writes are awaited
+
     async def end(self) -> None:
         response = self.response
         assert response is not None

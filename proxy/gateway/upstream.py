@@ -20,6 +20,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -59,6 +60,7 @@ class Connection(asyncio.Protocol):
         self._keep_alive = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
         self._wake = False
         self._paused = False
         self.closed = False
@@ -78,6 +80,10 @@ class Connection(asyncio.Protocol):
             self.close()
         if self._wake:
             self._wake = False
+            if self._sink is not None and self._chunks:
+                self._sink(self._take())
+                if not self._complete:
+                    return  # spliced: the task waits for the end only
             self._set_waiter()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -106,9 +112,8 @@ class Connection(asyncio.Protocol):
         self._chunks.append(body)
         self._buffered += len(body)
         self._wake = True
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        if self._buffered > HIGH_WATER:
+            self.pause_reading()
 
     def on_message_complete(self) -> None:
         self._complete = True
@@ -143,12 +148,43 @@ class Connection(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
+        return self._take()
+
+    async def splice(self, sink: Callable[[bytes], None]) -> None:
+        """Hand the body to ``sink`` as it arrives, inside the protocol callback (no task
+        wakes per chunk); return when it ended. The receiver paces the unit through
+        ``pause_reading``/``resume_reading``."""
+        if self._chunks:
+            sink(self._take())
+        self._sink = sink
+        try:
+            while not self._complete:
+                if self._error is not None:
+                    raise self._error
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._sink = None
+
+    def _take(self) -> bytes:
         chunks, self._chunks = self._chunks, []
         self._buffered = 0
-        if self._paused and self.transport is not None:
+        if self._paused and self._sink is None:
+            self.resume_reading()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def pause_reading(self) -> None:
+        if not self._paused and self.transport is not None and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
             self._paused = False
             self.transport.resume_reading()
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def read(self) -> bytes:
         parts = []
