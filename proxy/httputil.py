@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.errors import (
     Forbidden,
@@ -178,3 +180,24 @@ def admin_drain(
         return json_response(describe(), status=202)
 
     return handle
+
+
+class OneLineBadRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (an HTTP/2 preface, garbage) as an ERROR
+    with a traceback; it is the client's mistake, answered with 400: one WARNING line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            why = " ".join(str(exc.message).split())[:200]
+            record.msg, record.args = f"{record.getMessage()}: {exc.code} {why}", ()
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_bad_requests() -> None:
+    """Install OneLineBadRequests on aiohttp's server logger (once)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineBadRequests) for f in logger.filters):
+        logger.addFilter(OneLineBadRequests())

@@ -19,6 +19,7 @@ from prometheus_client import Gauge
 
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable
+from proxy.httputil import quiet_bad_requests
 from proxy.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ async def start_http(
     """
     # handler_cancellation: a client that goes away cancels its handler, so the
     # engine request is aborted and the outstanding count drops.
+    quiet_bad_requests()
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from urllib.parse import urlsplit
 
 import aiohttp
 import openai
@@ -313,3 +315,21 @@ async def test_metrics_parse_and_carry_the_named_metrics(
     assert samples[("unitproxy_unit_state", (("state", "SERVING"),))] == 1
     assert samples[("unitproxy_node_healthy", (("node", "leader"), ("role", "leader")))] == 1
     assert samples[("unitproxy_outstanding_requests", ())] == 0
+
+
+async def test_an_http2_preface_is_one_warning_line_not_a_traceback(
+    start_sidecar: SidecarFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Some routers probe a worker's HTTP port with an HTTP/2 preface: a 400, logged once.
+    sidecar = await start_sidecar()
+    url = urlsplit(sidecar.http_url)
+    caplog.set_level(logging.INFO, logger="aiohttp.server")
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert answer.split(b" ", 2)[1] == b"400", answer
+    await wait_until(lambda: any(r.name == "aiohttp.server" for r in caplog.records), what="log")
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert all(r.exc_info is None and r.levelno == logging.WARNING for r in records), records
+    assert "400" in records[0].getMessage()

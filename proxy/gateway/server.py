@@ -36,6 +36,7 @@ from proxy.httputil import (
     error_middleware,
     error_parts,
     json_response,
+    quiet_bad_requests,
     timeout_s,
 )
 from proxy.load import UnitState
@@ -246,6 +247,7 @@ class Gateway(Service):
     async def _start_http(self, port: int, tls: ServerTLS | None) -> int:
         """The lean front serves inference requests; it hands anything else to aiohttp."""
         s, stack = self.settings.server, self._stack
+        quiet_bad_requests()
         runner = web.AppRunner(
             self._http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
