@@ -184,9 +184,16 @@ class Forwarder:
         outcome = Outcome.FAILED
         conn: Connection | None = None
         last = [b""]  # what the client got last: an error event must start on its own line
+        # One timer: the unit's response_timeout_s (or the deadline, if sooner) until the
+        # response head, then the request's deadline.
+        limit = self._settings.response_timeout_s
+        now = asyncio.get_running_loop().time()
+        end = None if left is None else now + left
+        head_by = now + limit
         try:
-            async with asyncio.timeout(left):
-                conn = await self._response(unit, req, headers, deadline)
+            async with asyncio.timeout_at(head_by if end is None else min(head_by, end)) as scope:
+                conn = await self._pools[unit.id].request(POST, req.path, headers, req.body)
+                scope.reschedule(end)
                 status = conn.status
                 if status in (429, 503):
                     data = await conn.read()
@@ -202,10 +209,11 @@ class Forwarder:
                 self._ttft[req.route].observe(time.monotonic() - started)
                 down.respond(status, _passed_headers(conn, unit.id, req.request_id), data)
                 return None
-        except UnitTimeout as exc:
-            log.warning("%s", exc.message)
-            raise
         except TimeoutError as exc:
+            if conn is None and (end is None or head_by < end):
+                message = f"unit {unit.id} sent no response within {limit:g} s"
+                log.warning("%s", message)
+                raise UnitTimeout(message) from None  # the unit's failure (outcome FAILED)
             outcome = Outcome.OK  # the request's own deadline, not the unit's fault
             error = DeadlineExceeded("the request's deadline passed")
             if not down.started:
@@ -227,23 +235,6 @@ class Forwarder:
             if conn is not None:
                 conn.done()  # kept for reuse only when its response was read to the end
             self._router.release(unit, outcome)
-
-    async def _response(
-        self, unit: Unit, req: Inbound, headers: dict[str, str], deadline: float | None
-    ) -> Connection:
-        """The unit's response head (with its first token, when streaming).
-
-        A unit that sends none within ``response_timeout_s`` has failed: 504, and it
-        counts toward its ejection. The request's own deadline is no fault of the unit.
-        """
-        limit = self._settings.response_timeout_s
-        try:
-            async with asyncio.timeout(limit):
-                return await self._pools[unit.id].request(POST, req.path, headers, req.body)
-        except TimeoutError:
-            if deadline is not None and time.monotonic() >= deadline - MIN_LEFT_S:
-                raise
-            raise UnitTimeout(f"unit {unit.id} sent no response within {limit:g} s") from None
 
     def _spliced(
         self,
