@@ -20,10 +20,12 @@ on stale load) and lor-delayed-corrected (the same delay, correction on). Beside
 peer routers' load-aware policies over the same fleet, each run started fresh like the
 gateway (``peers.py`` says what each does, how it measures load and why it was chosen):
 vllm-router:power_of_two, vllm-router:cache_aware, sglang-router:power_of_two,
-sglang-router:cache_aware. A peer that is not installed is reported and skipped.
+sglang-router:cache_aware, and sglang-router:cache_aware-jsq (tuned to join the shortest
+queue). A peer that is not installed is reported and skipped. A second goal line puts
+lor's goodput@1s against every peer policy's at the same load.
 
-    .venv/bin/python -m bench.routing.run            # the full run: 14.5 min on 2 busy cores
-    .venv/bin/python -m bench.routing.run --quick    # smoke run: 2.5-3 min
+    .venv/bin/python -m bench.routing.run            # the full run, 11 policies: about 24 min
+    .venv/bin/python -m bench.routing.run --quick    # smoke run: about 5 min
     .venv/bin/python bench/routing/run.py --policies lor,round_robin --loads 85 --duration 30
     .venv/bin/python -m bench.routing.run --quick --policies lor,vllm-router:power_of_two
 
