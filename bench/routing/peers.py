@@ -46,7 +46,7 @@ What they ask of a unit besides /v1/completions: both GET /health; sglang-router
 GETs /server_info, /get_server_info, /model_info, /get_model_info (404 on the sidecar:
 it warns and goes on), refuses token-id prompts and a body without "model", and opens
 each worker's HTTP port with an HTTP/2 preface (its gRPC-worker probe), which the
-sidecar logs as an error with a traceback. Those expected lines are left out of the
+sidecar logs (an ERROR with a traceback, or one WARNING line in newer trees). Those expected lines are left out of the
 problems reported (``EXPECTED``, ``unit_log_problems``); the run checks the sidecar's
 GET /get_load itself and says what it answered.
 

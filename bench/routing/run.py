@@ -664,7 +664,7 @@ def _print_problems(r: Results) -> None:
         lines += [f"  sidecar {unit} log: {line}" for line in problems[:3]]
     if r.http2_probes:
         print(
-            f"\n(left out below: {r.http2_probes} error records on the units from "
+            f"\n(left out below: {r.http2_probes} log records on the units from "
             "sglang-router's HTTP/2 preface, its gRPC-worker probe at start)"
         )
     print("\nproblems:" if lines else "\nno problems: no errors, every unit idle after each run")
