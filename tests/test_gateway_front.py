@@ -503,12 +503,6 @@ async def test_broken_framing_gets_4xx(cell: Cell, raw: RawFactory, name: str) -
     check_completion(await other.reply(), 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="front.py: a head whose lines end in a bare LF never contains CRLFCRLF, so it "
-    "is neither parsed nor handed to aiohttp (until 64 KiB): no answer, and no idle timer, "
-    "while aiohttp answers 400 at once",
-)
 async def test_head_with_bare_lf_line_ends_is_answered(cell: Cell, raw: RawFactory) -> None:
     data = request(COMPLETIONS, None, "Connection: close").replace(b"\r\n", b"\n")
     sidecar = await raw(cell.sidecar.http_url)
@@ -698,22 +692,13 @@ class FakeUnit:
                 b"\r\n%b" % done.encode())  # fmt: skip
 
 
-CLOSE_DELIMITED_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="upstream.py: an answer framed by the end of the connection (no Content-Length, "
-    "not chunked) is never complete: httptools is not told of EOF, connection_lost fails it "
-    "as 'connection closed' and the client gets 503 (aiohttp's client, before the lean "
-    "path, read it to EOF)",
-)
-
-
 @pytest.mark.parametrize(
     "mode",
     [
         "close_on_reuse",
         "connection_close",
         "silent_close",
-        pytest.param("close_delimited", marks=CLOSE_DELIMITED_BUG),
+        "close_delimited",
     ],
 )
 async def test_unit_that_closes_its_connections(
@@ -825,12 +810,6 @@ async def test_stream_to_a_client_that_stops_reading_is_paced(
     assert streamed < BUFFERED_LIMIT, f"the gateway took {streamed >> 20} MiB from the unit"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="front.py: pause_writing fires once, when the client's buffer crosses the high "
-    "mark; a stream that starts while it is already above (a pipelined request behind an "
-    "unread answer) is never paused: splice_writer does not look at _write_paused",
-)
 async def test_stream_pipelined_behind_an_unread_answer_is_paced(
     start_gateway_with: GatewayStarter,
 ) -> None:
@@ -851,13 +830,6 @@ async def test_stream_pipelined_behind_an_unread_answer_is_paced(
 # --- the pool on its own -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="upstream.py: done() pools a connection whose reading its receiver paused (the "
-    "client's buffer filled with the stream's last bytes; front.Response.end() then drops "
-    "the producer, so resume_writing never resumes it): the next request on it waits for "
-    "response_timeout_s and gets 504",
-)
 async def test_a_connection_paused_by_its_receiver_is_not_reused_paused() -> None:
     async with FakeUnit("keep") as unit:
         pool = Pool(unit.url, limit=1)
@@ -887,11 +859,6 @@ async def test_a_connection_paused_by_its_receiver_is_not_reused_paused() -> Non
             await pool.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="upstream.py Pool._get: a waiter woken by put() and cancelled before it runs "
-    "drops the wake-up: the idle connection stays idle while the next waiter waits on",
-)
 async def test_a_waiter_cancelled_as_it_is_woken_passes_the_connection_on() -> None:
     async with FakeUnit("keep") as unit:
         pool = Pool(unit.url, limit=1)

@@ -205,6 +205,8 @@ class Response:
         protocol callback; while the client's buffer is full, ``producer`` is paused."""
         conn = self._conn
         conn.producer = producer
+        if conn.write_paused:
+            producer.pause_reading()  # the client's buffer is full already
 
         def write(data: bytes) -> None:
             if conn.closed or not data:
@@ -263,7 +265,7 @@ class Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
-        self._write_paused = False
+        self.write_paused = False
         self._read_paused = False
         self.producer: Producer | None = None  # a unit's stream spliced into this client
         self.closed = False
@@ -293,12 +295,12 @@ class Connection(asyncio.Protocol):
         self._wake_writer()
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
         if self.producer is not None:
             self.producer.pause_reading()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
         if self.producer is not None:
             self.producer.resume_reading()
         self._wake_writer()
@@ -316,9 +318,11 @@ class Connection(asyncio.Protocol):
                 self._idle.cancel()
                 self._idle = None
             end = buf.find(b"\r\n\r\n")
+            bare = buf.find(b"\n\n")  # a head with bare LF line ends: aiohttp's to judge
+            if (end < 0 and (bare >= 0 or len(buf) > MAX_HEAD)) or 0 <= bare < end:
+                self._handoff()
+                return
             if end < 0:
-                if len(buf) > MAX_HEAD:
-                    self._handoff()
                 return
             head = parse_head(bytes(buf[: end + 4]), self._front.routes, self._front.max_body)
             if head is None:
@@ -392,7 +396,7 @@ class Connection(asyncio.Protocol):
 
     async def send_and_drain(self, data: bytes) -> None:
         self.send(data)
-        if self._write_paused:
+        if self.write_paused:
             self._drained = self._loop.create_future()
             await self._drained
             if self.closed:

@@ -58,6 +58,7 @@ class Connection(asyncio.Protocol):
         self._buffered = 0
         self._complete = False
         self._keep_alive = False
+        self._to_eof = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._sink: Callable[[bytes], None] | None = None
@@ -89,6 +90,10 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.lost(self)
+        if self._to_eof and exc is None and self._error is None:
+            self._complete = True  # the close was the end of the body
+            if self._sink is not None and self._chunks:
+                self._sink(self._take())
         if not self._complete:
             self._fail(f"connection closed: {exc}" if exc else "connection closed")
         self._set_waiter()
@@ -105,6 +110,13 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self._keep_alive = self._parser.should_keep_alive()  # known only until the end
+        # No length and not chunked: the body ends when the unit closes the connection.
+        self._to_eof = (
+            "content-length" not in self.headers
+            and "transfer-encoding" not in self.headers
+            and self.status >= 200
+            and self.status not in (204, 304)
+        )
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
@@ -125,6 +137,7 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self.status = 0
         self._complete = False
+        self._to_eof = False
         self._error = None
         self._head = self._loop.create_future()
         self.transport.write(data)
@@ -154,9 +167,9 @@ class Connection(asyncio.Protocol):
         """Hand the body to ``sink`` as it arrives, inside the protocol callback (no task
         wakes per chunk); return when it ended. The receiver paces the unit through
         ``pause_reading``/``resume_reading``."""
+        self._sink = sink  # first: taking what is buffered must not resume reading
         if self._chunks:
             sink(self._take())
-        self._sink = sink
         try:
             while not self._complete:
                 if self._error is not None:
@@ -195,6 +208,7 @@ class Connection(asyncio.Protocol):
     def done(self) -> None:
         """The caller is finished with this response: keep the connection or close it."""
         if self._complete and self._keep_alive and not self.closed:
+            self.resume_reading()  # a receiver may have paused it on the last read
             self._pool.put(self)
         else:
             self.close()
@@ -296,6 +310,10 @@ class Pool:
             self._waiters.append(waiter)
             try:
                 await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, then cancelled: pass the turn on
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
