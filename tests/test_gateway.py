@@ -382,7 +382,9 @@ async def test_a_unit_that_never_answers_gets_504_and_is_ejected(
     reports = await start_sidecar(sidecar={"unit_id": "a"})  # its gRPC says SERVING
     settings = load({
         "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        # Reports over gRPC: the HTTP port (and so /load/watch) is the wedged one.
         "gateway": {"units": [f"a=http://127.0.0.1:{port},{reports.grpc_target}"],
+                    "load_source": "watch",
                     "response_timeout_s": 0.3, "eject_after": 2, "eject_s": 30},
     })  # fmt: skip
     async with Gateway(settings) as gw:
@@ -398,3 +400,20 @@ async def test_a_unit_that_never_answers_gets_504_and_is_ejected(
     wedged.close()
     with contextlib.suppress(Exception):
         await wedged.wait_closed()
+
+
+async def test_load_over_http_watch_routes_and_drops_a_stopped_unit_at_once(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 16})
+    b = await start_sidecar(sidecar={"unit_id": "b", "capacity": 16})
+    gw = await start_gateway([a, b], load_source="watch-http")
+    held = await hold_streams(http, a.http_url, 8)  # sent to unit a directly
+    await wait_until(lambda: gw.router.units["a"].estimate() == 8, what="a's load over HTTP")
+    assert await units_of(http, gw, 6, {"prompt": "x", "max_tokens": 2}) == Counter({"b": 6})
+    for resp in held:
+        resp.close()
+    await wait_until(lambda: gw.router.units["a"].estimate() == 0, what="a idle again")
+    await a.__aexit__(None, None, None)  # the report stream breaks: a is dropped at once
+    await wait_until(lambda: gw.router.units["a"].report is None, what="a forgotten")
+    assert await units_of(http, gw, 4, {"prompt": "x", "max_tokens": 1}) == Counter({"b": 4})

@@ -333,3 +333,21 @@ async def test_an_http2_preface_is_one_warning_line_not_a_traceback(
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert all(r.exc_info is None and r.levelno == logging.WARNING for r in records), records
     assert "400" in records[0].getMessage()
+
+
+async def test_load_watch_streams_reports_as_server_sent_events(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(sidecar={"report_interval_s": 0.2})
+    async with http.get(f"{sidecar.http_url}/load/watch") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        reports = []
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                reports.append(json.loads(line[6:]))
+            if len(reports) == 3:
+                break
+    assert reports[0]["state"] == "SERVING" and reports[0]["capacity"] > 0
+    seqs = [r["seq"] for r in reports]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3  # heartbeats come as new reports

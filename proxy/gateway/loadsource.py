@@ -1,9 +1,12 @@
 """Keeping the router's view of unit load current.
 
-``watch`` (default): one held WatchLoad stream per unit; the sidecar pushes a report
-on every change and a heartbeat every interval. A broken stream means the sidecar is
-gone or restarting: the unit gets no new requests until it reports again, and the
-stream is re-opened with exponential backoff and jitter.
+``watch-http`` (default) and ``watch``: one held stream of reports per unit, as
+server-sent events from GET /load/watch on the gateway's own HTTP client, or as a
+gRPC WatchLoad stream. The sidecar pushes a report on every change and a heartbeat
+every interval. A broken stream means the sidecar is gone or restarting: the unit
+gets no new requests until it reports again, and the stream is re-opened with
+exponential backoff and jitter. Over HTTP, serving HTTP requests involves no gRPC
+traffic at all (grpcio's poller thread costs the HTTP path CPU and latency).
 ``poll``: GET /load every interval.
 ``redis``: one subscription to the cluster's load channel for every unit; units that
 register in Redis are discovered and routed to (see ``RedisSource``).
@@ -27,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
+from proxy.gateway.upstream import Pool, UpstreamError
 from proxy.load import LoadReport
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
 from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, connect
@@ -35,6 +39,7 @@ from proxy.settings import RedisSettings, UnitTarget
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.05, 2.0)  # first and longest wait before reconnecting
+MAX_REPORT_BYTES = 1 << 20  # an SSE event longer than this is not a load report
 
 
 class LoadSource:
@@ -93,6 +98,108 @@ class WatchSource(LoadSource):
         finally:
             call.cancel()
         return received
+
+
+class HttpWatchSource(LoadSource):
+    """WatchLoad's reports as server-sent events from the unit's ``GET /load/watch``,
+    read on the gateway's own HTTP client: no gRPC traffic while serving HTTP."""
+
+    def __init__(
+        self,
+        router: Router,
+        pool_for: Callable[[Unit], Pool],
+        quiet_s: float,
+        rng: random.Random | None = None,
+    ):
+        super().__init__(router, rng)
+        self._pool_for = pool_for
+        self._quiet_s = quiet_s  # no report (heartbeats included) for this long: reconnect
+
+    async def run(self, unit: Unit) -> None:
+        attempt = 0
+        while True:
+            received = _Received()
+            try:
+                await self._hold(unit, received)
+                why = "load stream ended"
+            except (UpstreamError, TimeoutError, ValueError) as exc:
+                why = f"load stream broke: {exc or type(exc).__name__}"
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("load watch of unit %s failed unexpectedly", unit.id)
+                why = "load watch failed"
+            self._router.forget_report(unit.id, why)
+            attempt = 0 if received.any else attempt + 1
+            await self._backoff(attempt)
+
+    async def _hold(self, unit: Unit, received: _Received) -> None:
+        async with asyncio.timeout(self._quiet_s):
+            conn = await self._pool_for(unit).request(b"GET", "/load/watch", {})
+        try:
+            if conn.status != 200:
+                raise ValueError(f"GET /load/watch answered {conn.status}")
+            events = _Events(unit, self._deliver, received, conn.close)
+            splice = asyncio.ensure_future(conn.splice(events.feed))
+            try:
+                while not splice.done():
+                    left = received.at + self._quiet_s - loop_time()
+                    if left <= 0:
+                        raise TimeoutError(f"no report for {self._quiet_s:g} s")
+                    await asyncio.wait([splice], timeout=left)
+                splice.result()
+            finally:
+                splice.cancel()
+        finally:
+            conn.close()  # never reused
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+class _Received:
+    def __init__(self) -> None:
+        self.any = False
+        self.at = loop_time()
+
+
+class _Events:
+    """Splits the SSE byte stream into reports and delivers each; a report that cannot
+    be read closes the stream (it is re-opened with backoff)."""
+
+    def __init__(
+        self,
+        unit: Unit,
+        deliver: Callable[[Unit, LoadReport], None],
+        received: _Received,
+        close: Callable[[], None],
+    ):
+        self._unit = unit
+        self._deliver = deliver
+        self._received = received
+        self._close = close
+        self._buf = b""
+
+    def feed(self, data: bytes) -> None:
+        self._received.at = loop_time()
+        *events, self._buf = (self._buf + data).split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: "):
+                continue
+            try:
+                report = LoadReport.from_dict(json.loads(event[6:]))
+            except (ValueError, TypeError, KeyError) as exc:
+                log.warning(
+                    "unit %s sent a load report that cannot be read: %s", self._unit.id, exc
+                )
+                self._close()
+                return
+            self._received.any = True
+            self._deliver(self._unit, report)
+        if len(self._buf) > MAX_REPORT_BYTES:
+            log.warning("unit %s sent a load report over %d bytes", self._unit.id, MAX_REPORT_BYTES)
+            self._close()
 
 
 class PollSource(LoadSource):

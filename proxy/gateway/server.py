@@ -23,7 +23,7 @@ from proxy.errors import Unavailable, UnitProxyError
 from proxy.gateway import front
 from proxy.gateway.forward import Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
-from proxy.gateway.loadsource import PollSource, RedisSource, WatchSource
+from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Pool
@@ -185,6 +185,9 @@ class Gateway(Service):
         if s.load_source == "watch":
             watch = WatchSource(self.router, lambda u: self._channels[u.id])
             runs = [watch.run(u) for u in units]
+        elif s.load_source == "watch-http":
+            http_watch = HttpWatchSource(self.router, lambda u: self._pools[u.id], s.stale_after_s)
+            runs = [http_watch.run(u) for u in units]
         else:
             poll = PollSource(self.router, self._poll_session())
             runs = [poll.run(u) for u in units]

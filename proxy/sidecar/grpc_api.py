@@ -13,11 +13,11 @@ import grpc
 from engine.base import TokenDelta
 from proxy import openai_api
 from proxy.auth import ApiKeys
-from proxy.broadcast import Broadcast
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
 from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.watch import ReportWatch
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +123,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
 
 class LoadService(load_pb2_grpc.LoadReportingServicer):
-    def __init__(
-        self,
-        core: SidecarCore,
-        changes: Broadcast,
-        interval_s: float,
-        coalesce_s: float = 0.0,
-    ):
+    def __init__(self, core: SidecarCore, watch: ReportWatch):
         self._core = core
-        self._changes = changes
-        self._interval_s = interval_s
-        self._coalesce_s = coalesce_s
+        self._watch = watch
 
     async def GetLoad(
         self, request: load_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -143,15 +135,5 @@ class LoadService(load_pb2_grpc.LoadReportingServicer):
     async def WatchLoad(
         self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[load_pb2.LoadReport]:
-        # Changes that arrive while a report is sent, or within the coalescing window
-        # after it, fold into the next report; a change of unit state goes out at once.
-        loop = asyncio.get_running_loop()
-        states = self._core.health.state_changes
-        while True:
-            seen, state_seen = self._changes.version, states.version
-            yield self._core.report().to_pb()
-            sent_at = loop.time()
-            await self._changes.wait(seen, self._interval_s)
-            hold = sent_at + self._coalesce_s - loop.time()
-            if hold > 0 and states.version == state_seen:
-                await states.wait(state_seen, hold)
+        async for report in self._watch.reports():
+            yield report.to_pb()

@@ -30,10 +30,12 @@ from proxy.httputil import (
 from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
 from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.watch import ReportWatch
 
 log = logging.getLogger(__name__)
 
 CORE = web.AppKey("core", SidecarCore)
+WATCH = web.AppKey("watch", ReportWatch)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
@@ -45,6 +47,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def build_app(
     core: SidecarCore,
+    watch: ReportWatch,
     registry: CollectorRegistry,
     metrics: ServingMetrics,
     *,
@@ -59,6 +62,7 @@ def build_app(
         middlewares.append(api_keys.middleware())
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[CORE] = core
+    app[WATCH] = watch
     app[REGISTRY] = registry
     app[SERVING_METRICS] = metrics
     app[MAX_PROMPT_CHARS] = max_prompt_chars
@@ -68,6 +72,7 @@ def build_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
+    app.router.add_get("/load/watch", _load_watch)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/admin/drain", admin_drain(drain, admin_token, lambda: _ready_body(core)))
     return app
@@ -230,6 +235,21 @@ def _ready_body(core: SidecarCore) -> dict[str, Any]:
 
 async def _load(request: web.Request) -> web.Response:
     return web.Response(text=request.app[CORE].report().to_json(), content_type="application/json")
+
+
+async def _load_watch(request: web.Request) -> web.StreamResponse:
+    """The reports of WatchLoad as server-sent events: ``data: REPORT-JSON``."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    try:
+        async for report in request.app[WATCH].reports():
+            await response.write(b"data: " + report.to_json().encode() + b"\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the watcher went away
+    return response
 
 
 async def _metrics(request: web.Request) -> web.Response:

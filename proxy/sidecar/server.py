@@ -30,6 +30,7 @@ from proxy.sidecar.followers import FollowerMonitor, probe_kind
 from proxy.sidecar.health import UnitHealth
 from proxy.sidecar.publisher import ReportPublisher
 from proxy.sidecar.recovery import RecoveryHook
+from proxy.sidecar.watch import ReportWatch
 from proxy.tls import server_tls
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,12 @@ class Sidecar(Service):
         http_port, grpc_port = s.ports("sidecar")
         self.api_keys = await ApiKeys.load(s.server)
         tls = await server_tls(s.server)
+        self.watch = ReportWatch(
+            self.core, self.changes, s.sidecar.report_interval_s, s.sidecar.report_coalesce_s
+        )
         app = http.build_app(
             self.core,
+            self.watch,
             self.registry,
             self.serving_metrics,
             max_body_bytes=s.server.max_body_bytes,
@@ -95,6 +100,7 @@ class Sidecar(Service):
             stack, s.server.host, grpc_port, self._register_grpc, tls=tls
         )
         bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
+        stack.push_async_callback(self.watch.close)  # before the servers close
         # Stopping runs in reverse: the engine stops before the servers close, so a
         # request still in flight (a forced stop) ends with an error event or status,
         # not a cut connection. After a drain there is none.
@@ -146,9 +152,7 @@ class Sidecar(Service):
         inference = grpc_api.InferenceService(
             self.core, self.serving_metrics, s.server.max_prompt_chars, self.api_keys
         )
-        load = grpc_api.LoadService(
-            self.core, self.changes, s.sidecar.report_interval_s, s.sidecar.report_coalesce_s
-        )
+        load = grpc_api.LoadService(self.core, self.watch)
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
         load_pb2_grpc.add_LoadReportingServicer_to_server(load, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
