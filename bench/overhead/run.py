@@ -264,7 +264,7 @@ def code_version() -> dict[str, Any]:
             )
         except (OSError, subprocess.SubprocessError):
             return ""
-        return done.stdout.strip()
+        return done.stdout.rstrip()  # not strip(): porcelain lines start with a space
 
     changed = git("status", "--porcelain", "--", "proxy", "engine", "protos")
     return {
