@@ -103,7 +103,7 @@ HEALTH = (
 GATEWAY = (
     Flag("--unit", "gateway.units", "ID=HTTP_URL,GRPC_TARGET", many=True),
     Flag("--policy", "gateway.policy", choices=("lor", "p2c", "round_robin", "random")),
-    Flag("--load-source", "gateway.load_source", choices=("watch-http", "watch", "poll", "redis")),
+    Flag("--load-source", "gateway.load_source", choices=("watch", "watch-http", "poll", "redis")),
     Flag("--retries", "gateway.retries", "N"),
     Flag("--tls-ca-file", "gateway.tls_ca_file", "PATH"),
     Flag("--poll-interval", "gateway.poll_interval_s", "SECONDS"),

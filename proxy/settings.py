@@ -420,9 +420,9 @@ class GatewaySettings(_Section):
         "lor",
         description="How a unit is chosen: lor (least outstanding / capacity), p2c (power of two choices), round_robin, random. Default lor.",
     )
-    load_source: Literal["watch-http", "watch", "poll", "redis"] = Field(
-        "watch-http",
-        description="Where unit load comes from: watch-http (the unit's WatchLoad reports as server-sent events from GET /load/watch, on the gateway's HTTP client), watch (a gRPC WatchLoad stream per unit), poll (GET /load), redis. Default watch-http.",
+    load_source: Literal["watch", "watch-http", "poll", "redis"] = Field(
+        "watch",
+        description="Where unit load comes from: watch (a gRPC WatchLoad stream per unit), watch-http (the same reports as server-sent events from GET /load/watch, on the gateway's HTTP client), poll (GET /load), redis. Default watch.",
     )
     retries: int = Field(
         2,
