@@ -49,7 +49,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -65,6 +64,7 @@ if __package__ in (None, ""):  # run as a file: make the bench.overhead package 
 
 import aiohttp
 
+from bench.common import code_version
 from bench.overhead import goals, output, report
 from bench.overhead.load import SCENARIOS, Scenario, measure, open_client
 from bench.overhead.procs import ChildFailed, machine_busy_s
@@ -251,25 +251,6 @@ def _sidecar_info(backend: Backend) -> dict[str, Any]:
         # sglang-router probes a worker's HTTP port with an HTTP/2 preface (gRPC detection).
         "http2_preface_errors": text.count("PRI/Upgrade"),
         "log_problems": backend.child.log_problems(),
-    }
-
-
-def code_version() -> dict[str, Any]:
-    """The commit of this tree and its uncommitted product files (others may edit them)."""
-
-    def git(*args: str) -> str:
-        try:
-            done = subprocess.run(
-                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
-            )
-        except (OSError, subprocess.SubprocessError):
-            return ""
-        return done.stdout.rstrip()  # not strip(): porcelain lines start with a space
-
-    changed = git("status", "--porcelain", "--", "proxy", "engine", "protos")
-    return {
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted": [line[3:] for line in changed.splitlines()],
     }
 
 

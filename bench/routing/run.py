@@ -45,7 +45,6 @@ import os
 import platform
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -59,6 +58,7 @@ if __package__ in (None, ""):  # run as a file: make the bench.routing package i
 
 import aiohttp
 
+from bench.common import code_version
 from bench.routing import client, fleet, peers, report, workload
 
 REPO = Path(__file__).resolve().parents[2]
@@ -484,25 +484,6 @@ def machine_info() -> dict[str, Any]:
         "aiohttp": aiohttp.__version__,
         "loadavg_1min_before": os.getloadavg()[0],
         "code": code_version(),  # the gateway measured: commit and uncommitted files
-    }
-
-
-def code_version() -> dict[str, Any]:
-    """The commit of this tree and its uncommitted product files (others may edit them)."""
-
-    def git(*args: str) -> str:
-        try:
-            done = subprocess.run(
-                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
-            )
-        except (OSError, subprocess.SubprocessError):
-            return ""
-        return done.stdout
-
-    changed = git("status", "--porcelain", "--", "proxy", "engine", "protos")
-    return {
-        "commit": git("rev-parse", "--short", "HEAD").strip(),
-        "uncommitted": [line.split(maxsplit=1)[-1] for line in changed.splitlines()],
     }
 
 

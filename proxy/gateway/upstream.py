@@ -154,13 +154,7 @@ class Connection(asyncio.Protocol):
         while not self._chunks:
             if self._complete:
                 return None
-            if self._error is not None:
-                raise self._error
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         return self._take()
 
     async def splice(self, sink: Callable[[bytes], None]) -> None:
@@ -172,15 +166,19 @@ class Connection(asyncio.Protocol):
             sink(self._take())
         try:
             while not self._complete:
-                if self._error is not None:
-                    raise self._error
-                self._waiter = self._loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
         finally:
             self._sink = None
+
+    async def _wait(self) -> None:
+        """Until the protocol has news: body bytes, the end, or an error (raised)."""
+        if self._error is not None:
+            raise self._error
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def _take(self) -> bytes:
         chunks, self._chunks = self._chunks, []
