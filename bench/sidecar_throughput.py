@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import json
 import math
 import os
@@ -43,17 +42,20 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
+
+if __package__ in (None, ""):  # run as a file: make the bench package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
 import grpc
 
+from bench.common import Interrupted, cpu_model, interrupt, loop_name, run_loop, until_signal
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -609,11 +611,11 @@ def machine_info() -> dict[str, Any]:
     return {
         "nproc": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cgroup_cpu_max": _read("/sys/fs/cgroup/cpu.max"),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "platform": platform.platform(),
-        "client_loop": _loop_name(),
+        "client_loop": loop_name(),
         "aiohttp": aiohttp.__version__,
         "grpcio": grpc.__version__,
     }
@@ -624,29 +626,6 @@ def _read(path: str) -> str | None:
         return Path(path).read_text().strip()
     except OSError:
         return None
-
-
-def _cpu_model() -> str:
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return platform.processor() or "unknown"
-
-
-def _loop_name() -> str:
-    try:
-        return f"uvloop {importlib.metadata.version('uvloop')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "asyncio"
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -759,48 +738,12 @@ def build_report(
     }
 
 
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; raised so that every ``finally`` runs."""
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
-async def until_signal(main: Awaitable[T]) -> T:
-    """Await ``main``; SIGINT or SIGTERM cancel it and raise Interrupted."""
-    # Inside the loop a signal must cancel the task: an exception raised by a
-    # signal.signal handler would land in whatever callback runs and be swallowed.
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    received: list[str] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig.name)
-        task.cancel()
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        return await main
-    except asyncio.CancelledError:
-        if received:
-            raise Interrupted(received[0]) from None
-        raise
-    finally:
-        for sig, handler in previous.items():
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(argv)
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]  # other work on the machine makes the numbers noisy
     log_path = settings.out.with_suffix(".sidecar.log")
-    signal.signal(signal.SIGTERM, _interrupt)  # outside the loop; until_signal inside it
+    signal.signal(signal.SIGTERM, interrupt)  # outside the loop; until_signal inside it
     try:
         with running_sidecar(max(settings.concurrency), settings.sidecar_args, log_path) as sidecar:
             results = run_loop(until_signal(run_all(sidecar, settings)))

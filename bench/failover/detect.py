@@ -47,13 +47,16 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
+
+if __package__ in (None, ""):  # run as a file: make the bench package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.common import cpu_model, loop_name, run_loop
 from proxy.checks import CheckPolicy
 from proxy.load import LoadReport
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
@@ -541,36 +544,12 @@ def notes(results: Sequence[ScenarioResult]) -> list[str]:
 def machine_info() -> dict[str, Any]:
     return {
         "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "platform": platform.platform(),
-        "loop": _loop_name(),
+        "loop": loop_name(),
         "grpcio": grpc.__version__,
     }
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    return platform.processor() or "unknown"
-
-
-def _loop_name() -> str:
-    try:
-        return f"uvloop {metadata.version('uvloop')}"
-    except metadata.PackageNotFoundError:
-        return "asyncio"
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,11 +54,15 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
+if __package__ in (None, ""):  # run as a file: make the bench package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import aiohttp
+
+from bench.common import cpu_model, loop_name, run_loop
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "failover_under_load.json"
@@ -612,22 +616,12 @@ def notes(reps: list[Repetition]) -> list[str]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    try:
-        loop = f"uvloop {metadata.version('uvloop')}"
-    except metadata.PackageNotFoundError:
-        loop = "asyncio"
     return {
         "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu,
+        "cpu_model": cpu_model(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "platform": platform.platform(),
-        "loop": loop,
+        "loop": loop_name(),
         "aiohttp": aiohttp.__version__,
     }
 
@@ -668,14 +662,6 @@ async def until_signal(main: Coroutine[Any, Any, T]) -> T:
         return await task
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def parse_settings(argv: Sequence[str] | None) -> BenchSettings:

@@ -51,12 +51,11 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 if __package__ in (None, ""):  # run as a file: make the bench.overhead package importable
@@ -64,7 +63,7 @@ if __package__ in (None, ""):  # run as a file: make the bench.overhead package 
 
 import aiohttp
 
-from bench.common import code_version
+from bench.common import Interrupted, code_version, interrupt, run_loop, until_signal
 from bench.overhead import goals, output, report
 from bench.overhead.load import SCENARIOS, Scenario, measure, open_client
 from bench.overhead.procs import ChildFailed, machine_busy_s
@@ -436,48 +435,6 @@ def build_report(
 # -- main -----------------------------------------------------------------------------
 
 
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; raised so that every ``finally`` runs."""
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
-async def until_signal(main: Awaitable[T]) -> T:
-    """Await ``main``; SIGINT or SIGTERM cancel it (children are stopped) and raise Interrupted."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    received: list[str] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig.name)
-        task.cancel()
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        return await main
-    except asyncio.CancelledError:
-        if received:
-            raise Interrupted(received[0]) from None
-        raise
-    finally:
-        for sig, handler in previous.items():
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, handler)
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json is not None:
@@ -491,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{settings.cells()} runs of ~{per_run:.1f} s: about {settings.cells() * per_run / 60:.0f} "
         f"minutes plus start-ups; logs in {settings.log_dir}"
     )
-    signal.signal(signal.SIGTERM, _interrupt)  # outside the loop; until_signal inside it
+    signal.signal(signal.SIGTERM, interrupt)  # outside the loop; until_signal inside it
     try:
         result = run_loop(until_signal(run_all(settings)))
     except (KeyboardInterrupt, Interrupted) as exc:

@@ -38,16 +38,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import math
 import os
 import platform
 import shlex
-import signal
 import sys
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,7 +56,7 @@ if __package__ in (None, ""):  # run as a file: make the bench.routing package i
 
 import aiohttp
 
-from bench.common import code_version
+from bench.common import Interrupted, code_version, cpu_model, loop_name, run_loop, until_signal
 from bench.routing import client, fleet, peers, report, workload
 
 REPO = Path(__file__).resolve().parents[2]
@@ -477,29 +475,14 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
 def machine_info() -> dict[str, Any]:
     return {
         "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "platform": platform.platform(),
-        "client_loop": _loop_name(),
+        "client_loop": loop_name(),
         "aiohttp": aiohttp.__version__,
         "loadavg_1min_before": os.getloadavg()[0],
         "code": code_version(),  # the gateway measured: commit and uncommitted files
     }
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return platform.processor() or "unknown"
-
-
-def _loop_name() -> str:
-    try:
-        return f"uvloop {importlib.metadata.version('uvloop')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "asyncio"
 
 
 def build_report(
@@ -653,43 +636,6 @@ def _print_problems(r: Results) -> None:
 
 
 # -- main -----------------------------------------------------------------------------
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; raised so that every ``finally`` runs."""
-
-
-async def until_signal(main: Awaitable[T]) -> T:
-    """Await ``main``; SIGINT or SIGTERM cancel it (every child is stopped on the way
-    out) and raise Interrupted."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    received: list[str] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig.name)
-        task.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        return await main
-    except asyncio.CancelledError:
-        if received:
-            raise Interrupted(received[0]) from None
-        raise
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
