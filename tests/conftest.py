@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,20 @@ from proxy.sidecar.server import Sidecar
 from tests.procs import Procs
 
 SidecarFactory = Callable[..., Awaitable[Sidecar]]
+
+
+@dataclass(slots=True)
+class Cell:
+    """A sidecar and a gateway in front of it."""
+
+    sidecar: Sidecar
+    gateway: Gateway
+
+    @property
+    def url(self) -> str:
+        return self.gateway.http_url
+
+
 GatewayFactory = Callable[..., Awaitable[Gateway]]
 
 

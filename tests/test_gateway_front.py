@@ -32,7 +32,7 @@ from proxy.gateway.server import Gateway
 from proxy.gateway.upstream import Pool
 from proxy.settings import load
 from proxy.sidecar.server import Sidecar
-from tests.conftest import SidecarFactory, wait_until
+from tests.conftest import Cell, SidecarFactory, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -233,16 +233,6 @@ async def start_gateway_with() -> AsyncIterator[GatewayStarter]:
 
 def unit_spec(sidecar: Sidecar) -> str:
     return f"{sidecar.core.unit_id}={sidecar.http_url},{sidecar.grpc_target}"
-
-
-@dataclass(slots=True)
-class Cell:
-    sidecar: Sidecar
-    gateway: Gateway
-
-    @property
-    def url(self) -> str:
-        return self.gateway.http_url
 
 
 ENDLESS_CAP = 128 << 20  # what a fake unit's endless stream sends at most

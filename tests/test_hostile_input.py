@@ -42,10 +42,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from proxy.gateway.server import Gateway
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.sidecar.server import Sidecar
-from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from tests.conftest import Cell, GatewayFactory, SidecarFactory, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,16 +88,6 @@ def fuzz(examples: int) -> settings:
 @pytest.fixture
 async def sidecar(start_sidecar: SidecarFactory) -> Sidecar:
     return await start_sidecar(server=LIMITS)
-
-
-@dataclass(slots=True)
-class Cell:
-    sidecar: Sidecar
-    gateway: Gateway
-
-    @property
-    def url(self) -> str:
-        return self.gateway.http_url
 
 
 @pytest.fixture
