@@ -46,10 +46,12 @@ async def test_generate_streams_chunks_with_usage_last(
     sidecar = await start_sidecar(sidecar={"unit_id": "unit-g"})
     stub = inference_pb2_grpc.InferenceStub(connect(channels, sidecar.grpc_target))
     chunks = [c async for c in stub.Generate(prompt(max_tokens=6), timeout=5)]
-    assert len(chunks) == 6
+    # One message per token delta while the client keeps up; deltas that wait on a
+    # write merge (test_coalesce.py), so count the tokens the messages carry.
+    assert sum(len(c.token_ids) for c in chunks) == 6
     assert all(c.request_id == "g-1" and c.unit_id == "unit-g" for c in chunks)
-    assert all(len(c.token_ids) == 1 for c in chunks)
-    assert [c.finish_reason for c in chunks] == [""] * 5 + ["length"]
+    assert all(c.token_ids for c in chunks)
+    assert [c.finish_reason for c in chunks] == [""] * (len(chunks) - 1) + ["length"]
     assert chunks[-1].usage.completion_tokens == 6
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 6
     assert not chunks[0].HasField("usage")
@@ -61,7 +63,8 @@ async def test_generate_streams_chunks_with_usage_last(
         sampling=inference_pb2.SamplingParams(max_tokens=3),
     )
     chat_chunks = [c async for c in stub.Generate(chat, timeout=5)]
-    assert len(chat_chunks) == 3 and chat_chunks[0].request_id, "an id is generated"
+    assert sum(len(c.token_ids) for c in chat_chunks) == 3
+    assert chat_chunks[0].request_id, "an id is generated"
 
     ids = inference_pb2.GenerateRequest(
         prompt_token_ids=inference_pb2.PromptTokenIds(ids=[1, 2, 3])

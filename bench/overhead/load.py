@@ -65,10 +65,15 @@ SCENARIOS = {
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One finished request: time to first chunk, chunks seen, or what was wrong."""
+    """One finished request: time to first chunk, chunks seen, or what was wrong.
+
+    ``chunks`` are token deltas: SSE events, or the tokens the gRPC messages carried;
+    ``messages`` what came on the wire (gRPC merges deltas while the reader is behind).
+    """
 
     ttft_s: float = 0.0
     chunks: int = 0
+    messages: int = 0
     error: str | None = None
 
 
@@ -127,29 +132,31 @@ def _check_stream(ttft: float, chunks: int, tail: bytes, want: int) -> Outcome:
     last = end[: -len(DONE)].rstrip().rsplit(DATA, 1)[-1]
     if not FINISH_LENGTH.search(last):
         return Outcome(error=f"stream: last chunk without finish_reason 'length' ({last[:80]!r})")
-    return Outcome(ttft, chunks)
+    return Outcome(ttft, chunks, chunks)
 
 
 async def generate(
     stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest, want: int
 ) -> Outcome:
-    """One gRPC Generate stream: counts messages, checks the last one and the status."""
+    """One gRPC Generate stream: counts messages and the tokens they carry, checks the
+    last one and the status."""
     sent = now()
-    ttft, chunks = 0.0, 0
+    ttft, tokens, messages = 0.0, 0, 0
     last: inference_pb2.GenerateChunk | None = None
     try:
         async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-            if chunks == 0:
+            if messages == 0:
                 ttft = now() - sent
-            chunks += 1
+            messages += 1
+            tokens += len(chunk.token_ids)
             last = chunk
     except grpc.aio.AioRpcError as exc:
         return Outcome(error=f"grpc {exc.code().name}: {exc.details()}"[:120])
-    if chunks != want or last is None:
-        return Outcome(error=f"grpc: {chunks} messages, want {want}")
+    if tokens != want or last is None:
+        return Outcome(error=f"grpc: {tokens} tokens in {messages} messages, want {want}")
     if last.finish_reason != "length" or last.usage.completion_tokens != want:
         return Outcome(error=f"grpc: last finish_reason {last.finish_reason!r}")
-    return Outcome(ttft, chunks)
+    return Outcome(ttft, tokens, messages)
 
 
 # -- a client for one run -------------------------------------------------------------
@@ -207,6 +214,7 @@ class Tally:
     started: int = 0
     requests: int = 0
     chunks: int = 0
+    messages: int = 0
     ttfts: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
 
@@ -216,6 +224,7 @@ class Tally:
         elif self.window_start <= finished_at <= self.window_end:
             self.requests += 1
             self.chunks += outcome.chunks
+            self.messages += outcome.messages
             self.ttfts.append(outcome.ttft_s)
 
 
@@ -239,6 +248,7 @@ class Window:
     window_s: float
     requests: int
     chunks: int
+    messages: int
     ttfts: list[float]
     cpu_s: dict[str, float]
     errors: dict[str, int]
@@ -268,6 +278,7 @@ async def measure(
         window_s=t1 - t0,
         requests=tally.requests,
         chunks=tally.chunks,
+        messages=tally.messages,
         ttfts=tally.ttfts,
         cpu_s={role: cpu1[role] - cpu0[role] for role in cpu0},
         errors=dict(tally.errors),

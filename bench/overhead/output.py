@@ -102,8 +102,17 @@ def print_report(rep: dict[str, Any]) -> None:
         " the cores, robust to other work on the machine."
         "\nTTFT: client-side, send to first SSE event / gRPC message; completions: the whole"
         " response. +p50/+p99: over direct in the same cell.\nrouter CPU: utime+stime of the"
-        " router's process tree over the window; gRPC chunks are messages."
+        " router's process tree over the window.\ngRPC chunks are tokens: a message carries"
+        " every token delta that waited while the reader was behind (msgs/req below)."
     )
+    grpc_rows = [r for r in rep["rows"] if r["scenario"] == "grpc" and r["messages_per_request"]]
+    for r in grpc_rows:
+        per_msg = r.get("router_cpu_ms_per_1k_messages")
+        print(
+            f"  grpc c={r['concurrency']} {r['target']}: {r['messages_per_request']:.1f}"
+            f" messages per 64-token stream"
+            + (f", router {per_msg:.0f} ms CPU per 1k messages" if per_msg else "")
+        )
     print("\nunitproxy against the issue's targets:")
     for v in rep["verdicts"]:
         print(f"  [{v['status']}] {v['target']}\n      {v['figures']}")

@@ -51,6 +51,7 @@ def _pool(key: tuple[str, int, str], runs: list[Run]) -> Row:
     window = sum(r["window_s"] for r in runs)
     requests = sum(r["requests"] for r in runs)
     chunks = sum(r["chunks"] for r in runs)
+    messages = sum(r.get("messages", r["chunks"]) for r in runs)  # older JSON: none
     ttfts = [t for r in runs for t in r["ttfts"]]
     roles = ("router", "sidecar", "client", "machine")
     cpu = {role: sum(r["cpu_s"].get(role, 0.0) for r in runs) for role in roles}
@@ -72,6 +73,8 @@ def _pool(key: tuple[str, int, str], runs: list[Run]) -> Row:
         "window_s": window,
         "requests": requests,
         "chunks": chunks,
+        "messages": messages,
+        "messages_per_request": messages / requests if requests else None,
         "requests_per_s": requests / window if window else 0.0,
         "chunks_per_s": chunks / window if window else 0.0,
         "ttft_samples": len(ttfts),
@@ -80,6 +83,7 @@ def _pool(key: tuple[str, int, str], runs: list[Run]) -> Row:
         "router_cpu_s": cpu["router"] if router else None,
         "router_cpu_pct": 100 * cpu["router"] / window if router and window else None,
         "router_cpu_ms_per_1k_chunks": _per(cpu["router"], chunks, 1e6) if router else None,
+        "router_cpu_ms_per_1k_messages": _per(cpu["router"], messages, 1e6) if router else None,
         "router_cpu_us_per_request": _per(cpu["router"], requests, 1e6) if router else None,
         "sidecar_cpu_pct": 100 * cpu["sidecar"] / window if window else None,
         "sidecar_cpu_us_per_request": _per(cpu["sidecar"], requests, 1e6),

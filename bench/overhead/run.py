@@ -26,7 +26,8 @@ their own virtual environments under bench/.venvs, put there by
 and left out, with the reason printed, where they are missing or do not start. Every
 router and the sidecar log at warning level, so no target pays for per-request logs.
 
-Per row: requests/s and chunks/s (gRPC: messages), the ratio to direct (with its range
+Per row: requests/s and chunks/s (token deltas; gRPC: the tokens its messages carry,
+several to a message when the reader was behind), the ratio to direct (with its range
 over the repeats), TTFT p50/p99 at the client and what the target adds over direct,
 router CPU (utime+stime from /proc of the router and every process below it) per
 1,000 chunks and per request, the sidecar's and the client's CPU. The client is this

@@ -1,7 +1,9 @@
-"""Inference.Generate through the gateway: messages pass as bytes, never decoded.
+"""Inference.Generate through the gateway: messages pass as bytes.
 
 The gateway registers a generic handler for the method with no (de)serializers and
-calls units the same way, so each chunk is forwarded as the bytes the unit sent.
+calls units the same way, so each chunk is forwarded as the bytes the unit sent;
+messages that arrive while a write to the client is in flight are decoded only to be
+merged into the next one (``proxy.coalesce``).
 Retries happen only before the first message reaches the client, on UNAVAILABLE or
 RESOURCE_EXHAUSTED from the unit (its refusal, or a connection failure).
 """
@@ -11,16 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from proxy.auth import ApiKeys
+from proxy.coalesce import Coalescer
 from proxy.errors import UnitProxyError
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.serving import Gate
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,17 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 UnaryStream = Callable[..., Any]  # grpc.aio.UnaryStreamMultiCallable, bytes in and out
+
+
+def merge_chunks(messages: Sequence[bytes]) -> bytes:
+    """Consecutive serialized GenerateChunks of one stream as one."""
+    chunks = [GenerateChunk.FromString(m) for m in messages]
+    merged = GenerateChunk()
+    for chunk in chunks:
+        merged.MergeFrom(chunk)  # token_ids append; finish_reason, usage: the last set
+    merged.text = "".join(c.text for c in chunks)
+    data: bytes = merged.SerializeToString()
+    return data
 
 
 class GenerateProxy:
@@ -136,10 +151,18 @@ class GenerateProxy:
                 outcome = Outcome.OK
                 return None
             self._metrics.ttft.labels(ROUTE).observe(time.monotonic() - started)
-            message = first
-            while message is not grpc.aio.EOF:
-                await context.write(message)
-                message = await call.read()
+            out = Coalescer(context.write, merge_chunks)
+            try:
+                message = first
+                while message is not grpc.aio.EOF:
+                    await out.put(message)
+                    message = await call.read()
+                await out.close()
+            except grpc.aio.AioRpcError:
+                await out.close()  # what the unit sent before it failed, then its status
+                raise
+            finally:
+                out.cancel()
             outcome = Outcome.OK
             return None
         except grpc.aio.AioRpcError as exc:

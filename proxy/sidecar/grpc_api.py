@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -13,6 +13,7 @@ import grpc
 from engine.base import TokenDelta
 from proxy import openai_api
 from proxy.auth import ApiKeys
+from proxy.coalesce import Coalescer
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
@@ -105,7 +106,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         lease = core.admit()
         unit_id = core.unit_id
 
-        async def send(delta: TokenDelta) -> None:
+        async def write(delta: TokenDelta) -> None:
             chunk = inference_pb2.GenerateChunk(
                 request_id=request_id,
                 text=delta.text,
@@ -119,7 +120,32 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 chunk.usage.total_tokens = delta.prompt_tokens + delta.completion_tokens
             await context.write(chunk)
 
-        await core.run(lease, parsed.engine_request, ROUTE, send, deadline)
+        out = Coalescer(write, merge_deltas)
+
+        async def send(delta: TokenDelta) -> None:
+            await out.put(delta)
+            if delta.finish_reason is not None:
+                await out.close()  # the lease is held until the client has it all
+
+        try:
+            await core.run(lease, parsed.engine_request, ROUTE, send, deadline)
+        except UnitProxyError:
+            await out.close()  # what was generated before the error, then the status
+            raise
+        finally:
+            out.cancel()
+
+
+def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:
+    """Consecutive deltas of one request as one."""
+    last = deltas[-1]
+    return TokenDelta(
+        "".join(d.text for d in deltas),
+        tuple(t for d in deltas for t in d.token_ids),
+        last.prompt_tokens,
+        last.completion_tokens,
+        last.finish_reason,
+    )
 
 
 class LoadService(load_pb2_grpc.LoadReportingServicer):
