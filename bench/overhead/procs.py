@@ -69,7 +69,11 @@ def _strip_ansi(line: str) -> str:
 
 @asynccontextmanager
 async def running(
-    name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None
+    name: str,
+    argv: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> AsyncIterator[Child]:
     """Start ``argv`` with its output to ``log_path``; always stop it."""
     with log_path.open("wb") as log:
@@ -81,6 +85,7 @@ async def running(
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
             preexec_fn=die_with_parent(),
+            cwd=cwd,
         )
     child = Child(name, list(argv), process, log_path)
     try:

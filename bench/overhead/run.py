@@ -37,6 +37,7 @@ the highest concurrency run.
     .venv/bin/python bench/overhead/run.py             # full: about 17 minutes on 2 cores
     .venv/bin/python bench/overhead/run.py --quick     # smoke run: about 2 minutes
     .venv/bin/python bench/overhead/run.py --targets direct,unitproxy --scenarios grpc
+    .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy@main --quick
 
 Writes the table to stdout, JSON to bench/results/overhead.json, a PNG beside it and
 the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
@@ -74,6 +75,7 @@ from bench.overhead.targets import (
     Backend,
     Target,
     TargetStatus,
+    known_target,
     protocols,
     start_backend,
     start_target,
@@ -326,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_names,
         action="extend",
         metavar="NAME[,NAME...]",
-        help=f"of {', '.join(ALL_TARGETS)}. Default all; direct is always run (the baseline).",
+        help=f"of {', '.join(ALL_TARGETS)}, or unitproxy@REF (the gateway at a git commit,"
+        " for an A/B). Default all; direct is always run (the baseline).",
     )
     add(
         "--max-requests",
@@ -366,11 +369,11 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     args = parser.parse_args(argv)
     scenarios = tuple(dict.fromkeys(args.scenarios or SCENARIOS))
     targets = tuple(dict.fromkeys(["direct", *(args.targets or ALL_TARGETS)]))
-    for kind, names, known in (
-        ("scenario", scenarios, SCENARIOS),
-        ("target", targets, ALL_TARGETS),
+    for kind, names, known, is_known in (
+        ("scenario", scenarios, SCENARIOS, SCENARIOS.__contains__),
+        ("target", targets, (*ALL_TARGETS, "unitproxy@REF"), known_target),
     ):
-        unknown = [n for n in names if n not in known]
+        unknown = [n for n in names if not is_known(n)]
         if unknown:
             parser.error(f"unknown {kind} {', '.join(unknown)}; choose from {', '.join(known)}")
     if (args.duration is not None and args.duration <= 0) or (args.warmup or 0) < 0:

@@ -9,6 +9,8 @@ about 20 % more sidecar CPU per request and 16-21 % less direct throughput).
 
     direct                 the sidecar's HTTP and gRPC ports
     unitproxy              python -m proxy gateway --unit u0=HTTP,GRPC (policy lor)
+    unitproxy@REF          the same gateway as committed at git REF (a worktree under
+                           bench/.worktrees): an A/B of two versions in one run
     vllm-router            bench/.venvs/vllm-router/bin/vllm-router --worker-urls HTTP
     sglang-router          bench/.venvs/sglang-router: python -m sglang_router.launch_router
     sglang-router+nodelay  the same with LD_PRELOAD=bench/.venvs/nodelay.so: TCP_NODELAY
@@ -206,15 +208,50 @@ PEERS: dict[str, Callable[[Backend, int, int], Launch]] = {
 }
 ALL_TARGETS = ("direct", "unitproxy", *PEERS)
 PROTOCOLS = {"direct": ("http", "grpc"), "unitproxy": ("http", "grpc")}  # peers: http only
+WORKTREES = REPO / "bench" / ".worktrees"
+
+
+def is_unitproxy(name: str) -> bool:
+    """``unitproxy`` (this tree) or ``unitproxy@REF`` (a commit of it)."""
+    return name == "unitproxy" or name.startswith("unitproxy@")
+
+
+def known_target(name: str) -> bool:
+    return name in ALL_TARGETS or (is_unitproxy(name) and len(name) > len("unitproxy@"))
 
 
 def protocols(name: str) -> Sequence[str]:
-    return PROTOCOLS.get(name, ("http",))
+    return PROTOCOLS.get("unitproxy" if is_unitproxy(name) else name, ("http",))
+
+
+async def _git(*args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        "git", "-C", str(REPO), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise Unavailable(f"git {' '.join(args)}: {err.decode().strip()}")
+    return out.decode().strip()
+
+
+async def checkout(ref: str) -> tuple[Path, str]:
+    """A worktree of ``ref`` (kept under bench/.worktrees for the next run); its sha."""
+    sha = await _git("rev-parse", "--verify", f"{ref}^{{commit}}")
+    path = WORKTREES / sha[:12]
+    if not (path / "proxy").is_dir():
+        WORKTREES.mkdir(parents=True, exist_ok=True)
+        await _git("worktree", "add", "--detach", "--force", str(path), sha)
+    return path, sha
 
 
 async def _start_gateway(
-    stack: AsyncExitStack, backend: Backend, log_dir: Path, extra: Sequence[str]
+    stack: AsyncExitStack, backend: Backend, log_dir: Path, extra: Sequence[str], name: str
 ) -> Target:
+    cwd, version = None, "this tree"
+    if name != "unitproxy":  # python -m proxy runs the worktree's code: it is sys.path[0]
+        cwd, sha = await checkout(name.partition("@")[2])
+        version = f"commit {sha[:12]}"
     http_port, grpc_port = free_ports(2)
     argv = [
         sys.executable, "-m", "proxy", "gateway",
@@ -222,12 +259,12 @@ async def _start_gateway(
         "--unit", f"u0={backend.http_url},{backend.grpc_target}",
         "--log-level", "warning", *extra,
     ]  # fmt: skip
-    log = log_dir / f"unitproxy-{backend.decode_step_ms:g}ms.log"
-    child = await stack.enter_async_context(running("unitproxy", argv, log))
+    log = log_dir / f"{name.replace('/', '_')}-{backend.decode_step_ms:g}ms.log"
+    child = await stack.enter_async_context(running(name, argv, log, cwd=cwd))
     url = f"http://{HOST}:{http_port}"
     await _poll(child, _ready(url), READY_TIMEOUT_S)
     await _poll(child, _answers(url), READY_TIMEOUT_S)
-    return Target("unitproxy", url, f"{HOST}:{grpc_port}", child, backend, "this tree")
+    return Target(name, url, f"{HOST}:{grpc_port}", child, backend, version)
 
 
 async def _start_peer(
@@ -258,8 +295,8 @@ async def start_target(
     own = AsyncExitStack()
     try:
         env: dict[str, str] = {}
-        if name == "unitproxy":
-            target = await _start_gateway(own, backend, log_dir, gateway_args)
+        if is_unitproxy(name):
+            target = await _start_gateway(own, backend, log_dir, gateway_args, name)
         else:
             target, env = await _start_peer(own, name, backend, log_dir)
     except Unavailable as exc:

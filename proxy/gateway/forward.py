@@ -26,6 +26,7 @@ from proxy.gateway.upstream import Broken, ConnectFailed, Connection, Pool
 from proxy.httputil import DEADLINE_HEADER, REQUEST_ID_HEADER, UNIT_HEADER, timeout_header
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import Gate
+from proxy.timers import Deadline, Wheel
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,11 @@ class Forwarder:
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
         gate: Gate,
+        wheel: Wheel,
         unit_key: str | None = None,
     ):
         self._gate = gate
+        self._wheel = wheel
         self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
         self._router = router
         self._pools = pools
@@ -191,7 +194,9 @@ class Forwarder:
         end = None if left is None else now + left
         head_by = now + limit
         try:
-            async with asyncio.timeout_at(head_by if end is None else min(head_by, end)) as scope:
+            async with Deadline(
+                self._wheel, head_by if end is None else min(head_by, end)
+            ) as scope:
                 conn = await self._pools[unit.id].request(POST, req.path, headers, req.body)
                 scope.reschedule(end)
                 status = conn.status

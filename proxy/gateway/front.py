@@ -34,6 +34,7 @@ from proxy.httputil import (
     REQUEST_ID_HEADER,
     ClientClosed,
 )
+from proxy.timers import Timer, Wheel
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,9 @@ class Front:
         serve: Serve,
         fallback: Callable[[], asyncio.Protocol],
         max_body: int,
+        wheel: Wheel,
     ):
+        self.wheel = wheel
         self.routes = routes
         self.serve = serve
         self.fallback = fallback
@@ -263,7 +266,7 @@ class Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._head: Head | None = None
         self.task: asyncio.Task[None] | None = None
-        self._idle: asyncio.TimerHandle | None = None
+        self._idle: Timer | None = None  # closes the connection after KEEPALIVE_S idle
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
@@ -275,7 +278,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self._front.connections.add(self)
-        self._idle = self._loop.call_later(KEEPALIVE_S, self.close)
+        self._idle = self._front.wheel.call_at(self._loop.time() + KEEPALIVE_S, self.close)
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -289,7 +292,7 @@ class Connection(asyncio.Protocol):
         self.closed = True
         self._front.connections.discard(self)
         if self._idle is not None:
-            self._idle.cancel()
+            self._front.wheel.cancel(self._idle)
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
         self._wake_writer()
@@ -315,7 +318,7 @@ class Connection(asyncio.Protocol):
         head = self._head
         if head is None:
             if self._idle is not None:
-                self._idle.cancel()
+                self._front.wheel.cancel(self._idle)
                 self._idle = None
             end = buf.find(b"\r\n\r\n")
             bare = buf.find(b"\n\n")  # a head with bare LF line ends: aiohttp's to judge
@@ -369,7 +372,7 @@ class Connection(asyncio.Protocol):
         if self._buf:
             self._next()
         else:
-            self._idle = self._loop.call_later(KEEPALIVE_S, self.close)
+            self._idle = self._front.wheel.call_at(self._loop.time() + KEEPALIVE_S, self.close)
 
     def _handoff(self) -> None:
         """From here on aiohttp serves this connection, starting with the buffered bytes."""
@@ -377,7 +380,7 @@ class Connection(asyncio.Protocol):
         assert transport is not None and self.task is None
         self._front.connections.discard(self)
         if self._idle is not None:
-            self._idle.cancel()
+            self._front.wheel.cancel(self._idle)
         handler = self._front.fallback()
         transport.set_protocol(handler)
         handler.connection_made(transport)

@@ -50,6 +50,7 @@ from proxy.serving import (
     start_grpc,
 )
 from proxy.settings import Settings, UnitTarget
+from proxy.timers import Wheel
 from proxy.tls import ClientTLS, ServerTLS, server_tls
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ class Gateway(Service):
             self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate,
             self.api_keys, self._unit_key(),
         )  # fmt: skip
+        self.wheel = Wheel(asyncio.get_running_loop())
+        stack.callback(self.wheel.close)
         self.forwarder = Forwarder(
             self.router, self._pools, self.metrics, self.gateway_metrics, self.gate,
-            self._unit_key(),
+            self.wheel, self._unit_key(),
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
 
@@ -257,7 +260,9 @@ class Gateway(Service):
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
-        http_front = front.Front(ROUTES, self._serve_front, runner.server, s.max_body_bytes)
+        http_front = front.Front(
+            ROUTES, self._serve_front, runner.server, s.max_body_bytes, self.wheel
+        )
         server = await asyncio.get_running_loop().create_server(
             http_front.protocol,
             s.host,
