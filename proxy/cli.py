@@ -114,6 +114,8 @@ GATEWAY = (
     Flag("--eject-time", "gateway.eject_s", "SECONDS"),
     Flag("--request-timeout", "gateway.request_timeout_s", "SECONDS"),
     Flag("--response-timeout", "gateway.response_timeout_s", "SECONDS"),
+    Flag("--migrations", "gateway.migrations", "N"),
+    Flag("--stream-idle-timeout", "gateway.stream_idle_timeout_s", "SECONDS"),
     Flag("--report-delay", "gateway.report_delay_s", "SECONDS"),
     Flag("--correct-load", "gateway.correct_load", choices=("true", "false")),
 )

@@ -154,6 +154,20 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self.migrations = Counter(
+            "migrations",
+            "Requests continued on another unit after their unit failed under them, by how it failed.",
+            ["reason"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.migration_pause = Histogram(
+            "migration_pause_seconds",
+            "Time from a unit's failure under a request to the next unit's first byte to the client.",
+            buckets=LATENCY_BUCKETS,
+            namespace=PREFIX,
+            registry=registry,
+        )
         self.no_unit_available = Counter(
             "no_unit_available",
             "Requests answered 503 because no unit was SERVING.",

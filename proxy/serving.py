@@ -241,6 +241,9 @@ async def serve_until_drained(server: Drainable) -> int:
                 await asyncio.wait({drained, second}, return_when=asyncio.FIRST_COMPLETED)
                 if second.done():
                     log.warning("received %s again: stopping now", second.result().name)
+                    stop_now = getattr(server, "stop_now", None)
+                    if stop_now is not None:
+                        stop_now()  # open responses end with an error, not a silent cut
                     return 1
         finally:
             await cancel_tasks([t for t in tasks if not t.done()])

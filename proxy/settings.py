@@ -469,6 +469,17 @@ class GatewaySettings(_Section):
     request_timeout_s: float | None = Field(
         None, gt=0, description="Deadline of a request that brings none, in s. Default none."
     )
+    migrations: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Times one request may be continued on another unit after its unit failed under it (connection lost, unit_failed, silent too long). 0 turns migration off. Default 2.",
+    )
+    stream_idle_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="A streaming unit that sends nothing for this long has failed: the request continues on another unit, in s. Default 60.",
+    )
     report_delay_s: float = Field(
         0.0,
         ge=0,

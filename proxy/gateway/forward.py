@@ -1,10 +1,20 @@
-"""Forwarding one HTTP inference request to a unit, with retries before the first byte.
+"""One HTTP inference request through the gateway: the HTTP wire of ``core.GatewayCore``.
 
-An attempt ends in one of three ways: the unit refused before doing work (429, 503,
-connection failure: try another unit at once, within the retry budget), the unit
-answered (its response goes to the client; SSE bytes are passed through as they come,
-never re-encoded), or the stream broke after the first byte (the client gets one SSE
-error event, never a silent cut; no retry).
+An attempt sends the request (or its continuation) to a unit and says how it ended:
+
+- refused before any work (429, a 503 whose code says the unit is not taking work, no
+  connection): RETRY;
+- the unit answered: a whole body goes to the client as it came; SSE events are passed
+  through as they come, never re-encoded, and kept (``resume.SseTranscript``) in case
+  the unit fails: DONE;
+- the unit failed under the request (connection lost, its ``unit_failed`` error event or
+  503, no byte for ``stream_idle_timeout_s``): MIGRATE. The next attempt sends the
+  request with what the client already got appended, and that unit's events follow on
+  in the same response;
+- anything else ends the client's response: an error before the response started is a
+  plain error response, after it one SSE error event (never a silent cut).
+
+Only whole events are written to the client, so a stream can be continued at any point.
 """
 
 from __future__ import annotations
@@ -18,48 +28,57 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy import openai_api
-from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
+from proxy.errors import Unavailable, UnitProxyError
+from proxy.gateway.core import (
+    DONE_OK,
+    ERROR_CLASSES,
+    NOT_TAKING_WORK,
+    UNIT_FAILED,
+    GatewayCore,
+    Next,
+    Tried,
+    UnitTimeout,
+    deadline_passed,
+    shutting_down,
+)
 from proxy.gateway.front import Producer
-from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
+from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Broken, ConnectFailed, Connection, Pool
-from proxy.httputil import DEADLINE_HEADER, REQUEST_ID_HEADER, UNIT_HEADER, timeout_header
+from proxy.httputil import (
+    DEADLINE_HEADER,
+    REQUEST_ID_HEADER,
+    RESUME_HEADER,
+    UNIT_HEADER,
+    timeout_header,
+)
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import Gate
-from proxy.timers import Deadline, Wheel
+from proxy.settings import GatewaySettings
+from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
 
 PASSED_HEADERS = (("content-type", "Content-Type"), ("retry-after", "Retry-After"))
 MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed for all purposes
 POST = b"POST"
+ERROR_EVENT = b'data: {"error"'
+MAX_PARTIAL_EVENT = 1024 * 1024  # an "event" longer than this is passed on unsplit
+DONE_EVENT = b"data: [DONE]\n\n"
 
-
-class UnitTimeout(DeadlineExceeded):
-    """The unit took longer than the gateway allows to start answering."""
-
-
-# A 503 whose code says the unit is not taking work (its state) is a refusal, like 429;
-# any other 503 is the unit failing and counts toward its ejection.
-NOT_TAKING_WORK = frozenset({"starting", "not_serving", "draining"})
-
-
-def _refusal(status: int, body: bytes) -> bool:
-    if status == 429:
-        return True
-    try:
-        code = json.loads(body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    return code in NOT_TAKING_WORK
+# The status an error event stands for, by its type (the requests metric counts it).
+STATUS_OF_TYPE = {cls.error_type: cls.http_status for cls in ERROR_CLASSES}
 
 
 class Downstream(Protocol):
     """Where the client's response goes: the gateway's own HTTP/1.1 path or aiohttp."""
 
+    status: int
+
     @property
     def started(self) -> bool:
-        """Some of a streamed response went out: no other unit can be tried."""
+        """Some of a streamed response went out: it can only be continued, not replaced."""
 
     def respond(self, status: int, headers: dict[str, str], body: bytes) -> None:
         """The whole response at once."""
@@ -88,22 +107,16 @@ class Inbound:
     content_type: str | None = None
     authorization: str | None = None
     timeout_s: float | None = None  # from DEADLINE_HEADER, already checked
-
-
-@dataclass(slots=True)
-class Refused:
-    """A unit said no before any work: the attempt may go to another unit."""
-
-    reason: str  # "429", "503", "connect"
-    status: int
-    body: bytes
-    headers: dict[str, str]
+    migrate: bool = True  # False: the client opted out (x-unitproxy-migrate: 0)
 
 
 class Forwarder:
+    """What every HTTP job shares: the core, the unit pools, metrics and timers."""
+
     def __init__(
         self,
-        router: Router,
+        core: GatewayCore,
+        settings: GatewaySettings,
         pools: dict[str, Pool],
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
@@ -111,60 +124,33 @@ class Forwarder:
         wheel: Wheel,
         unit_key: str | None = None,
     ):
+        self.core = core
+        self.settings = settings
+        self.pools = pools
+        self.wheel = wheel
+        self.gateway_metrics = gateway_metrics
         self._gate = gate
-        self._wheel = wheel
         self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
-        self._router = router
-        self._pools = pools
-        self._metrics = metrics
-        self._gw = gateway_metrics
-        self._settings = router.settings
-        self._routed: dict[str, Any] = {}  # metric children by unit: labels() per request costs
-        self._ttft = {route: metrics.ttft.labels(route) for route in ("completions", "chat")}
+        self.ttft = {route: metrics.ttft.labels(route) for route in ("completions", "chat")}
         self._duration = {
             route: metrics.request_duration.labels(route) for route in ("completions", "chat")
         }
 
-    async def handle(self, down: Downstream, req: Inbound) -> None:
-        """Answer ``req`` through ``down``; raises UnitProxyError before any response."""
+    async def handle(self, down: Downstream, req: Inbound) -> int:
+        """Answer ``req`` through ``down``; return the status the request counts as.
+
+        Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
-        deadline = self._deadline(req, started)
-        tried: set[str] = set()
-        refused: Refused | None = None
+        job = HttpJob(self, down, req, started)
         self._gate.enter()
         try:
-            for attempt in range(self._settings.retries + 1):
-                if attempt:
-                    assert refused is not None
-                    self._gw.retries.labels(refused.reason).inc()
-                try:
-                    unit = await self._router.acquire(tried)
-                except NoUnit:
-                    if refused is not None:
-                        break  # no other unit to try: the client gets the last refusal
-                    self._gw.no_unit_available.inc()
-                    raise
-                tried.add(unit.id)
-                routed = self._routed.get(unit.id)
-                if routed is None:
-                    routed = self._routed[unit.id] = self._gw.routed.labels(unit.id)
-                routed.inc()
-                refused = await self._attempt(unit, down, req, deadline, started)
-                if refused is None:
-                    return
-            assert refused is not None
-            down.respond(refused.status, refused.headers, refused.body)
+            await self.core.run(job)
+            return job.status or down.status
         finally:
             self._gate.exit()
             self._duration[req.route].observe(time.monotonic() - started)
 
-    def _deadline(self, req: Inbound, now: float) -> float | None:
-        if req.timeout_s is not None:
-            return now + req.timeout_s
-        timeout = self._settings.request_timeout_s
-        return None if timeout is None else now + timeout
-
-    def _headers(self, req: Inbound) -> dict[str, str]:
+    def unit_headers(self, req: Inbound) -> dict[str, str]:
         headers = {"Content-Type": req.content_type or "application/json",
                    REQUEST_ID_HEADER: req.request_id}  # fmt: skip
         authorization = self._unit_auth or req.authorization
@@ -172,151 +158,310 @@ class Forwarder:
             headers["Authorization"] = authorization
         return headers
 
-    async def _attempt(
-        self, unit: Unit, down: Downstream, req: Inbound, deadline: float | None, started: float
-    ) -> Refused | None:
-        """One try on ``unit``: None when the client got the unit's answer."""
-        headers = self._headers(req)
-        left = None
-        if deadline is not None:
-            left = deadline - time.monotonic()
+
+class HttpJob:
+    """One client request over HTTP, across the units it is tried on."""
+
+    def __init__(self, fw: Forwarder, down: Downstream, req: Inbound, started: float):
+        self._fw = fw
+        self._down = down
+        self._req = req
+        self._started = started
+        timeout = fw.settings.request_timeout_s if req.timeout_s is None else req.timeout_s
+        self._deadline = None if timeout is None else started + timeout
+        self._loop = asyncio.get_running_loop()
+        self.status = 0  # set when the requests metric must not count down.status
+        self._next: tuple[bytes, str | None] | None = (req.body, None)  # body, resume hint
+        self._transcript: SseTranscript | None = None
+        self._conn: Connection | None = None
+        self._tail = b""  # the start of an event whose end has not come yet
+        self._unit_error: bytes | None = None  # an error event the unit ended with
+        self._failed_at: float | None = None  # a unit failed; the next one's byte not yet out
+        self._last_byte = 0.0
+        self._watch: Timer | None = None
+        self._idle = False
+        self._stopping = False
+
+    # -- core.Job ------------------------------------------------------------------------
+
+    @property
+    def migratable(self) -> bool:
+        return self._req.migrate and not self._stopping and self._next is not None
+
+    def interrupt(self) -> None:
+        self._stopping = True
+        if self._conn is not None:
+            self._conn.close()
+
+    async def give_up(self, last: Tried) -> None:
+        down = self._down
+        if not down.started:
+            if isinstance(last.reply, tuple):
+                down.respond(*last.reply)  # the last unit's own answer, as it came
+                return
+            raise last.error or Unavailable("no unit could serve the request")
+        error = last.error or Unavailable("no unit could serve the request")
+        log.warning("request %s: %s", self._req.request_id, error.message)
+        await self._end_with(openai_api.sse_error(error.body()), error.http_status)
+
+    async def attempt(self, unit: Unit) -> Tried:
+        assert self._next is not None
+        body, hint = self._next
+        headers = self._fw.unit_headers(self._req)
+        if hint is not None:
+            headers[RESUME_HEADER] = hint
+        now = self._loop.time()
+        end = None
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
             if left < MIN_LEFT_S:
-                self._router.release(unit, Outcome.OK)
-                raise DeadlineExceeded("the request's deadline passed")
+                return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
             headers[DEADLINE_HEADER] = timeout_header(left)
-        outcome = Outcome.FAILED
-        conn: Connection | None = None
-        last = [b""]  # what the client got last: an error event must start on its own line
-        # One timer: the unit's response_timeout_s (or the deadline, if sooner) until the
-        # response head, then the request's deadline.
-        limit = self._settings.response_timeout_s
-        now = asyncio.get_running_loop().time()
-        end = None if left is None else now + left
+            end = now + left
+        limit = self._fw.settings.response_timeout_s
         head_by = now + limit
+        conn: Connection | None = None
         try:
             async with Deadline(
-                self._wheel, head_by if end is None else min(head_by, end)
+                self._fw.wheel, head_by if end is None else min(head_by, end)
             ) as scope:
-                conn = await self._pools[unit.id].request(POST, req.path, headers, req.body)
+                try:
+                    conn = await self._fw.pools[unit.id].request(
+                        POST, self._req.path, headers, body
+                    )
+                except ConnectFailed as exc:
+                    return self._unreachable(unit, exc)
+                self._conn = conn
                 scope.reschedule(end)
-                status = conn.status
-                if status in (429, 503):
-                    data = await conn.read()
-                    outcome = Outcome.REFUSED if _refusal(status, data) else Outcome.FAILED
-                    return Refused(str(status), status, data,
-                                   _passed_headers(conn, unit.id, req.request_id))  # fmt: skip
-                outcome = Outcome.FAILED if status >= 500 else Outcome.OK
-                if conn.headers.get("content-type", "").startswith("text/event-stream"):
-                    ok = await self._pipe(conn, down, unit, req, started, last)
-                    outcome = Outcome.OK if ok else Outcome.FAILED
-                    return None
-                data = await conn.read()
-                self._ttft[req.route].observe(time.monotonic() - started)
-                down.respond(status, _passed_headers(conn, unit.id, req.request_id), data)
-                return None
-        except TimeoutError as exc:
+                return await self._answer(unit, conn)
+        except TimeoutError:
             if conn is None and (end is None or head_by < end):
                 message = f"unit {unit.id} sent no response within {limit:g} s"
                 log.warning("%s", message)
-                raise UnitTimeout(message) from None  # the unit's failure (outcome FAILED)
-            outcome = Outcome.OK  # the request's own deadline, not the unit's fault
-            error = DeadlineExceeded("the request's deadline passed")
-            if not down.started:
-                raise error from exc
-            log.warning("request %s: %s", req.request_id, error.message)
-            await _end_with_error(down, error, last[0])
-            return None
-        except asyncio.CancelledError:
-            outcome = Outcome.CANCELLED  # the client went away: no failure of the unit
-            raise
-        except (ConnectFailed, Broken) as exc:
-            if down.started:
-                raise
-            log.info("unit %s: %s", unit.id, exc)
-            return Refused(
-                "connect", 503, _unavailable(unit, exc), {"Content-Type": "application/json"}
-            )
+                return Tried(Next.DONE, Outcome.FAILED, error=UnitTimeout(message))
+            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+        except Broken as exc:  # a whole body was being read
+            return self._failed(unit, "broken", f"unit {unit.id} broke its answer: {exc}")
         finally:
+            self._conn = None
             if conn is not None:
                 conn.done()  # kept for reuse only when its response was read to the end
-            self._router.release(unit, outcome)
 
-    def _spliced(
-        self,
-        write: Callable[[bytes], None],
-        down: Downstream,
-        req: Inbound,
-        started: float,
-        last: list[bytes],
-    ) -> Callable[[bytes], None]:
-        ttft = self._ttft[req.route]
+    # -- one unit's answer -----------------------------------------------------------------
+
+    async def _answer(self, unit: Unit, conn: Connection) -> Tried:
+        status = conn.status
+        if status in (429, 503):
+            return self._refused(unit, conn, status, await conn.read())
+        if status == 200 and conn.headers.get("content-type", "").startswith("text/event-stream"):
+            return await self._stream(unit, conn)
+        data = await conn.read()
+        health = Outcome.FAILED if status >= 500 else Outcome.OK
+        if self._down.started:  # a continuation the unit would not take
+            return Tried(Next.DONE, health, error=_error_in(status, data, unit))
+        self._down.respond(status, self._headers(conn, unit), data)
+        return Tried(Next.DONE, health)
+
+    def _refused(self, unit: Unit, conn: Connection, status: int, data: bytes) -> Tried:
+        code = _error_code(data)
+        reply = (status, self._headers(conn, unit), data)
+        error = _error_in(status, data, unit)
+        if status == 429 or code in NOT_TAKING_WORK:
+            return Tried(Next.RETRY, Outcome.REFUSED, str(status), error, reply)
+        if code in UNIT_FAILED:
+            return self._failed(unit, "unit_failed", error.message, reply)
+        return Tried(Next.RETRY, Outcome.FAILED, str(status), error, reply)
+
+    def _unreachable(self, unit: Unit, exc: ConnectFailed) -> Tried:
+        if self._stopping:
+            return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        log.info("unit %s: %s", unit.id, exc)
+        error = Unavailable(f"unit {unit.id} could not be reached")
+        reply = (503, {"Content-Type": "application/json"}, json.dumps(error.body()).encode())
+        return Tried(Next.RETRY, Outcome.FAILED, "connect", error, reply)
+
+    def _failed(self, unit: Unit, reason: str, message: str, reply: Any = None) -> Tried:
+        """The unit failed under the request: continue it elsewhere, if it can be."""
+        if self._stopping:
+            return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        log.warning("request %s: %s", self._req.request_id, message)
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+        self._next = self._continuation()
+        error = Unavailable(message, code="unit_failed")
+        return Tried(Next.MIGRATE, Outcome.FAILED, reason, error, reply)
+
+    def _continuation(self) -> tuple[bytes, str | None] | None:
+        if not self._down.started:
+            return self._req.body, None  # nothing went out: the request as it came
+        transcript = self._transcript
+        if transcript is None:
+            return None
+        text = transcript.text()
+        if not transcript.resumable or transcript.finished:
+            return None
+        body = resume_body(self._req.route, self._req.body, text)
+        if body is None:
+            return None
+        return body, resume_hint(transcript.created, len(text))
+
+    def _headers(self, conn: Connection, unit: Unit) -> dict[str, str]:
+        headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}
+        headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit.id)
+        headers[REQUEST_ID_HEADER] = self._req.request_id
+        return headers
+
+    # -- streams ---------------------------------------------------------------------------
+
+    async def _stream(self, unit: Unit, conn: Connection) -> Tried:
+        down = self._down
+        if not down.started:
+            headers = self._headers(conn, unit)
+            headers["Cache-Control"] = "no-cache"
+            await down.start(conn.status, headers)
+            self._transcript = SseTranscript()
+        self._tail, self._unit_error, self._idle = b"", None, False
+        self._watch_idle(conn)
+        try:
+            write = down.splice_writer(conn)
+            if write is not None:
+                await conn.splice(self._sink(write))
+            else:
+                while (data := await conn.read_some()) is not None:
+                    await down.write(self._accept(data))
+        except Broken as exc:
+            return await self._broken(unit, exc)
+        finally:
+            self._unwatch()
+        if self._unit_error is not None:
+            return await self._unit_errored(unit)
+        await down.write(self._tail)
+        await down.end()
+        return DONE_OK
+
+    def _sink(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        accept = self._accept
 
         def sink(data: bytes) -> None:
-            if not down.started:
-                ttft.observe(time.monotonic() - started)
-            write(data)
-            last[0] = data
+            events = accept(data)
+            if events:
+                write(events)
 
         return sink
 
-    async def _pipe(
-        self,
-        conn: Connection,
-        down: Downstream,
-        unit: Unit,
-        req: Inbound,
-        started: float,
-        last: list[bytes],
-    ) -> bool:
-        """Pass the SSE bytes through; on a broken upstream end with an SSE error event.
+    def _accept(self, data: bytes) -> bytes:
+        """What of ``data`` goes to the client now: whole events, up to an error event."""
+        if self._unit_error is not None:
+            return b""
+        if self._tail:
+            data, self._tail = self._tail + data, b""
+        cut = data.rfind(b"\n\n") + 2
+        if cut < len(data):
+            if cut == 1 and len(data) <= MAX_PARTIAL_EVENT:
+                self._tail = data
+                return b""
+            if cut > 1:
+                data, self._tail = data[:cut], data[cut:]
+        at = data.find(ERROR_EVENT)
+        if at >= 0:
+            data, self._unit_error = data[:at], data[at:]
+        if data:
+            self._delivered(data)
+        return data
 
-        Returns whether the unit did its part (False: it broke or ended with an error)."""
-        headers = _passed_headers(conn, unit.id, req.request_id)
-        headers["Cache-Control"] = "no-cache"
-        await down.start(conn.status, headers)
-        write = down.splice_writer(conn)
-        try:
-            if write is not None:
-                await conn.splice(self._spliced(write, down, req, started, last))
-                await down.end()
-                return not _ended_by_unit_error(last[0])
-            first = True
-            while (data := await conn.read_some()) is not None:
-                if first:
-                    self._ttft[req.route].observe(time.monotonic() - started)
-                    first = False
-                await down.write(data)
-                last[0] = data
-        except Broken as exc:
-            if not down.started:
-                raise  # nothing reached the client yet: the attempt may go elsewhere
-            error = Unavailable(f"unit {unit.id} broke the stream: {exc}")
-            log.warning("request %s: %s", req.request_id, error.message)
-            await _end_with_error(down, error, last[0])
-            return False
-        await down.end()
-        return not _ended_by_unit_error(last[0])
+    def _delivered(self, events: bytes) -> None:
+        transcript = self._transcript
+        assert transcript is not None
+        if not self._down.started:
+            self._fw.ttft[self._req.route].observe(time.monotonic() - self._started)
+        if self._failed_at is not None:
+            self._fw.gateway_metrics.migration_pause.observe(time.monotonic() - self._failed_at)
+            self._failed_at = None
+        transcript.add(events)
+        self._last_byte = self._loop.time()
+
+    async def _broken(self, unit: Unit, exc: Broken) -> Tried:
+        transcript = self._transcript
+        if transcript is not None and self._down.started and not self._stopping:
+            transcript.text()
+            if transcript.finished:  # every token went out; the end of the stream did not
+                await self._end_with(b"" if transcript.done else DONE_EVENT, 0)
+                return Tried(Next.DONE, Outcome.FAILED)
+        if self._idle:
+            idle = self._fw.settings.stream_idle_timeout_s
+            return self._failed(unit, "idle", f"unit {unit.id} sent nothing for {idle:g} s")
+        return self._failed(unit, "broken", f"unit {unit.id} broke the stream: {exc}")
+
+    async def _unit_errored(self, unit: Unit) -> Tried:
+        event = self._unit_error or b""
+        error = _event_error(event)
+        code = error.get("code")
+        if code in UNIT_FAILED:
+            return self._failed(unit, "unit_failed", f"unit {unit.id}: {error.get('message')}")
+        status = STATUS_OF_TYPE.get(str(error.get("type")), 500)
+        await self._end_with(event, status)
+        return Tried(Next.DONE, Outcome.OK if status == 504 else Outcome.FAILED)
+
+    async def _end_with(self, event: bytes, status: int) -> None:
+        """End the client's stream with ``event`` (after any event the unit left open)."""
+        self.status = status
+        await self._down.write(event)
+        await self._down.end()
+
+    # -- silence ---------------------------------------------------------------------------
+
+    def _watch_idle(self, conn: Connection) -> None:
+        self._last_byte = self._loop.time()
+        self._watch = self._fw.wheel.call_at(
+            self._last_byte + self._fw.settings.stream_idle_timeout_s, self._check_idle
+        )
+
+    def _check_idle(self) -> None:
+        self._watch = None
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        now = self._loop.time()
+        if conn.paused:
+            self._last_byte = now  # the client is not reading: the unit is not silent
+        due = self._last_byte + self._fw.settings.stream_idle_timeout_s
+        if due > now:
+            self._watch = self._fw.wheel.call_at(due, self._check_idle)
+            return
+        self._idle = True
+        conn.close()
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._fw.wheel.cancel(self._watch)
+            self._watch = None
 
 
-async def _end_with_error(down: Downstream, error: UnitProxyError, last: bytes) -> None:
-    separator = b"" if not last or last.endswith(b"\n\n") else b"\n\n"
-    await down.write(separator + openai_api.sse_error(error.body()))
-    await down.end()
+def _error_code(body: bytes) -> str | None:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
-def _ended_by_unit_error(last: bytes) -> bool:
-    """Did the unit end the stream with an error event of its own (not the deadline)?"""
-    at = last.rfind(b'data: {"error"')
-    return at >= 0 and b"timeout_error" not in last[at:]
+def _error_in(status: int, body: bytes, unit: Unit) -> UnitProxyError:
+    """The unit's error answer as an error of ours (for an SSE error event)."""
+    try:
+        error = json.loads(body)["error"]
+        message, code = str(error["message"]), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = f"unit {unit.id} answered {status}", None
+    for cls in ERROR_CLASSES[1:]:
+        if cls.http_status == status:
+            return cls(message, code=code if isinstance(code, str) else None)
+    return UnitProxyError(message, code=code if isinstance(code, str) else None)
 
 
-def _passed_headers(conn: Connection, unit_id: str, request_id: str) -> dict[str, str]:
-    headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}
-    headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit_id)
-    headers[REQUEST_ID_HEADER] = request_id
-    return headers
-
-
-def _unavailable(unit: Unit, exc: BaseException) -> bytes:
-    err = Unavailable(f"unit {unit.id} could not be reached: {exc or type(exc).__name__}")
-    return json.dumps(err.body()).encode()
+def _event_error(event: bytes) -> dict[str, Any]:
+    payload = event.split(b"\n\n", 1)[0].removeprefix(b"data:").strip()
+    try:
+        error = json.loads(payload)["error"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return error if isinstance(error, dict) else {}

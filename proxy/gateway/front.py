@@ -31,6 +31,7 @@ from proxy.httputil import (
     DEADLINE_HEADER,
     FORM_TYPES,
     MAX_REQUEST_ID,
+    MIGRATE_HEADER,
     REQUEST_ID_HEADER,
     ClientClosed,
 )
@@ -46,7 +47,7 @@ KEEPALIVE_S = 75.0  # an idle connection is closed after this (aiohttp's default
 # The request headers the gateway reads; the others are checked, not kept.
 USED_HEADERS = frozenset(
     {b"content-length", b"content-type", b"authorization", REQUEST_ID_HEADER.encode(),
-     DEADLINE_HEADER.encode()}
+     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode()}
 )  # fmt: skip
 HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 

@@ -1,16 +1,21 @@
-"""Inference.Generate through the gateway: messages pass as bytes.
+"""Inference.Generate through the gateway: the gRPC wire of ``core.GatewayCore``.
 
 The gateway registers a generic handler for the method with no (de)serializers and
 calls units the same way, so each chunk is forwarded as the bytes the unit sent;
 messages that arrive while a write to the client is in flight are decoded only to be
-merged into the next one (``proxy.coalesce``).
-Retries happen only before the first message reaches the client, on UNAVAILABLE or
-RESOURCE_EXHAUSTED from the unit (its refusal, or a connection failure).
+merged into the next one (``proxy.coalesce``). Every message that went toward the
+client is kept (``resume.GrpcTranscript``) in case its unit fails.
+
+An attempt ends as on HTTP: RESOURCE_EXHAUSTED, or UNAVAILABLE before the first
+message (the unit's refusal or no connection), is a RETRY; UNAVAILABLE after it, or a
+unit silent for ``stream_idle_timeout_s``, is a MIGRATE (the request goes on elsewhere
+with the output so far appended to its input); any other status ends the call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -20,20 +25,37 @@ import grpc
 
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
-from proxy.errors import UnitProxyError
-from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.errors import Unavailable, UnitProxyError
+from proxy.gateway.core import (
+    DONE_OK,
+    ERROR_CLASSES,
+    NOT_TAKING_WORK,
+    UNIT_FAILED,
+    GatewayCore,
+    Next,
+    Tried,
+    UnitTimeout,
+    deadline_passed,
+    shutting_down,
+)
+from proxy.gateway.resume import GrpcTranscript, resume_generate
+from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
+from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.serving import Gate
+from proxy.settings import GatewaySettings
+from proxy.timers import Timer, Wheel
 
 log = logging.getLogger(__name__)
 
 SERVICE = "unitproxy.v1.Inference"
 METHOD = f"/{SERVICE}/Generate"
 ROUTE = "grpc_generate"
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+CODE_KEY = "x-unitproxy-code"  # trailing metadata: the error's code, as in an HTTP body
 FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+ERROR_OF_CODE = {cls.grpc_code: cls for cls in reversed(ERROR_CLASSES)}
 
 UnaryStream = Callable[..., Any]  # grpc.aio.UnaryStreamMultiCallable, bytes in and out
 
@@ -52,21 +74,25 @@ def merge_chunks(messages: Sequence[bytes]) -> bytes:
 class GenerateProxy:
     def __init__(
         self,
-        router: Router,
+        core: GatewayCore,
+        settings: GatewaySettings,
         call_for: Callable[[Unit], UnaryStream],
         metrics: ServingMetrics,
         gateway_metrics: GatewayMetrics,
         gate: Gate,
+        wheel: Wheel,
         api_keys: ApiKeys | None = None,
         unit_key: str | None = None,
     ):
+        self.core = core
+        self.settings = settings
+        self.call_for = call_for
+        self.wheel = wheel
+        self.metrics = metrics
+        self.gateway_metrics = gateway_metrics
         self._gate = gate
         self._api_keys = api_keys or ApiKeys()
-        self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
-        self._router = router
-        self._call_for = call_for
-        self._metrics = metrics
-        self._gw = gateway_metrics
+        self.unit_auth = None if unit_key is None else f"Bearer {unit_key}"
 
     def handler(self) -> grpc.GenericRpcHandler:
         method = grpc.unary_stream_rpc_method_handler(
@@ -81,97 +107,227 @@ class GenerateProxy:
             self._api_keys.check_metadata(context.invocation_metadata())
             self._gate.enter()
         except UnitProxyError as exc:
-            self._metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
+            self.metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
             await context.abort(exc.grpc_code, exc.message)
+        job = GrpcJob(self, request, context, started)
         try:
-            await self._generate(request, context, started)
+            await self.core.run(job)
+            await job.finish()
         except UnitProxyError as exc:
             code = exc.grpc_code.name
+            await job.flush()  # what the units sent before the error, then the status
             await context.abort(exc.grpc_code, exc.message)
-        except grpc.aio.AioRpcError as exc:  # the unit failed after the first message
-            code = exc.code().name
-            await context.abort(exc.code(), exc.details() or "")
-        finally:
-            self._gate.exit()
-            self._metrics.requests.labels(ROUTE, code).inc()
-            self._metrics.request_duration.labels(ROUTE).observe(time.monotonic() - started)
-
-    async def _generate(
-        self, request: bytes, context: grpc.aio.ServicerContext, started: float
-    ) -> None:
-        tried: set[str] = set()
-        last: grpc.aio.AioRpcError | None = None
-        for _ in range(self._router.settings.retries + 1):
-            if last is not None:
-                self._gw.retries.labels(last.code().name.lower()).inc()
-            try:
-                unit = await self._router.acquire(tried)
-            except NoUnit:
-                if last is not None:
-                    raise last from None
-                self._gw.no_unit_available.inc()
-                raise
-            tried.add(unit.id)
-            self._gw.routed.labels(unit.id).inc()
-            last = await self._attempt(unit, request, context, started)
-            if last is None:
-                return
-        assert last is not None
-        raise last
-
-    def _metadata(self, context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
-        """What the unit gets: this gateway's unit key, or the client's own authorization."""
-        if self._unit_auth is not None:
-            return (("authorization", self._unit_auth),)
-        given = [(k, v) for k, v in context.invocation_metadata() or () if k == "authorization"]
-        return tuple((k, v if isinstance(v, str) else v.decode()) for k, v in given)
-
-    async def _attempt(
-        self, unit: Unit, request: bytes, context: grpc.aio.ServicerContext, started: float
-    ) -> grpc.aio.AioRpcError | None:
-        """Stream from ``unit``; return its error if it refused before the first message."""
-        call = self._call_for(unit)(
-            request, timeout=context.time_remaining(), metadata=self._metadata(context)
-        )
-        outcome = Outcome.FAILED
-        try:
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in RETRYABLE:
-                    outcome = (
-                        Outcome.REFUSED
-                        if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-                        else outcome
-                    )
-                    return exc
-                outcome = Outcome.FAILED if exc.code() in FAILURES else Outcome.OK
-                raise
-            if first is grpc.aio.EOF:
-                outcome = Outcome.OK
-                return None
-            self._metrics.ttft.labels(ROUTE).observe(time.monotonic() - started)
-            out = Coalescer(context.write, merge_chunks)
-            try:
-                message = first
-                while message is not grpc.aio.EOF:
-                    await out.put(message)
-                    message = await call.read()
-                await out.close()
-            except grpc.aio.AioRpcError:
-                await out.close()  # what the unit sent before it failed, then its status
-                raise
-            finally:
-                out.cancel()
-            outcome = Outcome.OK
-            return None
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in FAILURES:
-                outcome = Outcome.OK
-            raise
         except asyncio.CancelledError:
-            outcome = Outcome.CANCELLED  # the client went away: no failure of the unit
+            code = "CANCELLED"
             raise
         finally:
+            job.close()
+            self._gate.exit()
+            self.metrics.requests.labels(ROUTE, code).inc()
+            self.metrics.request_duration.labels(ROUTE).observe(time.monotonic() - started)
+
+
+class GrpcJob:
+    """One Generate call, across the units it is tried on."""
+
+    def __init__(
+        self,
+        proxy: GenerateProxy,
+        request: bytes,
+        context: grpc.aio.ServicerContext,
+        started: float,
+    ):
+        self._proxy = proxy
+        self._context = context
+        self._started = started
+        self._request = request
+        self._next: tuple[bytes, str | None] | None = (request, None)
+        metadata = [(k, v) for k, v in context.invocation_metadata() or ()]
+        self._migrate = all(not (k == MIGRATE_HEADER and v == "0") for k, v in metadata)
+        self._auth = _authorization(metadata, proxy.unit_auth)
+        remaining = context.time_remaining()
+        if remaining is None:
+            remaining = proxy.settings.request_timeout_s
+        self._deadline = None if remaining is None else started + remaining
+        self._loop = asyncio.get_running_loop()
+        self._out = Coalescer(context.write, merge_chunks)
+        self._transcript = GrpcTranscript()
+        self._sent = False  # a message went toward the client
+        self._call: Any = None
+        self._failed_at: float | None = None
+        self._last = 0.0
+        self._putting = False
+        self._watch: Timer | None = None
+        self._idle = False
+        self._stopping = False
+
+    # -- core.Job ------------------------------------------------------------------------
+
+    @property
+    def migratable(self) -> bool:
+        return self._migrate and not self._stopping and self._next is not None
+
+    def interrupt(self) -> None:
+        self._stopping = True
+        if self._call is not None:
+            self._call.cancel()
+
+    async def give_up(self, last: Tried) -> None:
+        error = last.error or Unavailable("no unit could serve the request")
+        if self._sent:
+            log.warning("request: %s", error.message)
+        raise error
+
+    async def finish(self) -> None:
+        await self._out.close()
+
+    async def flush(self) -> None:
+        # A client that is gone gets no more messages: the status is all that is left.
+        with contextlib.suppress(grpc.aio.AioRpcError, RuntimeError):
+            await self._out.close()
+
+    def close(self) -> None:
+        self._out.cancel()
+        self._unwatch()
+
+    async def attempt(self, unit: Unit) -> Tried:
+        assert self._next is not None
+        request, hint = self._next
+        metadata = self._auth if hint is None else (*self._auth, (RESUME_HEADER, hint))
+        timeout = None
+        if self._deadline is not None:
+            timeout = self._deadline - time.monotonic()
+            if timeout <= 0.001:
+                return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+        call = self._call = self._proxy.call_for(unit)(request, timeout=timeout, metadata=metadata)
+        received = False
+        self._idle = False
+        self._watch_idle(self._proxy.settings.response_timeout_s)
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                if not received:
+                    received = True
+                    self._unwatch()
+                    self._watch_idle(self._proxy.settings.stream_idle_timeout_s)
+                await self._deliver(message)
+            return DONE_OK
+        except grpc.aio.AioRpcError as exc:
+            return self._ended(unit, exc, received)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the client went away
+            return self._silent(unit, received)  # our own watchdog cancelled the call
+        finally:
+            self._unwatch()
+            self._call = None
             call.cancel()
-            self._router.release(unit, outcome)
+
+    async def _deliver(self, message: bytes) -> None:
+        if not self._sent:
+            self._sent = True
+            self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)
+        if self._failed_at is not None:
+            pause = time.monotonic() - self._failed_at
+            self._proxy.gateway_metrics.migration_pause.observe(pause)
+            self._failed_at = None
+        self._transcript.add(message)
+        self._putting = True
+        try:
+            await self._out.put(message)
+        finally:
+            self._putting = False
+            self._last = self._loop.time()
+
+    # -- how an attempt ended ------------------------------------------------------------
+
+    def _ended(self, unit: Unit, exc: grpc.aio.AioRpcError, received: bool) -> Tried:
+        if self._stopping:
+            return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        code = exc.code()
+        error = _error_of(exc)
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not received:
+            return Tried(Next.RETRY, Outcome.REFUSED, "resource_exhausted", error)
+        if code is grpc.StatusCode.UNAVAILABLE:
+            why = _trailer_code(exc)
+            if why in UNIT_FAILED or received:
+                return self._failed(unit, "unit_failed", f"unit {unit.id}: {exc.details()}")
+            health = Outcome.REFUSED if why in NOT_TAKING_WORK else Outcome.FAILED
+            return Tried(Next.RETRY, health, "unavailable", error)
+        return Tried(Next.DONE, Outcome.FAILED if code in FAILURES else Outcome.OK, error=error)
+
+    def _silent(self, unit: Unit, received: bool) -> Tried:
+        if self._stopping:
+            return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if not received:
+            limit = self._proxy.settings.response_timeout_s
+            message = f"unit {unit.id} sent no response within {limit:g} s"
+            log.warning("%s", message)
+            return Tried(Next.DONE, Outcome.FAILED, error=UnitTimeout(message))
+        idle = self._proxy.settings.stream_idle_timeout_s
+        return self._failed(unit, "idle", f"unit {unit.id} sent nothing for {idle:g} s")
+
+    def _failed(self, unit: Unit, reason: str, message: str) -> Tried:
+        log.warning("%s", message)
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+        self._next = self._continuation()
+        return Tried(Next.MIGRATE, Outcome.FAILED, reason, Unavailable(message, code="unit_failed"))
+
+    def _continuation(self) -> tuple[bytes, str | None] | None:
+        if not self._sent:
+            return self._request, None
+        self._transcript.text()
+        if self._transcript.finished:
+            return None
+        return resume_generate(self._request, self._transcript)
+
+    # -- silence ---------------------------------------------------------------------------
+
+    def _watch_idle(self, limit_s: float) -> None:
+        self._last = self._loop.time()
+        self._watch = self._proxy.wheel.call_at(self._last + limit_s, lambda: self._check(limit_s))
+
+    def _check(self, limit_s: float) -> None:
+        self._watch = None
+        call = self._call
+        if call is None:
+            return
+        now = self._loop.time()
+        if self._putting:
+            self._last = now  # the client is not reading: the unit is not silent
+        due = self._last + limit_s
+        if due > now:
+            self._watch = self._proxy.wheel.call_at(due, lambda: self._check(limit_s))
+            return
+        self._idle = True
+        call.cancel()
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._proxy.wheel.cancel(self._watch)
+            self._watch = None
+
+
+def _authorization(
+    metadata: list[tuple[str, str | bytes]], unit_auth: str | None
+) -> tuple[tuple[str, str], ...]:
+    """What the unit gets: this gateway's unit key, or the client's own authorization."""
+    if unit_auth is not None:
+        return (("authorization", unit_auth),)
+    given = [(k, v) for k, v in metadata if k == "authorization"]
+    return tuple((k, v if isinstance(v, str) else v.decode()) for k, v in given)
+
+
+def _trailer_code(exc: grpc.aio.AioRpcError) -> str | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == CODE_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def _error_of(exc: grpc.aio.AioRpcError) -> UnitProxyError:
+    cls = ERROR_OF_CODE.get(exc.code(), UnitProxyError)
+    return cls(exc.details() or exc.code().name, code=_trailer_code(exc))

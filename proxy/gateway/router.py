@@ -9,6 +9,7 @@ arrive through ``apply_report``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -36,6 +37,17 @@ class NoUnit(Unavailable):
     """No SERVING unit is left to try (apart from those excluded)."""
 
 
+class _Waiter:
+    """A request in the wait queue, and the units it must not be given."""
+
+    __slots__ = ("exclude", "future", "seq")
+
+    def __init__(self, future: asyncio.Future[None], exclude: Collection[str], seq: int):
+        self.future = future
+        self.exclude = exclude
+        self.seq = seq  # its place in line
+
+
 class Router:
     def __init__(
         self,
@@ -52,7 +64,8 @@ class Router:
         self._rng = rng or random.Random()
         self._clock = clock
         self._turn = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[_Waiter] = deque()
+        self._arrivals = itertools.count()
         self._on_change = on_change
         self._aging_paused_at: float | None = None
         for target in targets:
@@ -100,12 +113,12 @@ class Router:
         return unit
 
     async def acquire(self, exclude: Collection[str] = ()) -> Unit:
-        """A unit for one attempt; waits while every SERVING unit is full.
+        """A unit for one attempt; waits while every SERVING unit it may take is full.
 
         Raises NoUnit when no SERVING unit is left to try, Overloaded past the queue's
         bounds.
         """
-        if not self._waiters:
+        if not self._waiters or not self._may_pass(exclude):
             unit = self.pick(exclude)
             if unit is not None:
                 return unit
@@ -118,38 +131,59 @@ class Router:
             )
         return await self._wait(exclude)
 
+    def _may_pass(self, exclude: Collection[str]) -> bool:
+        """False if a waiter ahead could take a unit this request could take too."""
+        free = self.candidates(exclude)
+        return not any(u.id not in waiter.exclude for waiter in self._waiters for u in free)
+
     async def _wait(self, exclude: Collection[str]) -> Unit:
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
+        waiter = _Waiter(loop.create_future(), exclude, next(self._arrivals))
         self._waiters.append(waiter)
         self.wake()
         try:
             async with asyncio.timeout(self.settings.queue_timeout_s):
                 while True:
-                    await waiter
+                    await waiter.future
                     unit = self.pick(exclude)
                     if unit is not None:
                         return unit
                     if not self.serving(exclude):
                         raise NoUnit("no unit is SERVING", code="no_unit_available")
-                    waiter = loop.create_future()
-                    self._waiters.appendleft(waiter)  # keep its place at the head
+                    waiter = _Waiter(loop.create_future(), exclude, waiter.seq)
+                    self._insert(waiter)  # keep its place in line
         except TimeoutError:
             raise Overloaded(
                 f"every unit stayed full for {self.settings.queue_timeout_s:g} s",
                 code="queue_timeout",
             ) from None
         finally:
-            if not waiter.done():
+            if not waiter.future.done():
                 self._waiters.remove(waiter)
             self.wake()  # the next in line may find room too
 
+    def _insert(self, waiter: _Waiter) -> None:
+        at = next((i for i, w in enumerate(self._waiters) if w.seq > waiter.seq), None)
+        if at is None:
+            self._waiters.append(waiter)
+        else:
+            self._waiters.insert(at, waiter)
+
     def wake(self) -> None:
-        """Let the head of the queue try again, if any unit can take a request."""
-        while self._waiters and self._waiters[0].done():
+        """Hand a unit that can take a request to the first waiter that may take it (a
+        retried request excludes the units it tried; those behind it need not wait)."""
+        while self._waiters and self._waiters[0].future.done():
             self._waiters.popleft()
-        if self._waiters and self.candidates():
-            self._waiters.popleft().set_result(None)
+        if not self._waiters:
+            return
+        free = self.candidates()
+        if not free:
+            return
+        for waiter in self._waiters:
+            if not waiter.future.done() and any(u.id not in waiter.exclude for u in free):
+                self._waiters.remove(waiter)
+                waiter.future.set_result(None)
+                return
 
     @property
     def waiting(self) -> int:

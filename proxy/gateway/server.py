@@ -21,6 +21,7 @@ from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
 from proxy.gateway import front
+from proxy.gateway.core import GatewayCore
 from proxy.gateway.forward import Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
@@ -29,6 +30,7 @@ from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Pool
 from proxy.httputil import (
     DEADLINE_HEADER,
+    MIGRATE_HEADER,
     REQUEST_ID_HEADER,
     ClientClosed,
     ClientGone,
@@ -101,14 +103,15 @@ class Gateway(Service):
         stack.push_async_callback(self._close_clients)
         for unit in self.router.units.values():
             self._connect(unit)
-        generate = GenerateProxy(
-            self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate,
-            self.api_keys, self._unit_key(),
-        )  # fmt: skip
         self.wheel = Wheel(asyncio.get_running_loop())
         stack.callback(self.wheel.close)
+        self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
+        generate = GenerateProxy(
+            self.core, s.gateway, self._generate_call, self.metrics, self.gateway_metrics,
+            self.gate, self.wheel, self.api_keys, self._unit_key(),
+        )  # fmt: skip
         self.forwarder = Forwarder(
-            self.router, self._pools, self.metrics, self.gateway_metrics, self.gate,
+            self.core, s.gateway, self._pools, self.metrics, self.gateway_metrics, self.gate,
             self.wheel, self._unit_key(),
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
@@ -142,6 +145,11 @@ class Gateway(Service):
 
     async def wait_drained(self) -> None:
         await self.drain.wait()
+
+    def stop_now(self) -> None:
+        """A second signal: every open response ends at once with an error (SSE error
+        event, gRPC UNAVAILABLE) before the process exits."""
+        self.core.interrupt_all()
 
     # --- clients to units ---------------------------------------------------------
 
@@ -295,9 +303,9 @@ class Gateway(Service):
         try:
             self.api_keys.check(headers.get("authorization"))
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
-                          headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)))  # fmt: skip
-            await self.forwarder.handle(down, req)
-            code = str(down.status)
+                          headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
+                          headers.get(MIGRATE_HEADER) != "0")  # fmt: skip
+            code = str(await self.forwarder.handle(down, req))
         except UnitProxyError as exc:
             code = str(exc.http_status)
             down.respond(*error_parts(exc, request_id))

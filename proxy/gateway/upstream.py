@@ -187,6 +187,11 @@ class Connection(asyncio.Protocol):
             self.resume_reading()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    @property
+    def paused(self) -> bool:
+        """Reading is paused: the receiver of the body is not taking more."""
+        return self._paused
+
     def pause_reading(self) -> None:
         if not self._paused and self.transport is not None and not self.closed:
             self._paused = True

@@ -1,0 +1,187 @@
+"""The gateway's request loop, whatever wire the request came on.
+
+    acquire a unit -> one attempt (the wire's) -> release with its health outcome
+      -> DONE     the client has its answer (or gets the attempt's error)
+      -> RETRY    the unit said no before any work (429, 503 not taking work, connection
+                  failure): another unit at once, up to ``gateway.retries``
+      -> MIGRATE  the unit failed under the request (connection lost, its unit_failed
+                  error, silent for ``stream_idle_timeout_s``): another unit continues
+                  it after what the client already got, up to ``gateway.migrations``
+
+The wires (``forward.HttpJob``, ``grpc_proxy.GrpcJob``) make attempts and say which of
+the three each was; this module owns the loop, the budgets and their metrics. With
+nothing left to try, the job gives up: the client gets the last refusal, or, if its
+response started, the error as the end of its stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
+from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.gateway.units import Unit
+from proxy.metrics import GatewayMetrics
+from proxy.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+# A unit's error code that says it is not taking work (its state): a refusal, like 429.
+NOT_TAKING_WORK = frozenset({"starting", "not_serving", "draining"})
+# One that says the unit failed under the request: a reason to migrate.
+UNIT_FAILED = frozenset({"unit_failed", "engine_dead"})
+RETRY_REASONS = ("429", "503", "connect", "resource_exhausted", "unavailable")
+MIGRATION_REASONS = ("unit_failed", "broken", "idle")
+
+
+class UnitTimeout(DeadlineExceeded):
+    """The unit took longer than the gateway allows to start answering."""
+
+
+def deadline_passed() -> DeadlineExceeded:
+    return DeadlineExceeded("the request's deadline passed")
+
+
+def shutting_down() -> Unavailable:
+    return Unavailable("the gateway is shutting down", code="shutting_down")
+
+
+def _error_classes(base: type[UnitProxyError] = UnitProxyError) -> list[type[UnitProxyError]]:
+    found = [base]
+    for sub in base.__subclasses__():
+        found += _error_classes(sub)
+    return found
+
+
+ERROR_CLASSES = _error_classes()  # the error tree, parents first
+
+
+class Next(Enum):
+    DONE = "done"
+    RETRY = "retry"
+    MIGRATE = "migrate"
+
+
+@dataclass(slots=True)
+class Tried:
+    """How one attempt ended."""
+
+    next: Next
+    health: Outcome  # what the unit's passive health learns
+    reason: str = ""  # the retries_total / migrations_total label
+    error: UnitProxyError | None = None  # what the client gets if nothing else is tried
+    reply: Any = None  # the unit's own answer to pass on instead, where the wire has one
+
+
+DONE_OK = Tried(Next.DONE, Outcome.OK)
+
+
+class Job(Protocol):
+    """One client request, as its wire carries it."""
+
+    async def attempt(self, unit: Unit) -> Tried:
+        """Send the request, or its continuation after what the client has, to ``unit``."""
+
+    async def give_up(self, last: Tried) -> None:
+        """Nothing else to try: end the client's response with ``last``'s answer."""
+
+    @property
+    def migratable(self) -> bool:
+        """Whether the request can still be continued on another unit."""
+
+    def interrupt(self) -> None:
+        """The gateway stops now: end the response with an error as soon as possible."""
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        router: Router,
+        metrics: GatewayMetrics,
+        settings: GatewaySettings,
+    ):
+        self._router = router
+        self._metrics = metrics
+        self._settings = settings
+        self._active: set[Job] = set()
+        self._routed: dict[str, Any] = {}  # metric children by unit: labels() per request costs
+        self._retries = {r: metrics.retries.labels(r) for r in RETRY_REASONS}
+        self._migrations = {r: metrics.migrations.labels(r) for r in MIGRATION_REASONS}
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    async def run(self, job: Job) -> None:
+        """Serve ``job`` until its client has an answer; raises UnitProxyError when no unit
+        could be tried and nothing reached the client."""
+        self._active.add(job)
+        try:
+            await self._run(job)
+        finally:
+            self._active.discard(job)
+
+    async def _run(self, job: Job) -> None:
+        s = self._settings
+        tried: set[str] = set()
+        retries = migrations = 0
+        last: Tried | None = None
+        while True:
+            try:
+                unit = await self._router.acquire(tried)
+            except NoUnit as exc:
+                if last is None:
+                    self._metrics.no_unit_available.inc()
+                    raise
+                if last.next is Next.MIGRATE:
+                    last.error = exc if last.error is None else last.error
+                await job.give_up(last)
+                return
+            except UnitProxyError as exc:  # the queue is full or timed out
+                if last is None:
+                    raise
+                await job.give_up(Tried(Next.DONE, Outcome.OK, error=exc))
+                return
+            tried.add(unit.id)
+            self._count(self._routed, self._metrics.routed, unit.id)
+            health = Outcome.CANCELLED  # unless the attempt says otherwise: the client left
+            try:
+                result = await job.attempt(unit)
+                health = result.health
+            finally:
+                self._router.release(unit, health)
+            if result.next is Next.DONE:
+                if result.error is not None:
+                    await job.give_up(result)  # the attempt ended the request with an error
+                return
+            last = result
+            if result.next is Next.RETRY:
+                if retries >= s.retries:
+                    await job.give_up(result)
+                    return
+                retries += 1
+                self._count(self._retries, self._metrics.retries, result.reason)
+                continue
+            if migrations >= s.migrations or not job.migratable:
+                await job.give_up(result)
+                return
+            migrations += 1
+            self._count(self._migrations, self._metrics.migrations, result.reason)
+            log.info("unit %s failed under a request (%s): continuing it elsewhere",
+                     unit.id, result.reason)  # fmt: skip
+
+    def interrupt_all(self) -> None:
+        """The gateway stops at once: every open response ends with an error."""
+        for job in list(self._active):
+            job.interrupt()
+
+    @staticmethod
+    def _count(cache: dict[str, Any], counter: Any, label: str) -> None:
+        child = cache.get(label)
+        if child is None:
+            child = cache[label] = counter.labels(label)
+        child.inc()

@@ -1,0 +1,211 @@
+"""What a stream delivered to its client, and the request that resumes it elsewhere.
+
+A streamed response is kept as the bytes (SSE events or serialized GenerateChunks) that
+went to the client and is read only when its unit fails: the happy path pays one list
+append per read. Past ``FOLD_AT`` bytes what was kept is read into text and dropped, so
+a stream of any length holds at most ``FOLD_AT`` bytes plus the text it delivered.
+
+The resumed request is the original with the delivered output appended (a completion's
+prompt, a chat's partial assistant message that the engine continues, or token ids) and
+a hint header for the sidecar (``RESUME_HEADER``): the ``created`` the client saw and how
+much of the input is delivered output, so that the unit reduces ``max_tokens``, drops
+the chat role chunk and counts usage as for one request. The response bytes of the new
+unit then go to the client as they come.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxy.pb.unitproxy.v1.inference_pb2 import ChatMessage, GenerateChunk, GenerateRequest
+
+FOLD_AT = 64 * 1024  # bytes kept raw before they are read into text
+_CHAT_DELTA_KEYS = frozenset({"role", "content"})
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class SseTranscript:
+    """The SSE events one client got, read into text on demand."""
+
+    __slots__ = ("_parts", "_raw", "_size", "created", "done", "finished", "resumable")
+
+    def __init__(self) -> None:
+        self._raw: list[bytes] = []
+        self._size = 0
+        self._parts: list[str] = []
+        self.created: int | None = None
+        self.finished = False  # a finish_reason or [DONE] went out
+        self.done = False  # [DONE] went out
+        self.resumable = True  # False: output that text cannot carry (tool calls, n > 1)
+
+    def add(self, events: bytes) -> None:
+        """Whole events, as written to the client."""
+        self._raw.append(events)
+        self._size += len(events)
+        if self._size > FOLD_AT:
+            self._fold()
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._size + sum(len(p) for p in self._parts)
+
+    def text(self) -> str:
+        self._fold()
+        return "".join(self._parts)
+
+    def _fold(self) -> None:
+        raw = b"".join(self._raw)
+        self._raw, self._size = [], 0
+        for event in raw.split(b"\n\n"):
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self._read(line[5:].strip())
+
+    def _read(self, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            self.finished = self.done = True
+            return
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            self.resumable = False
+            return
+        if not isinstance(chunk, dict):
+            self.resumable = False
+            return
+        if self.created is None and isinstance(chunk.get("created"), int):
+            self.created = chunk["created"]
+        for choice in chunk.get("choices") or ():
+            self._read_choice(choice)
+
+    def _read_choice(self, choice: Any) -> None:
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            self.resumable = False  # n > 1: one text cannot resume several choices
+            return
+        if choice.get("finish_reason") is not None:
+            self.finished = True
+        delta = choice.get("delta")
+        if isinstance(delta, dict):  # chat
+            if any(v is not None for k, v in delta.items() if k not in _CHAT_DELTA_KEYS):
+                self.resumable = False  # tool calls, reasoning: not plain text to continue
+            text = delta.get("content")
+        else:
+            text = choice.get("text")
+        if isinstance(text, str) and text:
+            self._parts.append(text)
+
+
+class GrpcTranscript:
+    """The GenerateChunks one client got (serialized), read on demand."""
+
+    __slots__ = ("_ids", "_parts", "_raw", "_size", "finished")
+
+    def __init__(self) -> None:
+        self._raw: list[bytes] = []
+        self._size = 0
+        self._parts: list[str] = []
+        self._ids: list[int] = []
+        self.finished = False
+
+    def add(self, message: bytes) -> None:
+        self._raw.append(message)
+        self._size += len(message)
+        if self._size > FOLD_AT:
+            self._fold()
+
+    def text(self) -> str:
+        self._fold()
+        return "".join(self._parts)
+
+    def token_ids(self) -> list[int]:
+        self._fold()
+        return self._ids
+
+    def _fold(self) -> None:
+        for message in self._raw:
+            chunk = GenerateChunk.FromString(message)
+            self._parts.append(chunk.text)
+            self._ids.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                self.finished = True
+        self._raw, self._size = [], 0
+
+
+def resume_body(route: str, body: bytes, text: str) -> bytes | None:
+    """The HTTP request that continues after ``text``; None if it cannot be resumed."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(req, dict) or req.get("n", 1) != 1 or req.get("echo"):
+        return None
+    if req.get("best_of") not in (None, 1):
+        return None
+    if not text:
+        return body  # nothing but the head (and a role chunk) went out
+    if route == "chat":
+        if not _continue_chat(req, text):
+            return None
+    else:
+        prompt = req.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            return None  # token ids: SSE carries text only
+        req["prompt"] = prompt + text
+    return _dumps(req).encode()
+
+
+def _continue_chat(req: dict[str, Any], text: str) -> bool:
+    messages = req.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return False
+    last = messages[-1]
+    if req.get("continue_final_message") and isinstance(last, dict):
+        # The client itself asked to continue its assistant message: extend it.
+        content = last.get("content")
+        if last.get("role") != "assistant" or not isinstance(content, str):
+            return False
+        messages[-1] = {**last, "content": content + text}
+    else:
+        messages.append({"role": "assistant", "content": text})
+    req["continue_final_message"] = True
+    req["add_generation_prompt"] = False
+    return True
+
+
+def resume_hint(created: int | None, delivered_chars: int) -> str:
+    hint: dict[str, int] = {"delivered_chars": delivered_chars}
+    if created is not None:
+        hint["created"] = created
+    return _dumps(hint)
+
+
+def resume_generate(request: bytes, transcript: GrpcTranscript) -> tuple[bytes, str] | None:
+    """The GenerateRequest (and hint) that continues after what ``transcript`` holds."""
+    msg = GenerateRequest.FromString(request)
+    kind = msg.WhichOneof("input")
+    text = transcript.text()
+    if kind == "prompt_token_ids":
+        ids = transcript.token_ids()
+        msg.prompt_token_ids.ids.extend(ids)
+        return msg.SerializeToString(), _dumps({"delivered_tokens": len(ids)})
+    if kind == "prompt":
+        msg.prompt += text
+    elif kind == "chat":
+        chat = msg.chat
+        if text:
+            if chat.continue_final_message and chat.messages:
+                if chat.messages[-1].role != "assistant":
+                    return None
+                chat.messages[-1].content += text
+            else:
+                chat.messages.append(ChatMessage(role="assistant", content=text))
+            chat.continue_final_message = True
+    else:
+        return None
+    return msg.SerializeToString(), _dumps({"delivered_chars": len(text)})

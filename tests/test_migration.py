@@ -1,0 +1,248 @@
+"""A unit that fails under a request: the gateway continues it on another unit.
+
+Real sidecars and gateways on loopback; the units fail the ways units fail (engine
+stopped, process killed, process stopped). What the client reads must be one whole
+response: no error event, the same id throughout, one [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from proxy.gateway.server import Gateway
+from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+from proxy.sidecar.server import Sidecar
+from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from tests.procs import Procs, free_ports
+
+SLOW_SIM = {"decode_step_ms": 5.0}  # about 200 tokens/s: a stream that lasts
+
+
+def sample(gw: Gateway, name: str, **labels: str) -> float:
+    return gw.registry.get_sample_value(name, labels) or 0.0
+
+
+async def read_events(resp: aiohttp.ClientResponse, n: int) -> list[bytes]:
+    """The first ``n`` SSE data lines of ``resp``."""
+    events: list[bytes] = []
+    while len(events) < n:
+        line = await resp.content.readline()
+        assert line, "the stream ended early"
+        if line.startswith(b"data: "):
+            events.append(line[6:].strip())
+    return events
+
+
+async def rest_of(resp: aiohttp.ClientResponse) -> list[bytes]:
+    async with asyncio.timeout(20):
+        return [line[6:].strip() async for line in resp.content if line.startswith(b"data: ")]
+
+
+def chat_text(events: list[bytes]) -> str:
+    parts = []
+    for event in events:
+        if event == b"[DONE]":
+            continue
+        chunk = json.loads(event)
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+def sidecar_of(resp: aiohttp.ClientResponse, *sidecars: Sidecar) -> Sidecar:
+    unit = resp.headers["x-unitproxy-unit"]
+    return next(s for s in sidecars if s.core.unit_id == unit)
+
+
+async def two_units(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, **gateway: Any
+) -> tuple[Sidecar, Sidecar, Gateway]:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim=SLOW_SIM)
+    b = await start_sidecar(sidecar={"unit_id": "b"}, sim=SLOW_SIM)
+    return a, b, await start_gateway([a, b], **gateway)
+
+
+CHAT = {
+    "messages": [{"role": "user", "content": "tell me a story"}],
+    "max_tokens": 200,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+async def test_a_stream_goes_on_when_its_unit_stops(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a, b, gw = await two_units(start_sidecar, start_gateway)
+    resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=CHAT)
+    assert resp.status == 200
+    first = await read_events(resp, 20)
+    failing = sidecar_of(resp, a, b)
+    await failing.engine.stop()  # the engine dies under the request
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}, "one response, one id"
+    assert sum(1 for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]) == 1
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 200
+    assert chat_text(events)
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
+    assert sample(gw, "unitproxy_migration_pause_seconds_count") == 1
+    assert sample(gw, "unitproxy_requests_total", route="chat", code="200") == 1
+    await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
+
+
+async def test_a_non_streamed_request_is_answered_by_another_unit(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a, b, gw = await two_units(start_sidecar, start_gateway)
+    body = {"prompt": "x", "max_tokens": 100}
+    task = asyncio.create_task(http.post(f"{gw.http_url}/v1/completions", json=body))
+    await wait_until(lambda: a.core.outstanding + b.core.outstanding == 1, what="admitted")
+    failing = a if a.core.outstanding else b
+    await asyncio.sleep(0.05)
+    await failing.engine.stop()
+    resp = await task
+    assert resp.status == 200
+    answer = await resp.json()
+    assert answer["usage"]["completion_tokens"] == 100
+    assert resp.headers["x-unitproxy-unit"] != failing.core.unit_id
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
+
+
+async def test_no_unit_left_ends_the_stream_with_an_error_event(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim=SLOW_SIM)
+    gw = await start_gateway([a])
+    resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=CHAT)
+    await read_events(resp, 3)
+    await a.engine.stop()
+    events = await rest_of(resp)
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "unit_failed"
+    assert b"127.0.0.1" not in events[-1], "errors name units by id, not address"
+    assert sample(gw, "unitproxy_requests_total", route="chat", code="503") == 1
+    assert sample(gw, "unitproxy_requests_total", route="chat", code="200") == 0
+
+
+async def test_a_client_may_opt_out_of_migration(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a, b, gw = await two_units(start_sidecar, start_gateway)
+    resp = await http.post(
+        f"{gw.http_url}/v1/chat/completions", json=CHAT, headers={"x-unitproxy-migrate": "0"}
+    )
+    await read_events(resp, 3)
+    await sidecar_of(resp, a, b).engine.stop()
+    events = await rest_of(resp)
+    assert json.loads(events[-1])["error"]["code"] == "unit_failed"
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 0
+
+
+async def test_grpc_stream_goes_on_when_its_unit_stops(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    a, b, gw = await two_units(start_sidecar, start_gateway)
+    request = inference_pb2.GenerateRequest(
+        request_id="g1",
+        chat=inference_pb2.ChatMessages(
+            messages=[inference_pb2.ChatMessage(role="user", content="tell me a story")]
+        ),
+        sampling=inference_pb2.SamplingParams(max_tokens=200),
+    )
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(request, timeout=20)
+        chunks = []
+        async for chunk in call:
+            chunks.append(chunk)
+            if len(chunks) == 10:
+                failing = a if a.core.outstanding else b
+                await failing.engine.stop()
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 200
+    assert sum(len(c.token_ids) for c in chunks) == 200
+    assert {c.request_id for c in chunks} == {"g1"}
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
+    assert sample(gw, "unitproxy_requests_total", route="grpc_generate", code="OK") == 1
+
+
+async def test_grpc_call_cancelled_by_its_client_counts_cancelled(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    a, b, gw = await two_units(start_sidecar, start_gateway)
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(inference_pb2.GenerateRequest(prompt="x"), timeout=20)
+        await call.read()
+        call.cancel()
+    await wait_until(
+        lambda: sample(gw, "unitproxy_requests_total", route="grpc_generate", code="CANCELLED")
+        == 1,
+        what="CANCELLED counted",
+    )
+    assert sample(gw, "unitproxy_requests_total", route="grpc_generate", code="OK") == 0
+    await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
+
+
+# --- real processes ----------------------------------------------------------------------
+
+
+async def cell(procs: Procs, units: int, *gateway_args: str) -> tuple[list[Any], Any]:
+    ports = free_ports(2 * units + 2)
+    sidecars = [
+        await procs.sidecar(ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}",
+                            "--sim-decode-step-ms", "5")  # fmt: skip
+        for i in range(units)
+    ]
+    unit_flags = [a for i, s in enumerate(sidecars)
+                  for a in ("--unit", f"u{i}={s.http_url},{s.grpc_target}")]  # fmt: skip
+    gateway = await procs.gateway(ports[-2], ports[-1], *unit_flags, *gateway_args)
+    return sidecars, gateway
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "stop"])
+async def test_a_killed_or_silent_unit_is_invisible_to_the_client(
+    procs: Procs, http: aiohttp.ClientSession, how: str
+) -> None:
+    sidecars, gateway = await cell(procs, 2, "--stream-idle-timeout", "0.5")
+    resp = await http.post(f"{gateway.http_url}/v1/chat/completions", json=CHAT)
+    first = await read_events(resp, 10)
+    victim = sidecars[int(resp.headers["x-unitproxy-unit"][1:])]
+    victim.signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 200
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    async with http.get(f"{gateway.http_url}/metrics") as metrics:
+        text = await metrics.text()
+    reason = "broken" if how == "kill" else "idle"
+    assert f'unitproxy_migrations_total{{reason="{reason}"}} 1.0' in text
+
+
+@pytest.mark.slow
+async def test_a_second_sigterm_ends_open_streams_with_an_error_event(
+    procs: Procs, http: aiohttp.ClientSession
+) -> None:
+    _, gateway = await cell(procs, 1)
+    slow = {**CHAT, "max_tokens": 100_000}
+    resp = await http.post(f"{gateway.http_url}/v1/chat/completions", json=slow)
+    await read_events(resp, 3)
+    gateway.signal(signal.SIGTERM)  # drain: the stream may finish...
+    await asyncio.sleep(0.2)
+    gateway.signal(signal.SIGTERM)  # ...but not now: stop
+    events = await rest_of(resp)
+    assert json.loads(events[-1])["error"]["code"] == "shutting_down"
+    assert await gateway.wait() == 1
