@@ -187,8 +187,9 @@ async def test_grpc_call_cancelled_by_its_client_counts_cancelled(
         await call.read()
         call.cancel()
     await wait_until(
-        lambda: sample(gw, "unitproxy_requests_total", route="grpc_generate", code="CANCELLED")
-        == 1,
+        lambda: (
+            sample(gw, "unitproxy_requests_total", route="grpc_generate", code="CANCELLED") == 1
+        ),
         what="CANCELLED counted",
     )
     assert sample(gw, "unitproxy_requests_total", route="grpc_generate", code="OK") == 0
@@ -201,8 +202,9 @@ async def test_grpc_call_cancelled_by_its_client_counts_cancelled(
 async def cell(procs: Procs, units: int, *gateway_args: str) -> tuple[list[Any], Any]:
     ports = free_ports(2 * units + 2)
     sidecars = [
-        await procs.sidecar(ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}",
-                            "--sim-decode-step-ms", "5")  # fmt: skip
+        await procs.sidecar(
+            ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}", "--sim-decode-step-ms", "5"
+        )  # fmt: skip
         for i in range(units)
     ]
     unit_flags = [a for i, s in enumerate(sidecars)

@@ -1,0 +1,116 @@
+"""What a stream delivered and the request that continues it (gateway/resume.py)."""
+
+from __future__ import annotations
+
+import json
+
+from proxy.gateway import resume
+from proxy.gateway.resume import GrpcTranscript, SseTranscript, resume_body, resume_generate
+from proxy.pb.unitproxy.v1 import inference_pb2
+
+
+def chat_event(content: str | None, *, role: bool = False, finish: str | None = None) -> bytes:
+    delta: dict[str, object] = {"content": content}
+    if role:
+        delta["role"] = "assistant"
+    chunk = {"id": "chatcmpl-1", "created": 1700000000, "object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def test_the_transcript_reads_text_created_and_the_end() -> None:
+    t = SseTranscript()
+    t.add(chat_event("", role=True) + chat_event("Hello"))
+    t.add(chat_event(" world"))
+    assert (t.text(), t.created, t.finished, t.resumable) == (
+        "Hello world",
+        1700000000,
+        False,
+        True,
+    )
+    t.add(chat_event(None, finish="stop") + b"data: [DONE]\n\n")
+    assert t.text() == "Hello world" and t.finished and t.done
+
+
+def test_a_long_stream_is_kept_folded() -> None:
+    t = SseTranscript()
+    for i in range(5000):
+        t.add(chat_event(f" w{i}"))
+        assert t.kept_bytes <= resume.FOLD_AT + 5000 * 8
+    assert t.text() == "".join(f" w{i}" for i in range(5000))
+
+
+def test_tool_calls_and_several_choices_cannot_be_resumed() -> None:
+    t = SseTranscript()
+    chunk = {"created": 1, "choices": [{"index": 0, "delta": {"tool_calls": [{"id": "x"}]}}]}
+    t.add(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    t.text()
+    assert not t.resumable
+    t = SseTranscript()
+    t.add(b'data: {"created": 1, "choices": [{"index": 1, "text": "a"}]}\n\n')
+    t.text()
+    assert not t.resumable
+
+
+def test_a_completion_resumes_with_its_text_appended() -> None:
+    body = json.dumps({"prompt": "Once", "max_tokens": 9, "stream": True}).encode()
+    out = json.loads(resume_body("completions", body, " upon"))
+    assert out == {"prompt": "Once upon", "max_tokens": 9, "stream": True}
+    batch = json.dumps({"prompt": ["Once"], "stream": True}).encode()
+    assert json.loads(resume_body("completions", batch, " upon"))["prompt"] == "Once upon"
+    ids = json.dumps({"prompt": [1, 2, 3], "stream": True}).encode()
+    assert resume_body("completions", ids, " upon") is None
+    several = json.dumps({"prompt": "Once", "n": 2, "stream": True}).encode()
+    assert resume_body("completions", several, " upon") is None
+
+
+def test_a_chat_resumes_with_a_partial_assistant_message() -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    out = json.loads(resume_body("chat", body.encode(), "Hello"))
+    assert out["messages"][-1] == {"role": "assistant", "content": "Hello"}
+    assert out["continue_final_message"] is True and out["add_generation_prompt"] is False
+    # a client that continues its own assistant message: that message grows
+    own = json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "Dear"}],
+                      "continue_final_message": True, "add_generation_prompt": False})  # fmt: skip
+    out = json.loads(resume_body("chat", own.encode(), " sir"))
+    assert out["messages"][-1] == {"role": "assistant", "content": "Dear sir"}
+    assert len(out["messages"]) == 2
+    assert resume_body("chat", body.encode(), "") == body.encode()
+    assert json.loads(resume.resume_hint(17, 5)) == {"created": 17, "delivered_chars": 5}
+
+
+def grpc_chunks(*texts: str, ids_from: int = 0) -> list[bytes]:
+    return [
+        inference_pb2.GenerateChunk(text=t, token_ids=[ids_from + i]).SerializeToString()
+        for i, t in enumerate(texts)
+    ]
+
+
+def test_grpc_requests_resume_by_their_input_kind() -> None:
+    t = GrpcTranscript()
+    for m in grpc_chunks(" a", " b", ids_from=7):
+        t.add(m)
+    by_ids = inference_pb2.GenerateRequest(
+        request_id="r", prompt_token_ids=inference_pb2.PromptTokenIds(ids=[1, 2])
+    )
+    out = resume_generate(by_ids.SerializeToString(), t)
+    assert out is not None
+    msg = inference_pb2.GenerateRequest.FromString(out[0])
+    assert list(msg.prompt_token_ids.ids) == [1, 2, 7, 8]
+    assert json.loads(out[1]) == {"delivered_tokens": 2}
+    by_text = inference_pb2.GenerateRequest(request_id="r", prompt="Once")
+    out = resume_generate(by_text.SerializeToString(), t)
+    assert out is not None
+    assert inference_pb2.GenerateRequest.FromString(out[0]).prompt == "Once a b"
+    chat = inference_pb2.GenerateRequest(
+        chat=inference_pb2.ChatMessages(
+            messages=[inference_pb2.ChatMessage(role="user", content="hi")]
+        )
+    )
+    out = resume_generate(chat.SerializeToString(), t)
+    assert out is not None
+    resumed = inference_pb2.GenerateRequest.FromString(out[0]).chat
+    assert resumed.continue_final_message
+    assert (resumed.messages[-1].role, resumed.messages[-1].content) == ("assistant", " a b")
+    assert json.loads(out[1]) == {"delivered_chars": 4}
