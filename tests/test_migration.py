@@ -204,11 +204,14 @@ async def cell(procs: Procs, units: int, *gateway_args: str) -> tuple[list[Any],
     sidecars = [
         await procs.sidecar(
             ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}", "--sim-decode-step-ms", "5"
-        )  # fmt: skip
+        )
         for i in range(units)
     ]
-    unit_flags = [a for i, s in enumerate(sidecars)
-                  for a in ("--unit", f"u{i}={s.http_url},{s.grpc_target}")]  # fmt: skip
+    unit_flags = [
+        arg
+        for i, s in enumerate(sidecars)
+        for arg in ("--unit", f"u{i}={s.http_url},{s.grpc_target}")
+    ]
     gateway = await procs.gateway(ports[-2], ports[-1], *unit_flags, *gateway_args)
     return sidecars, gateway
 
