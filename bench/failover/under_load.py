@@ -1,34 +1,45 @@
-"""Failover under streaming load: what clients lose, and how fast the gateway routes away.
+"""Failover under streaming load: what clients see when a unit fails, and how fast.
 
 Each repetition starts a fresh cell on 127.0.0.1: N units (``python -m proxy
 follower`` and ``python -m proxy sidecar --engine sim --follower f1=TARGET`` each)
 behind one ``python -m proxy gateway``, sidecar and gateway ports chosen free
 beforehand (a restarted sidecar comes back on its own). C clients in this process
-stream completions back to back through the gateway, each with a deadline
-(x-unitproxy-timeout-ms), and an observer polls the gateway's /units every 10 ms.
+stream back to back through the gateway (chat and completions in turn, each stream its
+own prompt, usage asked for, a deadline in x-unitproxy-timeout-ms), and an observer
+polls the gateway's /units every 10 ms.
 
 Scenarios:
 
+    follower-kill            SIGKILL the follower agent of unit u0; it stays dead
+    follower-stop            SIGSTOP it (a node that hangs: no answer, no close)
+    sidecar-kill             SIGKILL the sidecar of unit u0 (its connections are cut)
     rolling-restart          each unit in turn: SIGTERM its sidecar (drain), wait for it
                              to exit, start it again on the same ports, wait until the
                              gateway routes to it again (SERVING and not ejected), next
     rolling-restart-serving  the same, but the next unit drains as soon as the gateway
                              shows the last one SERVING, ejected or not
-    follower-kill            SIGKILL the follower agent of unit u0; it stays dead
-    sidecar-kill             SIGKILL the sidecar of unit u0 (streams on it are cut)
 
-Reported per scenario (over all repetitions): requests by outcome; lost = every request
-that did not end as a whole stream; client errors by kind; and per fault, from just
-before ``os.kill`` (monotonic clock of this process):
+Every stream that ended is then checked against its reference: the same request,
+not streamed, answered by a fresh sidecar that never failed (the simulator's text is a
+function of its seed, the prompt and the text before, so a stream continued on another
+unit must match it token for token), text and usage alike.
+
+Reported per scenario (over all repetitions): streams, client-visible errors, streams
+whose text or usage differs from the reference, migrations (the gateway's counter), the
+pause at the seam (the longest gap between two events of each stream that was on the
+faulty unit at the fault, as its client saw it; and the gateway's own
+migration_pause_seconds), and per fault, from just before ``os.kill`` (monotonic clock
+of this process):
 
     away (log)    the gateway's log line "unit X: SERVING -> ..." (ms timestamps)
     away (poll)   the first /units poll that shows the unit not SERVING
     last routed   the last /units poll in which the unit's routed counter went up
-    last started  the start of the last request the unit answered (x-unitproxy-unit)
 
-    .venv/bin/python bench/failover/under_load.py            # about 3 minutes
-    .venv/bin/python bench/failover/under_load.py --quick    # 1 repetition each
+    .venv/bin/python bench/failover/under_load.py            # a few minutes
+    .venv/bin/python bench/failover/under_load.py --quick    # 1 repetition, 16 short streams
     .venv/bin/python bench/failover/under_load.py --scenarios follower-kill --repeat 5
+
+It writes JSON (--out) and a PNG of the seam pauses beside it.
 """
 
 from __future__ import annotations
@@ -241,59 +252,129 @@ async def every_unit_serving(http: aiohttp.ClientSession, gateway_url: str) -> N
 # -- load and observation -------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Result:
     kind: str  # "ok", or what the client saw instead
-    unit: str | None
+    unit: str | None  # the unit that answered first (x-unitproxy-unit)
     started: float
     ended: float
+    route: str = ""
+    body: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
+    usage: dict[str, int] | None = None
+    max_gap_s: float = 0.0  # the longest wait between two events, the first excluded
+    check: str = ""  # against the reference: "same", or what differs
 
 
-def classify(events: list[bytes], tokens: int) -> str:
-    if events and events[-1] == b"data: [DONE]\n":
-        got = len(events) - 1
-        return "ok" if got == tokens else f"short stream ({got}/{tokens} tokens)"
-    if events:
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            return f"SSE error event: {json.loads(events[-1][6:])['error']['type']}"
-    return "stream cut without an error event"
+def stream_body(route: str, prompt: str, tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_tokens": tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
 
 
-async def one_stream(http: aiohttp.ClientSession, url: str, tokens: int) -> Result:
-    body = {"prompt": "x", "max_tokens": tokens, "stream": True}
-    started, unit = time.monotonic(), None
+def read_chunk(route: str, payload: bytes, result: Result) -> str | None:
+    """Add one event to ``result``; the error type if it is an error event."""
+    chunk = json.loads(payload)
+    if "error" in chunk:
+        return str(chunk["error"].get("type"))
+    if chunk.get("usage"):
+        result.usage = chunk["usage"]
+    for choice in chunk.get("choices") or ():
+        piece = choice["delta"].get("content") if route == "chat" else choice.get("text")
+        result.text += piece or ""
+    return None
+
+
+async def one_stream(
+    http: aiohttp.ClientSession, url: str, route: str, prompt: str, tokens: int
+) -> Result:
+    body = stream_body(route, prompt, tokens)
+    result = Result("", None, time.monotonic(), 0.0, route, body)
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
     try:
         async with asyncio.timeout(DEADLINE_MS / 1000 + 5):
             headers = {"x-unitproxy-timeout-ms": str(DEADLINE_MS)}
-            async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
-                unit = resp.headers.get("x-unitproxy-unit")
+            async with http.post(f"{url}{path}", json=body, headers=headers) as resp:
+                result.unit = resp.headers.get("x-unitproxy-unit")
                 if resp.status != 200:
                     code = (await resp.json()).get("error", {}).get("code", "")
-                    kind = f"HTTP {resp.status} {code}".strip()
+                    result.kind = f"HTTP {resp.status} {code}".strip()
                 else:
-                    events = [line async for line in resp.content if line.startswith(b"data: ")]
-                    kind = classify(events, tokens)
+                    result.kind = await read_stream(resp, route, result)
     except TimeoutError:
-        kind = "hung past its deadline"
+        result.kind = "hung past its deadline"
     except aiohttp.ClientError as exc:
-        kind = f"connection error: {type(exc).__name__}"
-    return Result(kind, unit, started, time.monotonic())
+        result.kind = f"connection error: {type(exc).__name__}"
+    result.ended = time.monotonic()
+    return result
+
+
+async def read_stream(resp: aiohttp.ClientResponse, route: str, result: Result) -> str:
+    last = None
+    async for line in resp.content:
+        if not line.startswith(b"data: "):
+            continue
+        now = time.monotonic()
+        if last is not None:
+            result.max_gap_s = max(result.max_gap_s, now - last)
+        last = now
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            return "ok"
+        error = read_chunk(route, payload, result)
+        if error is not None:
+            return f"SSE error event: {error}"
+    return "stream cut without an error event"
 
 
 class Load:
     def __init__(self, http: aiohttp.ClientSession, url: str, clients: int, tokens: int):
         self.results: list[Result] = []
         self._stop = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._loop(http, url, tokens)) for _ in range(clients)]
+        self._tasks = [
+            asyncio.create_task(self._loop(http, url, client, tokens)) for client in range(clients)
+        ]
 
-    async def _loop(self, http: aiohttp.ClientSession, url: str, tokens: int) -> None:
-        while not self._stop.is_set():
-            self.results.append(await one_stream(http, url, tokens))
+    async def _loop(self, http: aiohttp.ClientSession, url: str, client: int, tokens: int) -> None:
+        for n in itertools.count():
+            if self._stop.is_set():
+                return
+            route = "chat" if (client + n) % 2 else "completions"
+            prompt = f"Client {client}, stream {n}: tell the story of unit {client * 7 + n}."
+            self.results.append(await one_stream(http, url, route, prompt, tokens))
 
     async def stop(self) -> list[Result]:
         self._stop.set()
         await asyncio.gather(*self._tasks)
         return self.results
+
+
+async def check_references(
+    http: aiohttp.ClientSession, url: str, results: list[Result], concurrency: int = 8
+) -> None:
+    """Ask a sidecar that never failed for every finished stream, not streamed."""
+    todo = [r for r in results if r.kind == "ok"]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(result: Result) -> None:
+        body = {k: v for k, v in result.body.items() if k not in ("stream", "stream_options")}
+        path = "/v1/chat/completions" if result.route == "chat" else "/v1/completions"
+        async with gate, http.post(f"{url}{path}", json=body) as resp:
+            answer = await resp.json()
+        choice = answer["choices"][0]
+        text = choice["message"]["content"] if result.route == "chat" else choice["text"]
+        differs = []
+        if text != result.text:
+            differs.append("text")
+        if result.usage != answer["usage"]:
+            differs.append("usage")
+        result.check = " and ".join(differs) or "same"
+
+    await asyncio.gather(*(one(r) for r in todo))
 
 
 @dataclass(slots=True)
@@ -391,6 +472,9 @@ class Fault:
     timings_ms: dict[str, float | None] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     ejected: bool = False
+    # The longest gap between two events of each stream that was on the unit at the
+    # fault and ended whole: the pause its client saw at the seam.
+    seam_gaps_ms: list[float] = field(default_factory=list)
 
 
 def inject(unit: UnitProcs, child: Child | None, sig: signal.Signals, what: str) -> Fault:
@@ -421,18 +505,21 @@ async def rolling_restart(
     return faults
 
 
-async def kill_one(cell: Cell, follower: bool, watch_s: float) -> list[Fault]:
+async def fail_one(cell: Cell, scenario: str, watch_s: float) -> list[Fault]:
     unit = cell.units[0]
-    child, what = (
-        (unit.follower, "SIGKILL follower") if follower else (unit.sidecar, "SIGKILL sidecar")
-    )
-    fault = inject(unit, child, signal.SIGKILL, what)
+    child, sig, what = {
+        "follower-kill": (unit.follower, signal.SIGKILL, "SIGKILL follower"),
+        "follower-stop": (unit.follower, signal.SIGSTOP, "SIGSTOP follower"),
+        "sidecar-kill": (unit.sidecar, signal.SIGKILL, "SIGKILL sidecar"),
+    }[scenario]
+    fault = inject(unit, child, sig, what)
     await asyncio.sleep(watch_s)
     fault.ended = fault.down_until = time.monotonic()
     return [fault]
 
 
-SCENARIOS = ("rolling-restart", "rolling-restart-serving", "follower-kill", "sidecar-kill")
+SCENARIOS = ("follower-kill", "follower-stop", "sidecar-kill", "rolling-restart",
+             "rolling-restart-serving")  # fmt: skip
 
 
 async def run_fault(
@@ -442,10 +529,10 @@ async def run_fault(
         return await rolling_restart(http, cell, observer, routable=True)
     if name == "rolling-restart-serving":
         return await rolling_restart(http, cell, observer, routable=False)
-    return await kill_one(cell, name == "follower-kill", watch_s)
+    return await fail_one(cell, name, watch_s)
 
 
-TIMINGS = ("away_log", "away_poll", "last_routed", "last_started")
+TIMINGS = ("away_log", "away_poll", "last_routed")
 
 
 def measure(fault: Fault, observer: Observer, results: list[Result], log: Path) -> None:
@@ -470,6 +557,7 @@ def measure(fault: Fault, observer: Observer, results: list[Result], log: Path) 
     }
     on_unit = [r for r in results if r.unit == fault.unit and r.started < fault.at < r.ended]
     fault.in_flight = dict(Counter(r.kind for r in on_unit))
+    fault.seam_gaps_ms = [round(r.max_gap_s * 1000, 1) for r in on_unit if r.kind == "ok"]
     fault.ejected = observer.ejected_during(fault.unit, fault.at, fault.ended)
     fault.away_because = "" if logged is None else logged[1]
 
@@ -485,19 +573,37 @@ class Repetition:
     outcomes: dict[str, int] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
     gateway_retries: dict[str, float] = field(default_factory=dict)
+    gateway_migrations: dict[str, float] = field(default_factory=dict)
+    # the gateway's migration_pause_seconds: cumulative counts by bucket bound (s)
+    gateway_pause: dict[str, float] = field(default_factory=dict)
+    checks: dict[str, int] = field(default_factory=dict)  # against the reference
     # Every line where the gateway stopped routing to a unit, faulty or not:
     # (ms after the first fault, unit, why).
     gateway_events: list[tuple[float, str, str]] = field(default_factory=list)
 
 
-async def gateway_retries(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def gateway_counters(http: aiohttp.ClientSession, url: str, family: str) -> dict[str, float]:
+    """A labelled family of the gateway's /metrics: label value (or bucket bound) -> value."""
     async with http.get(f"{url}/metrics") as resp:
         lines = (await resp.text()).splitlines()
     found = {}
     for line in lines:
-        if line.startswith("unitproxy_retries_total{"):
-            found[line.split('reason="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(family + "{"):
+            label = line.split('="', 1)[1].split('"')[0]
+            found[label] = float(line.rsplit(" ", 1)[1])
     return found
+
+
+async def reference_url(http: aiohttp.ClientSession, stack: AsyncExitStack, workdir: Path) -> str:
+    """A sidecar that never fails, with the cell's simulator seed and no step time."""
+    port, grpc_port = free_ports(2)
+    args = ["sidecar", "--host", HOST, "--http-port", str(port), "--grpc-port", str(grpc_port),
+            "--unit-id", "reference", "--capacity", "256", "--sim-decode-step-ms", "0",
+            "--sim-max-num-seqs", "256"]  # fmt: skip
+    child = await stack.enter_async_context(running("reference", args, workdir / "ref.log"))
+    url = f"http://{HOST}:{port}"
+    await until_ready(http, child, url)
+    return url
 
 
 async def repetition(settings: BenchSettings, name: str, index: int, workdir: Path) -> Repetition:
@@ -518,10 +624,20 @@ async def repetition(settings: BenchSettings, name: str, index: int, workdir: Pa
             for fault in rep.faults:
                 measure(fault, observer, results, cell.gateway.log)
             rep.outcomes = dict(Counter(r.kind for r in results))
+            await check_references(http, await reference_url(http, stack, tag), results)
+            rep.checks = dict(Counter(r.check for r in results if r.check))
             first = rep.faults[0].wall
             rep.gateway_events = [(round((at - first) * 1000, 1), unit, why)
                                   for at, unit, why in gateway_away_lines(cell.gateway.log)]  # fmt: skip
-            rep.gateway_retries = await gateway_retries(http, cell.gateway_url)
+            rep.gateway_retries = await gateway_counters(
+                http, cell.gateway_url, "unitproxy_retries_total"
+            )
+            rep.gateway_migrations = await gateway_counters(
+                http, cell.gateway_url, "unitproxy_migrations_total"
+            )
+            rep.gateway_pause = await gateway_counters(
+                http, cell.gateway_url, "unitproxy_migration_pause_seconds_bucket"
+            )
         except (ChildFailed, TimeoutError) as exc:
             rep.error = str(exc) or type(exc).__name__
     return rep
@@ -544,34 +660,118 @@ def stats(values: Sequence[float | None], missing: str = "-", digits: int = 0) -
     return text if not absent else f"{text} ({absent} {missing})"
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bucket_p99(reps: list[Repetition]) -> str:
+    """The gateway's migration_pause_seconds p99, as the bucket bound it falls under."""
+    total = Counter[str]()
+    for r in reps:
+        total.update(r.gateway_pause)
+    count = total.get("+Inf", 0)
+    if not count:
+        return "-"
+    bounds = sorted((float(b), n) for b, n in total.items() if b != "+Inf")
+    bound = next((b for b, n in bounds if n >= 0.99 * count), None)
+    return f"<={bound * 1000:g}" if bound is not None else ">max"
+
+
+def seam(reps: list[Repetition]) -> list[float]:
+    return [g for r in reps for f in r.faults for g in f.seam_gaps_ms]
+
+
 def scenario_rows(reps: list[Repetition]) -> list[tuple[str, ...]]:
     rows = []
     for name in dict.fromkeys(r.scenario for r in reps):
         mine = [r for r in reps if r.scenario == name]
         faults = [f for r in mine for f in r.faults]
         total = Counter[str]()
+        checks = Counter[str]()
+        migrated = 0.0
         for r in mine:
             total.update(r.outcomes)
-        times = [
-            stats([f.timings_ms.get(key) for f in faults], "none" if "last" in key else "-")
-            for key in TIMINGS
-        ]
+            checks.update(r.checks)
+            migrated += sum(r.gateway_migrations.values())
+        gaps = seam(mine)
+        p50, p99 = percentile(gaps, 0.5), percentile(gaps, 0.99)
+        times = [stats([f.timings_ms.get(key) for f in faults], "none" if "last" in key else "-")
+                 for key in TIMINGS]  # fmt: skip
         rows.append((
-            name, str(len(faults)), str(sum(total.values())), str(lost(total)), *times,
-            f"{sum(f.ejected for f in faults)}/{len(faults)}",
+            name, str(len(faults)), str(sum(total.values())), str(lost(total)),
+            str(sum(n for k, n in checks.items() if k != "same")), f"{migrated:g}",
+            "-" if p50 is None else f"{p50:.0f} / {p99:.0f} ({len(gaps)})",
+            bucket_p99(mine), *times, f"{sum(f.ejected for f in faults)}/{len(faults)}",
         ))  # fmt: skip
     return rows
 
 
 def table(reps: list[Repetition]) -> str:
-    head = ("scenario", "faults", "requests", "lost", "away log ms", "away poll ms",
-            "last routed ms", "last started ms", "ejected")  # fmt: skip
+    head = ("scenario", "faults", "streams", "errors", "differ", "migrated",
+            "seam p50/p99 ms (n)", "gw pause p99 ms", "away log ms", "away poll ms",
+            "last routed ms", "ejected")  # fmt: skip
     rows = [head, *scenario_rows(reps)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(row, widths, strict=True))) for row in rows]  # fmt: skip
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+# Goal for the pause at the seam (p99, ms) by scenario; for a hung follower the unit is
+# found out by its health checks (interval 1 s x 3 failures, 1 s timeout): the goal is
+# that detection plus 250 ms.
+SEAM_GOAL_MS = {"follower-kill": 250.0, "sidecar-kill": 250.0, "follower-stop": 4250.0}
+
+
+def goals(reps: list[Repetition]) -> list[str]:
+    lines = []
+    for name in dict.fromkeys(r.scenario for r in reps):
+        mine = [r for r in reps if r.scenario == name]
+        outcomes, checks = Counter[str](), Counter[str]()
+        for r in mine:
+            outcomes.update(r.outcomes)
+            checks.update(r.checks)
+        errors, differ = lost(outcomes), sum(n for k, n in checks.items() if k != "same")
+        verdicts = [f"0 client errors: {'MET' if not errors else f'MISSED ({errors})'}",
+                    f"every text and usage as the reference: "
+                    f"{'MET' if not differ else f'MISSED ({differ})'}"]  # fmt: skip
+        goal = SEAM_GOAL_MS.get(name)
+        p99 = percentile(seam(mine), 0.99)
+        if goal is not None and p99 is not None:
+            verdict = "MET" if p99 <= goal else "MISSED"
+            verdicts.append(f"seam p99 {p99:.0f} ms <= {goal:g} ms: {verdict}")
+        lines.append(f"  {name}: " + "; ".join(verdicts))
+    return lines
+
+
+def plot(reps: list[Repetition], path: Path) -> bool:
+    """The seam pauses by scenario, each stream a dot, the goals as lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [n for n in dict.fromkeys(r.scenario for r in reps)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, name in enumerate(names):
+        gaps = seam([r for r in reps if r.scenario == name])
+        ax.scatter([i] * len(gaps), gaps, s=8, alpha=0.5)
+        if name in SEAM_GOAL_MS:
+            ax.hlines(SEAM_GOAL_MS[name], i - 0.3, i + 0.3, colors="red", linestyles="dashed")
+    ax.set_xticks(range(len(names)), names, rotation=15)
+    ax.set_yscale("symlog", linthresh=10)
+    ax.set_ylabel("longest gap in the stream, ms")
+    ax.set_title("Streams on the failing unit: the pause their clients saw (goal dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def notes(reps: list[Repetition]) -> list[str]:
@@ -606,6 +806,13 @@ def notes(reps: list[Repetition]) -> list[str]:
         for r in mine:
             retried.update(r.gateway_retries)
         lines.append(f"      gateway retries by reason: {dict(retried) or 'none'}")
+        migrated = Counter[str]()
+        checks = Counter[str]()
+        for r in mine:
+            migrated.update(r.gateway_migrations)
+            checks.update(r.checks)
+        lines.append(f"      gateway migrations by reason: {dict(migrated) or 'none'}")
+        lines.append(f"      streams against their reference: {dict(checks) or 'none'}")
         lines += [f"      !!! repetition {r.index}: {r.error}" for r in mine if r.error]
         for r in mine:
             faulty = {f.unit for f in r.faults}
@@ -669,13 +876,15 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated, of {','.join(SCENARIOS)} (all)")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=3, help="fresh cells per scenario (3)")
-    parser.add_argument("--quick", action="store_true", help="1 repetition per scenario")
-    parser.add_argument("--units", type=int, default=2, help="units in the cell (2)")
-    parser.add_argument("--clients", type=int, default=16, help="streaming clients (16)")
-    parser.add_argument("--tokens", type=int, default=100,
-                        help="tokens a stream; 5 ms each (100: 0.5 s)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help="1 repetition, 16 clients of 64 tokens, 1 s settle")  # fmt: skip
+    parser.add_argument("--units", type=int, default=3, help="units in the cell (3)")
+    parser.add_argument("--clients", type=int, default=64, help="streaming clients (64)")
+    parser.add_argument("--tokens", type=int, default=512,
+                        help="tokens a stream; 5 ms each (512: 2.6 s)")  # fmt: skip
     parser.add_argument("--settle", type=float, default=2.0, help="load before and after (2 s)")
-    parser.add_argument("--watch", type=float, default=3.0, help="after a kill (3 s)")
+    parser.add_argument("--watch", type=float, default=6.0,
+                        help="after a kill or stop (6 s: a stopped node is found out in ~4)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON ({DEFAULT_OUT})")
     parser.add_argument("--keep-logs", action="store_true", help="keep child logs even if all ok")
     args = parser.parse_args(argv)
@@ -684,7 +893,9 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
         parser.error(f"--scenarios: unknown {sorted(set(names) - set(SCENARIOS))}")
     if args.units < 2:
         parser.error("--units must be at least 2: failover needs somewhere to go")
-    return BenchSettings(names, 1 if args.quick else args.repeat, args.units, args.clients,
+    if args.quick:
+        args.repeat, args.clients, args.tokens, args.settle = 1, 16, 64, 1.0
+    return BenchSettings(names, args.repeat, args.units, args.clients,
                          args.tokens, args.settle, args.watch, args.out, args.keep_logs)  # fmt: skip
 
 
@@ -718,6 +929,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration_s": round(time.monotonic() - started, 1),
         "logs": logs,
         "table": table(reps).splitlines(),
+        "goals": goals(reps),
         "repetitions": [
             {**asdict(r), "lost": lost(r.outcomes), "faults": [fault_json(f) for f in r.faults]}
             for r in reps
@@ -731,11 +943,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{settings.units} units, {settings.clients} streaming clients of {settings.tokens} "
           f"tokens, {settings.repeat} repetitions; {report['duration_s']:g} s in all\n")  # fmt: skip
     print(table(reps))
-    print("times from just before os.kill, min / p50 / max over faults; 'none': no request "
-          "was routed to (or answered by) the unit after the fault; lost = requests that did "
-          "not end as a whole stream; ejected = faults after which passive health ejected "
-          "the unit")  # fmt: skip
+    print("errors: streams that did not end whole; differ: streams whose text or usage is "
+          "not the reference's; migrated: the gateway's migrations_total; seam: the longest "
+          "gap in each stream that was on the faulty unit at the fault; away and routed "
+          "times from just before os.kill, min / p50 / max over faults ('none': no request "
+          "was routed to the unit after it); ejected: faults after which passive health "
+          "ejected the unit")  # fmt: skip
     print("\n".join(notes(reps)))
+    print("goals:\n" + "\n".join(goals(reps)))
+    png = settings.out.with_suffix(".png")
+    if plot(reps, png):
+        print(f"PNG: {png}")
     print(f"\nlogs: {logs}\nJSON: {settings.out}")
     return 1 if failed else 0
 
