@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 from proxy.gateway import resume
 from proxy.gateway.resume import GrpcTranscript, SseTranscript, resume_body, resume_generate
@@ -114,3 +115,19 @@ def test_grpc_requests_resume_by_their_input_kind() -> None:
     assert resumed.continue_final_message
     assert (resumed.messages[-1].role, resumed.messages[-1].content) == ("assistant", " a b")
     assert json.loads(out[1]) == {"delivered_chars": 4}
+
+
+def test_what_a_2000_token_stream_keeps_is_bounded() -> None:
+    events = [chat_event(f" tok{i % 100}") for i in range(2000)]
+    tracemalloc.start()
+    try:
+        t = SseTranscript()
+        base = tracemalloc.get_traced_memory()[0]
+        peak = 0
+        for event in events:
+            t.add(bytes(bytearray(event)))  # a fresh object, as each read from a unit is
+            peak = max(peak, tracemalloc.get_traced_memory()[0] - base)
+    finally:
+        tracemalloc.stop()
+    assert peak < resume.FOLD_AT + 40_000  # the raw window plus the text and overheads
+    assert t.text().count("tok") == 2000

@@ -16,6 +16,7 @@ unit then go to the client as they come.
 from __future__ import annotations
 
 import json
+from array import array
 from typing import Any
 
 from proxy.pb.unitproxy.v1.inference_pb2 import ChatMessage, GenerateChunk, GenerateRequest
@@ -31,12 +32,13 @@ def _dumps(value: Any) -> str:
 class SseTranscript:
     """The SSE events one client got, read into text on demand."""
 
-    __slots__ = ("_parts", "_raw", "_size", "created", "done", "finished", "resumable")
+    __slots__ = ("_parts", "_raw", "_size", "_text", "created", "done", "finished", "resumable")
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
         self._size = 0
         self._parts: list[str] = []
+        self._text = ""
         self.created: int | None = None
         self.finished = False  # a finish_reason or [DONE] went out
         self.done = False  # [DONE] went out
@@ -51,11 +53,11 @@ class SseTranscript:
 
     @property
     def kept_bytes(self) -> int:
-        return self._size + sum(len(p) for p in self._parts)
+        return self._size + len(self._text)
 
     def text(self) -> str:
         self._fold()
-        return "".join(self._parts)
+        return self._text
 
     def _fold(self) -> None:
         raw = b"".join(self._raw)
@@ -64,6 +66,8 @@ class SseTranscript:
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
                     self._read(line[5:].strip())
+        self._text += "".join(self._parts)  # one string, not an object per token
+        self._parts = []
 
     def _read(self, payload: bytes) -> None:
         if payload == b"[DONE]":
@@ -102,13 +106,13 @@ class SseTranscript:
 class GrpcTranscript:
     """The GenerateChunks one client got (serialized), read on demand."""
 
-    __slots__ = ("_ids", "_parts", "_raw", "_size", "finished")
+    __slots__ = ("_ids", "_raw", "_size", "_text", "finished")
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
         self._size = 0
-        self._parts: list[str] = []
-        self._ids: list[int] = []
+        self._text = ""
+        self._ids = array("I")  # 4 bytes a token id
         self.finished = False
 
     def add(self, message: bytes) -> None:
@@ -119,19 +123,21 @@ class GrpcTranscript:
 
     def text(self) -> str:
         self._fold()
-        return "".join(self._parts)
+        return self._text
 
     def token_ids(self) -> list[int]:
         self._fold()
-        return self._ids
+        return list(self._ids)
 
     def _fold(self) -> None:
+        parts = [self._text]
         for message in self._raw:
             chunk = GenerateChunk.FromString(message)
-            self._parts.append(chunk.text)
+            parts.append(chunk.text)
             self._ids.extend(chunk.token_ids)
             if chunk.finish_reason:
                 self.finished = True
+        self._text = "".join(parts)
         self._raw, self._size = [], 0
 
 
