@@ -222,7 +222,7 @@ async def test_unit_dying_mid_stream_gives_an_sse_error_event(
     await a.__aexit__(None, None, None)  # the unit stops mid-stream: its engine first
     async with asyncio.timeout(10):
         events = [line async for line in resp.content if line.startswith(b"data: ")]
-    assert json.loads(events[-1][6:])["error"]["type"] == "engine_dead"
+    assert json.loads(events[-1][6:])["error"]["code"] == "unit_failed"
     resp.close()
 
 
