@@ -27,6 +27,9 @@ UNIT_HEADER = "x-unitproxy-unit"
 REQUEST_ID_HEADER = "x-request-id"
 # The request's remaining time budget in milliseconds; passed on, reduced, at each hop.
 DEADLINE_HEADER = "x-unitproxy-timeout-ms"
+# A request that continues one another unit started (HTTP header and gRPC metadata
+# key; the value is compact JSON, see proxy/resume.py).
+RESUME_HEADER = "x-unitproxy-resume"
 
 
 def timeout_s(raw: str | None) -> float | None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%proxy/pb/unitproxy/v1/inference.proto\x12\x0cunitproxy.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.unitproxy.v1.ChatMessage\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xba\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\xd5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.unitproxy.v1.ChatMessagesH\x00\x12\x38\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x1c.unitproxy.v1.PromptTokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.unitproxy.v1.SamplingParams\x12=\n\x08metadata\x18\x07 \x03(\x0b\x32+.unitproxy.v1.GenerateRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05input\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x90\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.unitproxy.v1.Usage\x12\x0f\n\x07unit_id\x18\x06 \x01(\t2U\n\tInference\x12H\n\x08Generate\x12\x1d.unitproxy.v1.GenerateRequest\x1a\x1b.unitproxy.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%proxy/pb/unitproxy/v1/inference.proto\x12\x0cunitproxy.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"[\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.unitproxy.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xba\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\xd5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.unitproxy.v1.ChatMessagesH\x00\x12\x38\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x1c.unitproxy.v1.PromptTokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.unitproxy.v1.SamplingParams\x12=\n\x08metadata\x18\x07 \x03(\x0b\x32+.unitproxy.v1.GenerateRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05input\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x90\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.unitproxy.v1.Usage\x12\x0f\n\x07unit_id\x18\x06 \x01(\t2U\n\tInference\x12H\n\x08Generate\x12\x1d.unitproxy.v1.GenerateRequest\x1a\x1b.unitproxy.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=55
   _globals['_CHATMESSAGE']._serialized_end=99
   _globals['_CHATMESSAGES']._serialized_start=101
-  _globals['_CHATMESSAGES']._serialized_end=160
-  _globals['_PROMPTTOKENIDS']._serialized_start=162
-  _globals['_PROMPTTOKENIDS']._serialized_end=191
-  _globals['_SAMPLINGPARAMS']._serialized_start=194
-  _globals['_SAMPLINGPARAMS']._serialized_end=636
-  _globals['_GENERATEREQUEST']._serialized_start=639
-  _globals['_GENERATEREQUEST']._serialized_end=980
-  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_start=924
-  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_end=971
-  _globals['_USAGE']._serialized_start=982
-  _globals['_USAGE']._serialized_end=1061
-  _globals['_GENERATECHUNK']._serialized_start=1064
-  _globals['_GENERATECHUNK']._serialized_end=1208
-  _globals['_INFERENCE']._serialized_start=1210
-  _globals['_INFERENCE']._serialized_end=1295
+  _globals['_CHATMESSAGES']._serialized_end=192
+  _globals['_PROMPTTOKENIDS']._serialized_start=194
+  _globals['_PROMPTTOKENIDS']._serialized_end=223
+  _globals['_SAMPLINGPARAMS']._serialized_start=226
+  _globals['_SAMPLINGPARAMS']._serialized_end=668
+  _globals['_GENERATEREQUEST']._serialized_start=671
+  _globals['_GENERATEREQUEST']._serialized_end=1012
+  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_start=956
+  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_end=1003
+  _globals['_USAGE']._serialized_start=1014
+  _globals['_USAGE']._serialized_end=1093
+  _globals['_GENERATECHUNK']._serialized_start=1096
+  _globals['_GENERATECHUNK']._serialized_end=1240
+  _globals['_INFERENCE']._serialized_start=1242
+  _globals['_INFERENCE']._serialized_end=1327
 # @@protoc_insertion_point(module_scope)
