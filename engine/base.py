@@ -1,9 +1,10 @@
 """The engine interface the sidecar drives: one small async contract, three kinds.
 
 An engine is started and stopped by its owner (``async with engine``), generates
-token deltas for one request at a time per call (``generate``), says whether it is
-alive (``check_health``) and how busy it is (``stats``). Cancelling or closing the
-iterator returned by ``generate`` aborts the request inside the engine.
+token deltas for one request at a time per call (``generate``), counts the tokens of
+a text (``count_tokens``), says whether it is alive (``check_health``) and how busy it
+is (``stats``). Cancelling or closing the iterator returned by ``generate`` aborts the
+request inside the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Self
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int | None = None  # None: the engine's default
+    # None: the engine's default; 0: no output, finish_reason "length" at once (a
+    # resumed request whose delivered output used up its max_tokens)
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
@@ -38,13 +41,20 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """One generation. Exactly one of prompt, prompt_token_ids and messages is set."""
+    """One generation. Exactly one of prompt, prompt_token_ids and messages is set.
+
+    For messages, as vLLM's chat fields: ``add_generation_prompt`` opens the
+    assistant's turn after them; ``continue_final_message`` leaves the final message
+    open and continues it instead (a partial assistant message, say).
+    """
 
     request_id: str
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +76,7 @@ class EngineStats:
 
 
 class Engine(abc.ABC):
-    """Base of every engine kind. Subclasses implement the five abstract methods."""
+    """Base of every engine kind. Subclasses implement the six abstract methods."""
 
     #: the model name served, as /v1/models and responses show it
     model_name: str
@@ -82,6 +92,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Stream deltas for ``request``; raises proxy.errors.EngineError on failure."""
+
+    @abc.abstractmethod
+    async def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` is to this engine (no special tokens added)."""
 
     @abc.abstractmethod
     async def check_health(self) -> None:

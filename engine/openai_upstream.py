@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineUnavailable
+from engine import EngineUnavailable, tokens
 from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, TokenDelta
 from proxy.errors import (
     EngineDeadError,
@@ -83,6 +83,11 @@ def request_body(request: EngineRequest, model: str, extras: bool) -> tuple[str,
     body["stream_options"] = options
     if request.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        # vLLM's chat fields, only when they differ from the default
+        if request.continue_final_message:
+            body["continue_final_message"] = True
+        if request.continue_final_message or not request.add_generation_prompt:
+            body["add_generation_prompt"] = False
         return "/v1/chat/completions", body
     if request.prompt_token_ids is not None:
         body["prompt"] = list(request.prompt_token_ids)
@@ -327,7 +332,27 @@ class OpenAIUpstreamEngine(Engine):
 
     # -- requests ---------------------------------------------------------------------
 
+    async def count_tokens(self, text: str) -> int:
+        """The upstream's count from vLLM's ``POST /tokenize``; where the upstream has
+        none (or it fails), an estimate: ``engine.tokens.count``, within about 15 %."""
+        body = {"model": self.model_name, "prompt": text, "add_special_tokens": False}
+        try:
+            async with asyncio.timeout(self._settings.upstream_timeout_s):
+                resp = await self._require_session().post(self.base_url + "/tokenize", json=body)
+                async with resp:
+                    if resp.status == 200:
+                        return int((await resp.json(content_type=None))["count"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("engine openai: /tokenize failed (%r): estimating", exc)
+        return tokens.count(text)
+
     async def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
+        if request.sampling.max_tokens == 0:
+            # A resumed request with nothing left to generate (OpenAI servers refuse 0).
+            text = request.prompt or "".join(m.content for m in request.messages or ())
+            prompt_tokens = len(request.prompt_token_ids or ()) or await self.count_tokens(text)
+            yield TokenDelta("", (), prompt_tokens, 0, "length")
+            return
         path, body = request_body(request, self.model_name, self._settings.upstream_vllm_extras)
         resp = await self._post(path, body)
         stream, done = _Stream(), False

@@ -2,10 +2,14 @@
 
 It models what a router can see of a vLLM-like engine: ``max_num_seqs`` batch slots, a
 FIFO waiting queue, a prefill cost per prompt token, and a decode step whose time grows
-with the batch; every running sequence gets one token per step. The text is made-up
-words, the same for the same request and seeds in any process. Fault knobs make every
-request fail after N tokens (error), the scheduler stop stepping (hang) or the whole
-engine die (crash).
+with the batch; every running sequence gets one token per step. The text is common
+English words, each one token of the simulator's tokenizer (``engine.tokens``, which
+counts like a real BPE tokenizer): token k is a function of the engine seed, the
+request's seed and the whole context before it (prompt or chat template, then the
+output so far), so the same request gives the same text in any process, and a
+request resumed with its output so far appended continues exactly as it would have.
+Fault knobs make every request fail after N tokens (error), the scheduler stop
+stepping (hang) or the whole engine die (crash).
 
 The hang and crash knobs count requests admitted since ``start()`` (``generate()``
 calls that began); a knob of N trips as the N-th begins, and 0 trips at ``start()``.
@@ -16,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import random
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine import tokens
 from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
 from proxy.errors import EngineDeadError, EngineError
 from proxy.settings import SimSettings
@@ -35,54 +39,79 @@ MAX_BACKLOG = 256
 # Behind schedule by more than this (a paused loop), the debt is dropped instead of
 # being paid back as a burst of instant steps.
 _MAX_LAG_S = 0.1
-# Chat template overhead per message, in tokens.
-_TOKENS_PER_MESSAGE = 4
 
 
-def _build_vocab(size: int = 1000) -> tuple[str, ...]:
-    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
-    n = len(syllables)
-    words = []
-    for i in range(size):
-        # 97 is coprime to n*n, so the pairs are distinct and spread over the alphabet
-        j = i * 97 % (n * n)
-        word = syllables[j // n] + syllables[j % n]
-        words.append(word + syllables[i % n] if i % 3 == 0 else word)
-    return tuple(words)
-
-
-_VOCAB = _build_vocab()
-_VOCAB_SIZE = len(_VOCAB)
 # Built once so that a token costs no string or tuple allocation.
-_TOKEN_TEXT = tuple(" " + word for word in _VOCAB)
+_TOKEN_TEXT = tuple(" " + word for word in tokens.WORDS)
+_VOCAB_SIZE = len(_TOKEN_TEXT)
 _TOKEN_IDS = tuple((i,) for i in range(_VOCAB_SIZE))
+# What a token adds to the context hash: its text, or its id after a prompt of ids.
+_TEXT_BYTES = tuple(t.encode() for t in _TOKEN_TEXT)
+_ID_BYTES = tuple(i.to_bytes(4, "little") for i in range(_VOCAB_SIZE))
+# The chat template: the context a list of messages stands for, and what it costs.
+_ASSISTANT_OPENING = "<|assistant|>\n"
+_MESSAGE_OPENING_TOKENS = 3  # "<|", role, "|>\n" as special tokens
+_MESSAGE_CLOSING_TOKENS = 1  # "<|end|>\n"
 
 
-def _count_words(text: str) -> int:
-    return len(text.split())
+def count_tokens(text: str) -> int:
+    """The simulator's tokenizer: ``engine.tokens.count``."""
+    return tokens.count(text)
+
+
+def chat_context(request: EngineRequest) -> str:
+    """The text the simulator's chat template makes of ``request.messages``.
+
+    Every message is ``<|role|>\\ncontent<|end|>\\n``; then the assistant's turn opens.
+    With ``continue_final_message`` the final message stays open instead, so a
+    continued assistant message is the same context as the request that produced it
+    plus that message's content.
+    """
+    messages = request.messages or ()
+    closed = messages[:-1] if request.continue_final_message else messages
+    parts = [f"<|{m.role}|>\n{m.content}<|end|>\n" for m in closed]
+    if request.continue_final_message and messages:
+        last = messages[-1]
+        parts.append(f"<|{last.role}|>\n{last.content}")
+    elif request.add_generation_prompt:
+        parts.append(_ASSISTANT_OPENING)
+    return "".join(parts)
 
 
 def count_prompt_tokens(request: EngineRequest) -> int:
-    """The simulator's prompt length: ids as given, else whitespace-separated words."""
+    """The simulator's prompt length: ids as given, else the tokens of the context text.
+
+    A chat message costs its content's tokens plus 4 for the template, the opened
+    assistant turn 3; a continued final message costs its content plus 3, so that it
+    counts exactly the tokens its content adds to the context.
+    """
     if request.prompt_token_ids is not None:
         return len(request.prompt_token_ids)
-    if request.messages is not None:
-        return sum(_count_words(m.content) + _TOKENS_PER_MESSAGE for m in request.messages)
-    return max(1, _count_words(request.prompt or ""))
+    if request.messages is None:
+        return max(1, count_tokens(request.prompt or ""))
+    messages = request.messages
+    per_message = _MESSAGE_OPENING_TOKENS + _MESSAGE_CLOSING_TOKENS
+    closed = messages[:-1] if request.continue_final_message else messages
+    n = sum(count_tokens(m.content) + per_message for m in closed)
+    if request.continue_final_message:
+        n += _MESSAGE_OPENING_TOKENS + count_tokens(messages[-1].content)
+    elif request.add_generation_prompt:
+        n += _MESSAGE_OPENING_TOKENS
+    return n
 
 
-def _request_seed(engine_seed: int, request: EngineRequest) -> int:
+def _context_hash(engine_seed: int, request: EngineRequest) -> hashlib.blake2b:
+    """The hash of (seeds, context) that picks the next token; tokens extend it."""
     # hashlib, not hash(): str hashes are salted per process
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{engine_seed}/{request.sampling.seed}/".encode())
     if request.prompt_token_ids is not None:
-        h.update(b"ids:" + ",".join(map(str, request.prompt_token_ids)).encode())
+        h.update(b"ids:" + b"".join(i.to_bytes(4, "little") for i in request.prompt_token_ids))
     elif request.messages is not None:
-        for m in request.messages:
-            h.update(f"msg:{m.role}\0{m.content}\0".encode(errors="surrogatepass"))
+        h.update(b"text:" + chat_context(request).encode(errors="surrogatepass"))
     else:
         h.update(b"text:" + (request.prompt or "").encode(errors="surrogatepass"))
-    return int.from_bytes(h.digest(), "big")
+    return h
 
 
 class _StopFilter:
@@ -127,7 +156,8 @@ class _Seq:
     prompt_tokens: int
     max_tokens: int
     min_tokens: int
-    rng: random.Random
+    context: hashlib.blake2b  # seeds, prompt and output so far
+    token_bytes: tuple[bytes, ...]  # what each token adds to the context
     stop: _StopFilter | None
     state: Literal["waiting", "running", "done"] = "waiting"
     completion_tokens: int = 0
@@ -136,7 +166,11 @@ class _Seq:
     error: EngineError | None = None
 
     def next_delta(self) -> TokenDelta:
-        token_id = int(self.rng.random() * _VOCAB_SIZE)
+        # The next token is a function of the seeds and the whole context before it,
+        # so a request resumed with its output so far continues the same way.
+        context = self.context
+        token_id = int.from_bytes(context.copy().digest(), "little") % _VOCAB_SIZE
+        context.update(self.token_bytes[token_id])
         self.completion_tokens = n = self.completion_tokens + 1
         finish = "length" if n >= self.max_tokens else None
         text = _TOKEN_TEXT[token_id]
@@ -204,6 +238,9 @@ class SimEngine(Engine):
             task.cancel()
             await asyncio.wait([task])
 
+    async def count_tokens(self, text: str) -> int:
+        return count_tokens(text)
+
     async def check_health(self) -> None:
         # A hung engine passes on purpose: only a progress watchdog can tell.
         if self._dead is not None:
@@ -259,7 +296,8 @@ class SimEngine(Engine):
             prompt_tokens=count_prompt_tokens(request),
             max_tokens=self._settings.default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=sampling.min_tokens,
-            rng=random.Random(_request_seed(self._settings.seed, request)),
+            context=_context_hash(self._settings.seed, request),
+            token_bytes=_ID_BYTES if request.prompt_token_ids is not None else _TEXT_BYTES,
             stop=_StopFilter(stops) if stops else None,
         )
 

@@ -23,6 +23,7 @@ per request, vLLM's validation errors become ``InvalidRequest``, its queue rejec
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -326,6 +327,12 @@ class VllmEngine(Engine):
         await asyncio.to_thread(built.engine.shutdown)
         logger.info("engine vllm: stopped")
 
+    async def count_tokens(self, text: str) -> int:
+        """The model's own tokenizer, off the loop on the chat template's thread."""
+        built = self._require_started()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._chat_thread, _count_tokens, built.tokenizer, text)
+
     async def check_health(self) -> None:
         built = self._vllm
         if built is None:
@@ -352,6 +359,11 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         built = self._require_started()
         prompt = await self._prompt(built, request)
+        if request.sampling.max_tokens == 0:
+            # A resumed request whose delivered output used up max_tokens: nothing to
+            # run (vLLM refuses 0), only the usage of its prompt.
+            yield TokenDelta("", (), await self._prompt_tokens(built, prompt), 0, "length")
+            return
         params = vllm_sampling(request.sampling, built.sampling_cls, built.delta_kind)
         # vLLM refuses a request id already in flight; client ids may repeat.
         request_id = f"{request.request_id}-{next(self._ids)}"
@@ -380,6 +392,15 @@ class VllmEngine(Engine):
             raise EngineError("vLLM ended the request without finishing it")
         yield final
 
+    async def _prompt_tokens(self, built: _Vllm, prompt: dict[str, Any]) -> int:
+        if "prompt_token_ids" in prompt:
+            return len(prompt["prompt_token_ids"])
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(
+            self._chat_thread, built.tokenizer.encode, prompt["prompt"]
+        )
+        return len(ids)
+
     def _require_started(self) -> _Vllm:
         if self._vllm is None:
             raise EngineDeadError(self._dead or "engine not started")
@@ -397,11 +418,16 @@ class VllmEngine(Engine):
         if request.messages is None:
             return {"prompt": request.prompt or ""}
         conversation = [{"role": m.role, "content": m.content} for m in request.messages]
+        render = functools.partial(
+            _render_chat,
+            built.tokenizer,
+            conversation,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
         loop = asyncio.get_running_loop()
         try:
-            ids = await loop.run_in_executor(
-                self._chat_thread, _render_chat, built.tokenizer, conversation
-            )
+            ids = await loop.run_in_executor(self._chat_thread, render)
         except Exception as exc:
             raise InvalidRequest(f"messages: the chat template failed: {one_line(exc)}") from exc
         return {"prompt_token_ids": ids}
@@ -417,11 +443,32 @@ def _check_local_paths(kwargs: dict[str, Any]) -> None:
             raise EngineUnavailable(f"engine.{key}: {value} does not exist")
 
 
-def _render_chat(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
+def _render_chat(
+    tokenizer: Any,
+    conversation: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
     # Text first, then ids without special tokens, as vLLM's chat server does: the
     # template already holds the BOS it wants, and every tokenizer wrapper has both.
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    # A continued final message (a resumed partial answer) opens no new turn.
+    if continue_final_message:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+    else:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _count_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _shutdown_when_built(build: asyncio.Future[_Vllm]) -> None:

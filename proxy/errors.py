@@ -8,6 +8,8 @@
     ├── PayloadTooLarge            413  INVALID_ARGUMENT   body or prompt over the limit
     ├── Overloaded                 429  RESOURCE_EXHAUSTED at capacity: retry elsewhere
     ├── Unavailable                503  UNAVAILABLE        not SERVING, draining, no unit can serve
+    │   └── UnitFailed             503  UNAVAILABLE        the unit failed under a running request
+    │                                                      (code ``unit_failed``: a gateway migrates it)
     ├── DeadlineExceeded           504  DEADLINE_EXCEEDED  the request's deadline passed
     └── EngineError                500  INTERNAL           the engine failed this request
         └── EngineDeadError        503  UNAVAILABLE        the engine is gone: nothing more will run
@@ -91,6 +93,14 @@ class Unavailable(UnitProxyError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
     error_type = "unavailable_error"
+
+
+class UnitFailed(Unavailable):
+    """The unit let go of a request in flight: a node failed, the engine died or hung,
+    or the sidecar stopped at once. Type and code ``unit_failed`` on every wire, so a
+    gateway can tell it from a failure of the request itself and resume it elsewhere."""
+
+    error_type = "unit_failed"
 
 
 class DeadlineExceeded(UnitProxyError):

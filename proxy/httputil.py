@@ -27,8 +27,8 @@ UNIT_HEADER = "x-unitproxy-unit"
 REQUEST_ID_HEADER = "x-request-id"
 # The request's remaining time budget in milliseconds; passed on, reduced, at each hop.
 DEADLINE_HEADER = "x-unitproxy-timeout-ms"
-# Gateway to unit: this request continues a stream whose unit failed (created, how much
-# of the input is output already delivered); see proxy/gateway/resume.py.
+# Gateway to unit: this request continues a stream another unit started (HTTP header
+# and gRPC metadata key; the value is compact JSON, see proxy/resume.py).
 RESUME_HEADER = "x-unitproxy-resume"
 MIGRATE_HEADER = "x-unitproxy-migrate"  # client to gateway: "0" opts out of migration
 

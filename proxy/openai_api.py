@@ -13,7 +13,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
 from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
@@ -167,6 +174,16 @@ class ChatBody(_SamplingFields):
     messages: list[MessageBody] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_UINT32)
     logprobs: bool = False
+    # vLLM's chat template fields, with vLLM's defaults and semantics.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_open(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("cannot be true together with add_generation_prompt (set it false)")
+        return value
 
     @field_validator("logprobs")
     @classmethod
@@ -187,6 +204,10 @@ class ParsedRequest:
     model: str
     stream: bool
     include_usage: bool
+    # A resumed request (proxy.resume): the ``created`` its client saw (None: now) and
+    # the output tokens another unit delivered (None: not resumed).
+    created: int | None = None
+    delivered_tokens: int | None = None
 
 
 def parse(
@@ -242,15 +263,21 @@ def _parsed(
     if isinstance(req, CompletionBody):
         max_tokens = req.max_tokens
         prompt, ids, messages = _completion_input(req, max_prompt_chars)
+        template = {}
     else:
         max_tokens = req.max_completion_tokens or req.max_tokens
         prompt, ids, messages = None, None, _chat_input(req, max_prompt_chars)
+        template = {
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+        }
     engine_request = EngineRequest(
         request_id=request_id,
         prompt=prompt,
         prompt_token_ids=ids,
         messages=messages,
         sampling=req.sampling(max_tokens),
+        **template,
     )
     return ParsedRequest(route, engine_request, served_model, req.stream, req.include_usage)
 
@@ -322,6 +349,11 @@ def usage(delta: TokenDelta) -> dict[str, int]:
     }
 
 
+def created_of(parsed: ParsedRequest) -> int:
+    """The response's ``created``: a resumed request's own, else now."""
+    return int(time.time()) if parsed.created is None else parsed.created
+
+
 def response_body(parsed: ParsedRequest, text: str, last: TokenDelta, created: int) -> bytes:
     """The whole non-streaming response."""
     rid = parsed.engine_request.request_id
@@ -355,7 +387,7 @@ class StreamEncoder:
     """SSE chunks of one stream; per-request parts are built once."""
 
     def __init__(self, parsed: ParsedRequest, created: int | None = None):
-        created = int(time.time()) if created is None else created
+        created = created_of(parsed) if created is None else created
         rid = parsed.engine_request.request_id
         model = _dumps(parsed.model)
         self._chat = parsed.route == "chat"
@@ -373,6 +405,8 @@ class StreamEncoder:
             self._prefix = f'data: {head}"choices":[{{"index":0,"text":'.encode()
             self._first = ""
             self._mid = b',"logprobs":null,"finish_reason":'
+        if parsed.delivered_tokens is not None:
+            self._first = ""  # resumed: its client already has the role chunk
         self._usage_head = f'data: {head}"choices":[],"usage":'.encode()
         self._tail = b'}],"usage":null}\n\n' if self._include_usage else b"}]}\n\n"
 

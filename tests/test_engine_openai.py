@@ -161,6 +161,32 @@ async def test_streams_completions_token_ids_and_chat_with_usage(
     assert upstream.core.outstanding == 0
 
 
+async def test_continues_a_final_message_and_counts_tokens(
+    start_sidecar: SidecarFactory, start_engine: EngineFactory
+) -> None:
+    upstream = await start_sidecar()
+    engine = await start_engine(upstream.http_url)
+    messages = (ChatMessage("user", "hello there"),)
+    whole = await collect(
+        engine, EngineRequest("c", messages=messages, sampling=SamplingParams(max_tokens=9))
+    )
+    partial = ChatMessage("assistant", "".join(d.text for d in whole[:4]))
+    continued = EngineRequest(
+        "c",
+        messages=(*messages, partial),
+        sampling=SamplingParams(max_tokens=5),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    rest = await collect(engine, continued)
+    assert [d.text for d in rest] == [d.text for d in whole[4:]], "the upstream continued it"
+    # No /tokenize upstream (a sidecar has none): the estimate, which is the sim's own count.
+    assert await engine.count_tokens(partial.content) == 4
+    nothing_left = await collect(engine, completion(max_tokens=0))
+    assert nothing_left == [TokenDelta("", (), 4, 0, "length")]
+    assert upstream.core.outstanding == 0
+
+
 async def test_closing_the_iterator_aborts_the_upstream_request(
     start_sidecar: SidecarFactory, start_engine: EngineFactory
 ) -> None:

@@ -27,7 +27,7 @@ import pytest
 import pytest_asyncio
 
 from engine import EngineUnavailable, create_engine
-from engine.vllm import VllmEngine, engine_kwargs
+from engine.vllm import VllmEngine, _render_chat, engine_kwargs
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.settings import load
@@ -403,3 +403,36 @@ def test_engine_vllm_without_vllm_says_how_to_install_it() -> None:
     with pytest.raises(EngineUnavailable, match=r"scripts/setup_vllm_cpu\.sh"):
         create_engine(settings.engine)
     assert "vllm" not in sys.modules, "nothing imported vLLM"
+
+
+class TemplateRecorder:
+    """The two methods of a Hugging Face tokenizer that chat rendering uses, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> str:
+        self.calls.append(kwargs)
+        return "".join(m["content"] for m in conversation)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_chat_template_continues_a_final_message_or_opens_a_turn() -> None:
+    tokenizer = TemplateRecorder()
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " so"}]
+    assert _render_chat(tokenizer, conversation, continue_final_message=True) == [
+        104,
+        105,
+        32,
+        115,
+        111,
+    ]
+    _render_chat(tokenizer, conversation)
+    _render_chat(tokenizer, conversation, add_generation_prompt=False)
+    assert tokenizer.calls == [
+        {"tokenize": False, "add_generation_prompt": False, "continue_final_message": True},
+        {"tokenize": False, "add_generation_prompt": True},
+        {"tokenize": False, "add_generation_prompt": False},
+    ]

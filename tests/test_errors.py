@@ -19,6 +19,7 @@ from proxy.errors import (
     PayloadTooLarge,
     Unauthenticated,
     Unavailable,
+    UnitFailed,
     UnitProxyError,
 )
 
@@ -34,6 +35,7 @@ MAPPING: list[tuple[type[UnitProxyError], int, grpc.StatusCode]] = [
     (PayloadTooLarge, 413, grpc.StatusCode.INVALID_ARGUMENT),
     (Overloaded, 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unavailable, 503, grpc.StatusCode.UNAVAILABLE),
+    (UnitFailed, 503, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, 504, grpc.StatusCode.DEADLINE_EXCEEDED),
     (EngineError, 500, grpc.StatusCode.INTERNAL),
     (EngineDeadError, 503, grpc.StatusCode.UNAVAILABLE),
@@ -102,3 +104,9 @@ def test_overloaded_keeps_retry_after() -> None:
     assert err.retry_after_s == 3
     assert Overloaded("full").retry_after_s == 1
     assert err.body()["error"]["type"] == "overloaded_error"
+
+
+def test_unit_failed_says_so_in_its_code() -> None:
+    body = UnitFailed("unit u failed: NOT_SERVING").body()["error"]
+    assert (body["code"], body["type"]) == ("unit_failed", "unit_failed")
+    assert isinstance(UnitFailed("x"), Unavailable)

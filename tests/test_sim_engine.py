@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from engine import tokens
 from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
 from engine.sim import SimEngine
 from proxy.errors import EngineDeadError, EngineError
@@ -117,7 +118,7 @@ async def test_prompt_token_counts(make_engine: Factory) -> None:
         sampling=SamplingParams(max_tokens=1),
     )
     assert (await collect(engine, by_ids))[0].prompt_tokens == 5
-    assert (await collect(engine, chat))[0].prompt_tokens == (2 + 4) + (3 + 4)
+    assert (await collect(engine, chat))[0].prompt_tokens == (2 + 4) + (3 + 4) + 3
     assert (await collect(engine, req("", max_tokens=1)))[0].prompt_tokens == 1
 
 
@@ -170,6 +171,62 @@ def test_same_text_across_processes() -> None:
     first = run("1")
     assert first.strip()
     assert run("2") == first
+
+
+async def test_text_is_a_function_of_the_context(make_engine: Factory) -> None:
+    # A request resumed elsewhere with its output so far continues exactly the same.
+    a, b = await make_engine(seed=4), await make_engine(seed=4)
+    whole = await collect(a, req("the story so far", max_tokens=30, seed=8))
+    for k in (1, 13, 29):
+        head = text_of(whole[:k])
+        rest = await collect(b, req("the story so far" + head, max_tokens=30 - k, seed=8))
+        assert [d.token_ids for d in rest] == [d.token_ids for d in whole[k:]]
+        assert rest[0].prompt_tokens == whole[0].prompt_tokens + k, "k tokens more, exactly"
+    ids = EngineRequest("i", prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=20))
+    whole = await collect(a, ids)
+    more = tuple(t for d in whole[:9] for t in d.token_ids)
+    resumed = EngineRequest(
+        "i", prompt_token_ids=(5, 6, 7, *more), sampling=SamplingParams(max_tokens=11)
+    )
+    assert [d.token_ids for d in await collect(b, resumed)] == [d.token_ids for d in whole[9:]]
+
+
+async def test_continued_assistant_message_continues_the_chat(make_engine: Factory) -> None:
+    engine = await make_engine()
+    messages = (ChatMessage("system", "be brief"), ChatMessage("user", "a story, please"))
+    whole = await collect(
+        engine, EngineRequest("c", messages=messages, sampling=SamplingParams(max_tokens=20))
+    )
+    partial = ChatMessage("assistant", text_of(whole[:7]))
+    continued = EngineRequest(
+        "c",
+        messages=(*messages, partial),
+        sampling=SamplingParams(max_tokens=13),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    rest = await collect(engine, continued)
+    assert text_of(rest) == text_of(whole[7:])
+    assert rest[0].prompt_tokens == whole[0].prompt_tokens + 7
+    # Not continued, the same messages open a new turn: another context, other text.
+    new_turn = EngineRequest(
+        "c", messages=(*messages, partial), sampling=SamplingParams(max_tokens=13)
+    )
+    assert text_of(await collect(engine, new_turn)) != text_of(rest)
+
+
+def test_token_counts_like_a_bpe_tokenizer() -> None:
+    assert tokens.count("") == 0
+    assert tokens.count("hello there world") == 3
+    assert tokens.count(" the history of the city") == 5
+    assert tokens.count("internationalization") == 5  # a rare long word: several pieces
+    assert tokens.count(" 2024") == 3 and tokens.count("it's") == 2
+    assert tokens.count("\n\n") == 1 and tokens.count("?!") == 1
+    # Each simulator token counts one, and counts add up at its leading space.
+    words = "".join(" " + w for w in tokens.WORDS)
+    assert tokens.count(words) == len(tokens.WORDS)
+    for head in ("x", "some prompt", "ends in space ", "ends in newline\n", "num 42", "what?"):
+        assert tokens.count(head + " the city") == tokens.count(head) + 2, head
 
 
 # -- stop strings ----------------------------------------------------------------------

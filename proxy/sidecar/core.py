@@ -3,33 +3,50 @@
 ``admit`` decides at once (429 full, 503 not serving) and hands out a ``Lease``;
 ``run`` drives the engine, passes each delta to the caller's ``emit``, observes the
 latency metrics and releases the lease on every path: finished, engine error,
-deadline, client gone (the caller's task cancelled).
+deadline, client gone (the caller's task cancelled), unit failed.
+
+A unit that fails lets go of its requests: ``let_go`` ends every request in flight
+with ``UnitFailed`` at once (each one's deadline scope is made to expire now, which
+aborts it in the engine), so no client waits on a hung collective and a gateway can
+resume them elsewhere. ``watch_failures`` does that whenever the unit is NOT_SERVING;
+a drain lets requests finish instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 from engine.base import Engine, EngineRequest, TokenDelta
 from proxy.broadcast import Broadcast
-from proxy.errors import DeadlineExceeded, EngineError, Overloaded, Unavailable
+from proxy.errors import (
+    DeadlineExceeded,
+    EngineDeadError,
+    EngineError,
+    Overloaded,
+    Unavailable,
+    UnitFailed,
+)
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import ServingMetrics
 from proxy.sidecar.health import UnitHealth
+
+log = logging.getLogger(__name__)
 
 
 class Lease:
     """One admitted request; ``release`` takes it off the outstanding count once."""
 
-    __slots__ = ("_core", "admitted_at", "released")
+    __slots__ = ("_core", "admitted_at", "failure", "released")
 
     def __init__(self, core: SidecarCore, admitted_at: float):
         self._core = core
         self.admitted_at = admitted_at
         self.released = False
+        self.failure: UnitFailed | None = None  # set by let_go: why the unit dropped it
 
     def release(self) -> None:
         if not self.released:
@@ -65,6 +82,8 @@ class SidecarCore:
         self._retry_after_s = retry_after_s
         self._clock = clock
         self._seq = 0
+        # Requests inside run(), each with the scope that bounds it (its deadline).
+        self._running: dict[Lease, asyncio.Timeout] = {}
 
     def admit(self) -> Lease:
         state = self.health.state
@@ -95,38 +114,97 @@ class SidecarCore:
         route: str,
         emit: Callable[[TokenDelta], Awaitable[None]],
         deadline: float | None = None,
+        delivered_tokens: int = 0,
     ) -> TokenDelta:
         """Generate ``request``, passing each delta to ``emit``; return the last delta.
 
-        ``deadline`` is on the event loop's clock. Always releases ``lease``.
+        ``deadline`` is on the event loop's clock. ``delivered_tokens``: output of a
+        resumed request that another unit delivered, counted in the usage as completion
+        tokens rather than prompt tokens. Always releases ``lease``.
         """
+        scope = asyncio.timeout_at(deadline)
+        try:
+            async with scope:
+                self._running[lease] = scope
+                try:
+                    return await self._generate(lease, request, route, emit, delivered_tokens)
+                finally:
+                    del self._running[lease]
+        except TimeoutError as exc:
+            if lease.failure is not None:
+                raise lease.failure from exc
+            if scope.expired():
+                raise DeadlineExceeded("the request's deadline passed") from exc
+            raise
+        except EngineDeadError as exc:
+            raise UnitFailed(f"unit {self.unit_id}: the engine died: {exc.message}") from exc
+        finally:
+            lease.release()
+            self._metrics.request_duration.labels(route).observe(self._clock() - lease.admitted_at)
+
+    async def _generate(
+        self,
+        lease: Lease,
+        request: EngineRequest,
+        route: str,
+        emit: Callable[[TokenDelta], Awaitable[None]],
+        delivered_tokens: int,
+    ) -> TokenDelta:
         metrics = self._metrics
         last: TokenDelta | None = None
         previous = lease.admitted_at
-        timeout = asyncio.timeout_at(deadline)
-        try:
-            async with timeout, aclosing(self.engine.generate(request)) as deltas:
-                async for delta in deltas:
-                    now = self._clock()
-                    self.last_progress_at = now
-                    if last is None:
-                        metrics.ttft.labels(route).observe(now - previous)
-                    else:
-                        metrics.inter_token.observe(now - previous)
-                    previous = now
-                    metrics.generated_tokens.inc(len(delta.token_ids))
-                    await self._emit(emit, delta)
-                    last = delta
-        except TimeoutError as exc:
-            if timeout.expired():
-                raise DeadlineExceeded("the request's deadline passed") from exc
-            raise
-        finally:
-            lease.release()
-            metrics.request_duration.labels(route).observe(self._clock() - lease.admitted_at)
+        async with aclosing(self.engine.generate(request)) as deltas:
+            async for delta in deltas:
+                now = self._clock()
+                self.last_progress_at = now
+                if last is None:
+                    metrics.ttft.labels(route).observe(now - previous)
+                else:
+                    metrics.inter_token.observe(now - previous)
+                previous = now
+                metrics.generated_tokens.inc(len(delta.token_ids))
+                if delivered_tokens:
+                    delta = _resumed(delta, delivered_tokens)
+                await self._emit(emit, delta)
+                last = delta
         if last is None:
             raise EngineError("the engine ended the request without output")
         return last
+
+    @property
+    def running(self) -> int:
+        """Requests inside ``run``: admitted and not yet ended."""
+        return len(self._running)
+
+    def let_go(self, reason: str) -> int:
+        """End every request in flight with ``UnitFailed(reason)``; return how many.
+
+        Each is cancelled where it waits (on the engine or on its client); its
+        ``run`` aborts it in the engine, raises ``UnitFailed`` and releases its lease.
+        """
+        loop = asyncio.get_running_loop()
+        n = 0
+        for lease, scope in self._running.items():
+            if lease.failure is None and not scope.expired():
+                lease.failure = UnitFailed(f"unit {self.unit_id} failed: {reason}")
+                scope.reschedule(loop.time())
+                n += 1
+        return n
+
+    async def watch_failures(self) -> None:
+        """Let go of every request in flight whenever the unit is NOT_SERVING."""
+        changes = self.health.state_changes
+        while True:
+            seen = changes.version
+            if self.health.state is UnitState.NOT_SERVING and self._running:
+                failed = ", ".join(self.health.failed_nodes()) or "-"
+                n = self.let_go(f"NOT_SERVING (failed: {failed})")
+                if n:
+                    log.warning(
+                        "unit %s is NOT_SERVING (failed: %s): let go of %d requests in flight",
+                        self.unit_id, failed, n,
+                    )  # fmt: skip
+            await changes.wait(seen)
 
     async def _emit(self, emit: Callable[[TokenDelta], Awaitable[None]], delta: TokenDelta) -> None:
         # A client that stops reading blocks here (backpressure): that is no engine stall,
@@ -162,3 +240,14 @@ class SidecarCore:
             http_url=self.http_url,
             grpc_target=self.grpc_target,
         )
+
+
+def _resumed(delta: TokenDelta, delivered: int) -> TokenDelta:
+    # The delivered output is in this request's prompt; the client counts it as output.
+    return TokenDelta(
+        delta.text,
+        delta.token_ids,
+        delta.prompt_tokens - delivered,
+        delta.completion_tokens + delivered,
+        delta.finish_reason,
+    )

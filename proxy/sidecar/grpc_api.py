@@ -11,10 +11,11 @@ from typing import Any
 import grpc
 
 from engine.base import TokenDelta
-from proxy import openai_api
+from proxy import openai_api, resume
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
 from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.httputil import RESUME_HEADER
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
 from proxy.sidecar.core import SidecarCore
@@ -53,7 +54,10 @@ def request_fields(msg: inference_pb2.GenerateRequest) -> tuple[openai_api.Route
         return "completions", {**fields, "prompt": list(msg.prompt_token_ids.ids)}
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-        return "chat", {**fields, "messages": messages}
+        fields["messages"] = messages
+        if msg.chat.continue_final_message:
+            fields |= {"continue_final_message": True, "add_generation_prompt": False}
+        return "chat", fields
     raise InvalidRequest(
         "input: one of prompt, chat or prompt_token_ids is required", param="input"
     )
@@ -101,6 +105,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             served_model=core.engine.model_name,
             max_prompt_chars=self._max_prompt_chars,
         )
+        hint = resume.parse_hint(_metadata(context, RESUME_HEADER))
+        if hint is not None:
+            parsed = await resume.resume(parsed, hint, core.engine.count_tokens)
+        delivered = parsed.delivered_tokens or 0
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         lease = core.admit()
@@ -128,12 +136,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 await out.close()  # the lease is held until the client has it all
 
         try:
-            await core.run(lease, parsed.engine_request, ROUTE, send, deadline)
+            await core.run(lease, parsed.engine_request, ROUTE, send, deadline, delivered)
         except UnitProxyError:
             await out.close()  # what was generated before the error, then the status
             raise
         finally:
             out.cancel()
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
 
 
 def merge_deltas(deltas: Sequence[TokenDelta]) -> TokenDelta:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -13,12 +12,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.base import TokenDelta
-from proxy import openai_api
+from proxy import openai_api, resume
 from proxy.auth import ApiKeys
 from proxy.errors import UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
+    RESUME_HEADER,
     UNIT_HEADER,
     ClientGone,
     admin_drain,
@@ -117,6 +117,9 @@ async def _serve(
         served_model=core.engine.model_name,
         max_prompt_chars=request.app[MAX_PROMPT_CHARS],
     )
+    hint = resume.parse_hint(request.headers.get(RESUME_HEADER))
+    if hint is not None:
+        parsed = await resume.resume(parsed, hint, core.engine.count_tokens)
     deadline = _deadline(request)
     lease = core.admit()
     if parsed.stream:
@@ -137,8 +140,10 @@ async def _complete(
     async def collect(delta: TokenDelta) -> None:
         parts.append(delta.text)
 
-    last = await core.run(lease, parsed.engine_request, parsed.route, collect, deadline)
-    body = openai_api.response_body(parsed, "".join(parts), last, int(time.time()))
+    last = await core.run(
+        lease, parsed.engine_request, parsed.route, collect, deadline, parsed.delivered_tokens or 0
+    )
+    body = openai_api.response_body(parsed, "".join(parts), last, openai_api.created_of(parsed))
     return web.Response(
         body=body,
         content_type="application/json",
@@ -169,7 +174,10 @@ async def _stream(
 
     try:
         try:
-            last = await core.run(lease, parsed.engine_request, parsed.route, send, deadline)
+            last = await core.run(
+                lease, parsed.engine_request, parsed.route, send, deadline,
+                parsed.delivered_tokens or 0,
+            )  # fmt: skip
         except UnitProxyError as exc:
             if not response.prepared:
                 raise

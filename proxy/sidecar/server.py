@@ -101,10 +101,11 @@ class Sidecar(Service):
         )
         bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
         stack.push_async_callback(self.watch.close)  # before the servers close
-        # Stopping runs in reverse: the engine stops before the servers close, so a
-        # request still in flight (a forced stop) ends with an error event or status,
-        # not a cut connection. After a drain there is none.
+        # Stopping runs in reverse: requests still in flight (a forced stop, a drain
+        # that ran out of time) end with the unit-failure error event or status, then
+        # the engine stops, then the servers close. After a drain there is none.
         stack.push_async_callback(self.engine.stop)
+        stack.push_async_callback(self._let_go_all)
         host = advertised_host(s.server.host, s.server.advertise_host)
         scheme = "http" if tls is None else "https"
         self.http_url = self.core.http_url = f"{scheme}://{host}:{bound_http}"
@@ -124,6 +125,7 @@ class Sidecar(Service):
             self.recovery = RecoveryHook(recovery, self.health, session)
             self._spawn(self.recovery.run(), "recovery hook")
         self._spawn(self._publish_health(), "grpc health")
+        self._spawn(self.core.watch_failures(), "unit failure")
         if s.redis.url is not None:
             # Entered after the tasks: on exit it stops first, with a last report.
             publisher = ReportPublisher(
@@ -146,6 +148,18 @@ class Sidecar(Service):
 
     async def wait_drained(self) -> None:
         await self.drain.wait()
+
+    async def _let_go_all(self, wait_s: float = 1.0) -> None:
+        """Stopping with requests in flight: each gets its unit-failure error first."""
+        if self.core.let_go("the sidecar is stopping") == 0:
+            return
+        log.warning("unit %s: stopping with %d requests in flight: each ends with unit_failed",
+                    self.core.unit_id, self.core.outstanding)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait_s
+        while self.core.running and (left := until - loop.time()) > 0:
+            seen = self.changes.version
+            await self.changes.wait(seen, left)
 
     def _register_grpc(self, server: grpc.aio.Server) -> None:
         s = self.settings
