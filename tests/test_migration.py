@@ -57,6 +57,18 @@ def chat_text(events: list[bytes]) -> str:
     return "".join(parts)
 
 
+async def unfailed(
+    http: aiohttp.ClientSession, sidecar: Sidecar | str, path: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """The same request, not streamed, from a unit that does not fail: the reference."""
+    url = sidecar if isinstance(sidecar, str) else sidecar.http_url
+    plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    async with http.post(f"{url}{path}", json=plain) as resp:
+        assert resp.status == 200
+        answer: dict[str, Any] = await resp.json()
+        return answer
+
+
 def sidecar_of(resp: aiohttp.ClientResponse, *sidecars: Sidecar) -> Sidecar:
     unit = resp.headers["x-unitproxy-unit"]
     return next(s for s in sidecars if s.core.unit_id == unit)
@@ -94,11 +106,30 @@ async def test_a_stream_goes_on_when_its_unit_stops(
     assert sum(1 for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]) == 1
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == 200
-    assert chat_text(events)
+    survivor = b if failing is a else a
+    reference = await unfailed(http, survivor, "/v1/chat/completions", CHAT)
+    assert chat_text(events) == reference["choices"][0]["message"]["content"]
+    assert usage == reference["usage"]
     assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
     assert sample(gw, "unitproxy_migration_pause_seconds_count") == 1
     assert sample(gw, "unitproxy_requests_total", route="chat", code="200") == 1
     await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
+
+
+async def test_a_completion_goes_on_token_for_token(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a, b, gw = await two_units(start_sidecar, start_gateway)
+    body = {"prompt": "Once upon a time", "max_tokens": 150, "stream": True}
+    resp = await http.post(f"{gw.http_url}/v1/completions", json=body)
+    first = await read_events(resp, 30)
+    failing = sidecar_of(resp, a, b)
+    await failing.engine.stop()
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    reference = await unfailed(http, b if failing is a else a, "/v1/completions", body)
+    assert text == reference["choices"][0]["text"]
 
 
 async def test_a_non_streamed_request_is_answered_by_another_unit(
@@ -164,6 +195,7 @@ async def test_grpc_stream_goes_on_when_its_unit_stops(
         stub = inference_pb2_grpc.InferenceStub(channel)
         call = stub.Generate(request, timeout=20)
         chunks = []
+        failing = a
         async for chunk in call:
             chunks.append(chunk)
             if len(chunks) == 10:
@@ -172,6 +204,12 @@ async def test_grpc_stream_goes_on_when_its_unit_stops(
     assert chunks[-1].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 200
     assert sum(len(c.token_ids) for c in chunks) == 200
+    async with grpc.aio.insecure_channel((b if failing is a else a).grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        reference = [c async for c in stub.Generate(request, timeout=20)]
+    assert "".join(c.text for c in chunks) == "".join(c.text for c in reference)
+    assert [t for c in chunks for t in c.token_ids] == [t for c in reference for t in c.token_ids]
+    assert chunks[-1].usage == reference[-1].usage
     assert {c.request_id for c in chunks} == {"g1"}
     assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
     assert sample(gw, "unitproxy_requests_total", route="grpc_generate", code="OK") == 1
@@ -251,3 +289,42 @@ async def test_a_second_sigterm_ends_open_streams_with_an_error_event(
     events = await rest_of(resp)
     assert json.loads(events[-1])["error"]["code"] == "shutting_down"
     assert await gateway.wait() == 1
+
+
+async def follower_cell(procs: Procs) -> tuple[list[Any], list[Any], Any]:
+    """Two units, each a follower agent and a sidecar probing it quickly, and a gateway."""
+    followers = [await procs.follower("--node-name", "f1") for _ in range(2)]
+    ports = free_ports(6)
+    quick = ("--health-interval", "0.2", "--health-timeout", "0.2", "--sim-decode-step-ms", "5")
+    sidecars = [
+        await procs.sidecar(ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}",
+                            "--follower", f"f1={f.grpc_target}", *quick)
+        for i, f in enumerate(followers)
+    ]  # fmt: skip
+    flags = [a for i, s in enumerate(sidecars)
+             for a in ("--unit", f"u{i}={s.http_url},{s.grpc_target}")]  # fmt: skip
+    gateway = await procs.gateway(ports[4], ports[5], *flags)
+    return followers, sidecars, gateway
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "stop"])
+async def test_a_failed_follower_is_invisible_to_the_client(
+    procs: Procs, http: aiohttp.ClientSession, how: str
+) -> None:
+    """(a) a follower killed, (b) a follower hung: its unit lets go of the stream, the
+    gateway continues it elsewhere, and the client reads the unfailed text."""
+    followers, sidecars, gateway = await follower_cell(procs)
+    body = {**CHAT, "max_tokens": 400}
+    resp = await http.post(f"{gateway.http_url}/v1/chat/completions", json=body)
+    first = await read_events(resp, 10)
+    index = int(resp.headers["x-unitproxy-unit"][1:])
+    followers[index].signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    reference = await unfailed(http, sidecars[1 - index].http_url, "/v1/chat/completions", body)
+    assert chat_text(events) == reference["choices"][0]["message"]["content"]
+    assert json.loads(events[-2])["usage"] == reference["usage"]
+    async with http.get(f"{gateway.http_url}/metrics") as metrics:
+        text = await metrics.text()
+    assert 'unitproxy_migrations_total{reason="unit_failed"} 1.0' in text
