@@ -25,6 +25,10 @@ from typing import Any, ClassVar
 
 import grpc
 
+# gRPC trailing metadata key that carries an error's ``code`` (as ``error.code`` does in an
+# HTTP error body), so a gateway can tell a unit's refusal from its failure.
+GRPC_CODE_KEY = "x-unitproxy-code"
+
 
 class UnitProxyError(Exception):
     http_status: ClassVar[int] = 500

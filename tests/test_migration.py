@@ -328,3 +328,20 @@ async def test_a_failed_follower_is_invisible_to_the_client(
     async with http.get(f"{gateway.http_url}/metrics") as metrics:
         text = await metrics.text()
     assert 'unitproxy_migrations_total{reason="unit_failed"} 1.0' in text
+
+
+async def test_grpc_unavailable_from_a_draining_unit_is_a_refusal_not_a_failure(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    # Reports reach the gateway 2 s late: it goes on believing a SERVING meanwhile.
+    a, b, gw = await two_units(start_sidecar, start_gateway, eject_after=1, report_delay_s=2.0)
+    a.start_drain()
+    request = inference_pb2.GenerateRequest(prompt="x", sampling={"max_tokens": 3})
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for _ in range(6):
+            chunks = [c async for c in stub.Generate(request, timeout=10)]
+            assert chunks[-1].finish_reason == "length"
+    unit = gw.router.units["a"]
+    assert sample(gw, "unitproxy_retries_total", reason="unavailable") >= 1
+    assert unit.failures == 0 and unit.ejected_until == 0, "a drain is no failure"

@@ -25,7 +25,7 @@ import grpc
 
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
-from proxy.errors import Unavailable, UnitProxyError
+from proxy.errors import GRPC_CODE_KEY, Unavailable, UnitProxyError
 from proxy.gateway.core import (
     DONE_OK,
     ERROR_CLASSES,
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 SERVICE = "unitproxy.v1.Inference"
 METHOD = f"/{SERVICE}/Generate"
 ROUTE = "grpc_generate"
-CODE_KEY = "x-unitproxy-code"  # trailing metadata: the error's code, as in an HTTP body
 FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 ERROR_OF_CODE = {cls.grpc_code: cls for cls in reversed(ERROR_CLASSES)}
 
@@ -116,7 +115,7 @@ class GenerateProxy:
         except UnitProxyError as exc:
             code = exc.grpc_code.name
             await job.flush()  # what the units sent before the error, then the status
-            await context.abort(exc.grpc_code, exc.message)
+            await context.abort(exc.grpc_code, exc.message, ((GRPC_CODE_KEY, exc.code),))
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -323,7 +322,7 @@ def _authorization(
 
 def _trailer_code(exc: grpc.aio.AioRpcError) -> str | None:
     for key, value in exc.trailing_metadata() or ():
-        if key == CODE_KEY:
+        if key == GRPC_CODE_KEY:
             return value if isinstance(value, str) else value.decode()
     return None
 

@@ -14,7 +14,7 @@ from engine.base import TokenDelta
 from proxy import openai_api, resume
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
-from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.errors import GRPC_CODE_KEY, InvalidRequest, UnitProxyError
 from proxy.httputil import RESUME_HEADER
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
@@ -84,7 +84,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await self._generate(request, context)
         except UnitProxyError as exc:
             code = exc.grpc_code.name
-            await context.abort(exc.grpc_code, exc.message)
+            await context.abort(exc.grpc_code, exc.message, ((GRPC_CODE_KEY, exc.code),))
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
