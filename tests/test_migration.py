@@ -334,7 +334,7 @@ async def test_grpc_unavailable_from_a_draining_unit_is_a_refusal_not_a_failure(
     start_sidecar: SidecarFactory, start_gateway: GatewayFactory
 ) -> None:
     # Reports reach the gateway 2 s late: it goes on believing a SERVING meanwhile.
-    a, b, gw = await two_units(start_sidecar, start_gateway, eject_after=1, report_delay_s=2.0)
+    a, _, gw = await two_units(start_sidecar, start_gateway, eject_after=1, report_delay_s=2.0)
     a.start_drain()
     request = inference_pb2.GenerateRequest(prompt="x", sampling={"max_tokens": 3})
     async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
