@@ -181,7 +181,8 @@ class _Seq:
         # The next token is a function of the seeds and the whole context before it,
         # so a request resumed with its output so far continues the same way.
         context, tables = self.context, self.tables
-        k = int.from_bytes(context.copy().digest(), "little") % len(tables.texts)
+        # digest() leaves the hash open: no copy needed
+        k = int.from_bytes(context.digest(), "little") % len(tables.texts)
         context.update(tables.id_bytes[k] if self.by_ids else tables.text_bytes[k])
         self.completion_tokens = n = self.completion_tokens + 1
         finish = "length" if n >= self.max_tokens else None
