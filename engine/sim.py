@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,22 +41,31 @@ MAX_BACKLOG = 256
 _MAX_LAG_S = 0.1
 
 
-# Built once so that a token costs no string or tuple allocation.
-_TOKEN_TEXT = tuple(" " + word for word in tokens.WORDS)
-_VOCAB_SIZE = len(_TOKEN_TEXT)
-_TOKEN_IDS = tuple((i,) for i in range(_VOCAB_SIZE))
-# What a token adds to the context hash: its text, or its id after a prompt of ids.
-_TEXT_BYTES = tuple(t.encode() for t in _TOKEN_TEXT)
-_ID_BYTES = tuple(i.to_bytes(4, "little") for i in range(_VOCAB_SIZE))
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """A vocabulary as the decode loop reads it: built once, no allocation per token."""
+
+    texts: tuple[str, ...]
+    ids: tuple[tuple[int, ...], ...]
+    text_bytes: tuple[bytes, ...]  # what a token adds to the context hash after text
+    id_bytes: tuple[bytes, ...]  # and after a prompt of token ids
+    count: Callable[[str], int]
+
+    @classmethod
+    def of(cls, vocab: tokens.Vocabulary) -> _Tables:
+        return cls(
+            vocab.texts,
+            tuple((i,) for i in vocab.ids),
+            tuple(t.encode() for t in vocab.texts),
+            tuple(i.to_bytes(4, "little") for i in vocab.ids),
+            vocab.count,
+        )
+
+
 # The chat template: the context a list of messages stands for, and what it costs.
 _ASSISTANT_OPENING = "<|assistant|>\n"
 _MESSAGE_OPENING_TOKENS = 3  # "<|", role, "|>\n" as special tokens
 _MESSAGE_CLOSING_TOKENS = 1  # "<|end|>\n"
-
-
-def count_tokens(text: str) -> int:
-    """The simulator's tokenizer: ``engine.tokens.count``."""
-    return tokens.count(text)
 
 
 def chat_context(request: EngineRequest) -> str:
@@ -78,7 +87,9 @@ def chat_context(request: EngineRequest) -> str:
     return "".join(parts)
 
 
-def count_prompt_tokens(request: EngineRequest) -> int:
+def count_prompt_tokens(
+    request: EngineRequest, count_tokens: Callable[[str], int] = tokens.count
+) -> int:
     """The simulator's prompt length: ids as given, else the tokens of the context text.
 
     A chat message costs its content's tokens plus 4 for the template, the opened
@@ -157,7 +168,8 @@ class _Seq:
     max_tokens: int
     min_tokens: int
     context: hashlib.blake2b  # seeds, prompt and output so far
-    token_bytes: tuple[bytes, ...]  # what each token adds to the context
+    tables: _Tables
+    by_ids: bool  # the prompt was token ids: the context goes on in ids
     stop: _StopFilter | None
     state: Literal["waiting", "running", "done"] = "waiting"
     completion_tokens: int = 0
@@ -168,19 +180,20 @@ class _Seq:
     def next_delta(self) -> TokenDelta:
         # The next token is a function of the seeds and the whole context before it,
         # so a request resumed with its output so far continues the same way.
-        context = self.context
-        token_id = int.from_bytes(context.copy().digest(), "little") % _VOCAB_SIZE
-        context.update(self.token_bytes[token_id])
+        context, tables = self.context, self.tables
+        # digest() leaves the hash open: no copy needed
+        k = int.from_bytes(context.digest(), "little") % len(tables.texts)
+        context.update(tables.id_bytes[k] if self.by_ids else tables.text_bytes[k])
         self.completion_tokens = n = self.completion_tokens + 1
         finish = "length" if n >= self.max_tokens else None
-        text = _TOKEN_TEXT[token_id]
+        text = tables.texts[k]
         if self.stop is not None:
             text, stopped = self.stop.feed(
                 text, check=n >= self.min_tokens, final=finish is not None
             )
             if stopped:
                 finish = "stop"
-        return TokenDelta(text, _TOKEN_IDS[token_id], self.prompt_tokens, n, finish)
+        return TokenDelta(text, tables.ids[k], self.prompt_tokens, n, finish)
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -205,6 +218,7 @@ class SimEngine(Engine):
         self._hung = False
         self._admitted = 0
         self._last_progress = 0.0
+        self._tables = _Tables.of(tokens.builtin())
 
     @property
     def last_progress(self) -> float:
@@ -218,6 +232,10 @@ class SimEngine(Engine):
     async def start(self) -> None:
         if self._task is not None:
             return
+        if self._settings.tokenizer is not None:
+            vocab = await asyncio.to_thread(tokens.from_tokenizer_json, self._settings.tokenizer)
+            self._tables = _Tables.of(vocab)
+            logger.info("engine sim: tokenizer %s, %d output words", vocab.name, len(vocab.ids))
         self._loop = loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._dead, self._hung, self._admitted = None, False, 0
@@ -239,7 +257,7 @@ class SimEngine(Engine):
             await asyncio.wait([task])
 
     async def count_tokens(self, text: str) -> int:
-        return count_tokens(text)
+        return self._tables.count(text)
 
     async def check_health(self) -> None:
         # A hung engine passes on purpose: only a progress watchdog can tell.
@@ -293,11 +311,12 @@ class SimEngine(Engine):
         stops = tuple(s for s in sampling.stop if s)
         max_tokens = sampling.max_tokens
         return _Seq(
-            prompt_tokens=count_prompt_tokens(request),
+            prompt_tokens=count_prompt_tokens(request, self._tables.count),
             max_tokens=self._settings.default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=sampling.min_tokens,
             context=_context_hash(self._settings.seed, request),
-            token_bytes=_ID_BYTES if request.prompt_token_ids is not None else _TEXT_BYTES,
+            tables=self._tables,
+            by_ids=request.prompt_token_ids is not None,
             stop=_StopFilter(stops) if stops else None,
         )
 

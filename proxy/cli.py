@@ -64,6 +64,7 @@ ENGINE = (
     Flag("--sim-error-after-tokens", "engine.sim.error_after_tokens", "N"),
     Flag("--sim-hang-after-requests", "engine.sim.hang_after_requests", "N"),
     Flag("--sim-crash-after-requests", "engine.sim.crash_after_requests", "N"),
+    Flag("--sim-tokenizer", "engine.sim.tokenizer", "PATH"),
     Flag("--served-model-name", "engine.served_model_name", "NAME"),
     Flag("--tokenizer", "engine.tokenizer", "PATH"),
     Flag("--tensor-parallel-size", "engine.tensor_parallel_size", "N"),

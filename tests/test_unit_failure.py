@@ -90,8 +90,8 @@ async def test_stalled_unit_lets_go_of_every_request_on_every_wire(
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "unit_failed"
     assert str(sidecar.health.state) == "NOT_SERVING"
-    # The stall timeout (0.3 s) plus a probe or two: not a hang.
-    assert ended_after < 3.0
+    # The stall timeout (0.3 s) plus a probe or two (slack for a loaded machine): not a hang.
+    assert ended_after < 5.0
     assert sidecar.core.outstanding == 0
     assert sidecar.engine.stats().running == 0, "aborted in the engine"
 
@@ -106,9 +106,9 @@ async def test_follower_killed_ends_streams_at_once(
     streamed = await open_stream(http, sidecar.http_url)
     follower.signal(signal.SIGKILL)
     started = time.monotonic()
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(10):
         events = await rest_of_stream(streamed)
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 5.0  # at once (a broken watch), with slack for load
     assert_unit_failed_event(events)
     assert "f1" in json.loads(events[-1][6:])["error"]["message"]
     assert sidecar.core.outstanding == 0
