@@ -22,6 +22,7 @@ TOKEN_GAP_BUCKETS = (
 PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 UNIT_STATES = ("STARTING", "SERVING", "NOT_SERVING", "DRAINING")
+GATEWAY_UNIT_STATES = (*UNIT_STATES, "LOST", "UNKNOWN")
 
 
 class ServingMetrics:
@@ -174,9 +175,21 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self.unit_state = Gauge(
+            "gateway_unit_state",
+            "1 for the state this gateway sees a unit in, 0 for the others: the state of "
+            "its last fresh report, LOST when its reports stopped, UNKNOWN before any.",
+            ["unit", "state"],
+            namespace=PREFIX,
+            registry=registry,
+        )
         self.queue_waiting = Gauge(
             "queue_waiting_requests",
             "Requests waiting because every SERVING unit is full.",
             namespace=PREFIX,
             registry=registry,
         )
+
+    def set_unit_state(self, unit: str, state: str) -> None:
+        for name in GATEWAY_UNIT_STATES:
+            self.unit_state.labels(unit, name).set(1 if name == state else 0)

@@ -404,7 +404,7 @@ async def test_black_hole_unit_gets_no_work(procs: Procs, load_source: str) -> N
         gateway_ready=ready,
     )
     assert Counter(status for status, _ in results) == Counter({200: 40})
-    assert units["hole"]["state"] is None and units["hole"]["routed"] == 0
+    assert units["hole"]["state"] == "UNKNOWN" and units["hole"]["routed"] == 0
     # The gateway did try to get its load reports, and sent no request there.
     if load_source == "watch":
         assert hole_grpc.accepted >= 1 and hole_http.accepted == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -99,8 +100,10 @@ class Gateway(Service):
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
+        now = time.monotonic()
         for unit in self.router.units.values():
             self._connect(unit)
+            self._refresh_gauges(unit, now)  # every series exists from the start
         generate = GenerateProxy(
             self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate,
             self.api_keys, self._unit_key(),
@@ -212,13 +215,25 @@ class Gateway(Service):
     # --- health -------------------------------------------------------------------
 
     def _unit_changed(self, unit: Unit) -> None:
-        self.gateway_metrics.unit_load.labels(unit.id).set(
-            unit.estimate(self.settings.gateway.correct_load)
-        )
+        self._refresh_gauges(unit, time.monotonic())
         serving = any(u.state is UnitState.SERVING for u in self.router.units.values())
         if serving != self._served:
             self._served = serving
             self._serving_changed.set()
+
+    def _refresh_gauges(self, unit: Unit, now: float) -> None:
+        """The unit's state, load and report age as this gateway sees them. A LOST or
+        UNKNOWN unit has no load series (a dead unit must not read as idle), and its
+        report age keeps growing."""
+        m, g = self.gateway_metrics, self.settings.gateway
+        state, _ = unit.view(now, g.stale_after_s)
+        m.set_unit_state(unit.id, state)
+        m.report_age.labels(unit.id).set(unit.report_age(now))
+        if state in ("LOST", "UNKNOWN"):
+            with contextlib.suppress(KeyError):
+                m.unit_load.remove(unit.id)
+        else:
+            m.unit_load.labels(unit.id).set(unit.estimate(g.correct_load))
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -239,11 +254,8 @@ class Gateway(Service):
         """Refresh the per-unit gauges; a unit whose reports stopped is no longer serving."""
         while True:
             now = time.monotonic()
-            correct = self.settings.gateway.correct_load
             for unit in self.router.units.values():
-                age = now - unit.report_at if unit.report is not None else -1.0
-                self.gateway_metrics.report_age.labels(unit.id).set(age)
-                self.gateway_metrics.unit_load.labels(unit.id).set(unit.estimate(correct))
+                self._refresh_gauges(unit, now)
             self.gateway_metrics.queue_waiting.set(self.router.waiting)
             self.router.wake()
             await asyncio.sleep(0.5)
@@ -366,7 +378,8 @@ class Gateway(Service):
         return json_response(body, status=200 if body["state"] == "SERVING" else 503)
 
     def _ready_body(self) -> dict[str, Any]:
-        counts = Counter(str(u.state) if u.state else "UNKNOWN" for u in self.router.units.values())
+        now, stale = time.monotonic(), self.settings.gateway.stale_after_s
+        counts = Counter(u.view(now, stale)[0] for u in self.router.units.values())
         serving = len(self.router.serving())
         state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
         return {"state": state, "serving_units": serving, "units": dict(counts),
@@ -374,24 +387,27 @@ class Gateway(Service):
 
     async def _units(self, request: web.Request) -> web.Response:
         now = time.monotonic()
-        correct = self.settings.gateway.correct_load
-        units = [
-            {
-                "id": u.id,
-                "http_url": u.http_url,
-                "grpc_target": u.grpc_target,
-                "state": str(u.state) if u.state else None,
-                "outstanding": u.estimate(correct),
-                "reported_outstanding": u.report.outstanding if u.report else None,
-                "inflight_here": u.inflight,
-                "capacity": u.capacity,
-                "report_age_s": round(now - u.report_at, 3) if u.report else None,
-                "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
-                "routed": u.routed,
-            }
-            for u in self.router.units.values()
-        ]
+        units = [self._unit_json(u, now) for u in self.router.units.values()]
         return json_response({"units": units, "waiting": self.router.waiting})
+
+    def _unit_json(self, u: Unit, now: float) -> dict[str, Any]:
+        g = self.settings.gateway
+        state, why = u.view(now, g.stale_after_s)
+        age = u.report_age(now)
+        return {
+            "id": u.id,
+            "http_url": u.http_url,
+            "grpc_target": u.grpc_target,
+            "state": state,
+            "reason": why,
+            "outstanding": u.estimate(g.correct_load),
+            "reported_outstanding": u.report.outstanding if u.report else None,
+            "inflight_here": u.inflight,
+            "capacity": u.capacity,
+            "report_age_s": None if age < 0 else round(age, 3),
+            "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
+            "routed": u.routed,
+        }
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(
