@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import aiohttp
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.sim import SimEngine
+from proxy.errors import EngineError
 from proxy.gateway.server import Gateway
-from proxy.settings import load
-from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from proxy.settings import Settings, load
+from proxy.sidecar.server import INFERENCE_SERVICE, Sidecar
+from tests.conftest import GatewayFactory, SidecarFactory, sidecar_settings, wait_until
 from tests.procs import free_ports
 
 pytestmark = pytest.mark.timeout(30)
@@ -78,3 +84,73 @@ async def test_a_unit_never_reached_is_unknown_and_logged_once(
     assert ghost["capacity"] == 0 and ghost["report_age_s"] is None
     lines = [r.getMessage() for r in caplog.records if "ghost" in r.getMessage()]
     assert len(lines) == 1 and "connection refused" in lines[0], lines
+
+
+class SlowLoadingSim(SimEngine):
+    """The simulator with a model load that lasts until the test lets it finish."""
+
+    def __init__(self, settings: Settings, loaded: asyncio.Event, fail: bool = False) -> None:
+        super().__init__(settings.engine.sim)
+        self._loaded = loaded
+        self._fail = fail
+
+    async def start(self) -> None:
+        await self._loaded.wait()
+        if self._fail:
+            raise EngineError("weights not found")
+        await super().start()
+
+
+async def test_the_sidecar_answers_probes_and_metrics_while_its_engine_loads(
+    http: aiohttp.ClientSession,
+) -> None:
+    settings = sidecar_settings(sidecar={"unit_id": "slow"})
+    loaded = asyncio.Event()
+    sidecar = Sidecar(settings, engine=SlowLoadingSim(settings, loaded))
+    entering = asyncio.create_task(sidecar.__aenter__())
+    try:
+        await wait_until(lambda: bool(sidecar.http_url), what="ports open")
+        await asyncio.sleep(1.2)  # the load's time so far is shown each second
+        async with http.get(f"{sidecar.http_url}/ready") as resp:
+            assert resp.status == 503
+            ready = await resp.json()
+        assert ready["state"] == "STARTING"
+        leader = ready["nodes"][0]
+        assert leader["name"] == "leader" and leader["healthy"] is False
+        assert leader["reason"] == "engine loading (1 s so far)", leader
+        async with http.get(f"{sidecar.http_url}/metrics") as resp:
+            assert resp.status == 200
+            assert 'unitproxy_unit_state{state="STARTING"} 1.0' in await resp.text()
+        async with http.get(f"{sidecar.http_url}/health") as resp:
+            assert resp.status == 200
+        body = {"prompt": "x", "max_tokens": 1}
+        async with http.post(f"{sidecar.http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 503
+        async with grpc.aio.insecure_channel(sidecar.grpc_target) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            answer = await check(health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE))
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not entering.done()
+        loaded.set()
+        await entering
+        await wait_until(lambda: str(sidecar.health.state) == "SERVING", what="SERVING")
+    finally:
+        loaded.set()
+        if not entering.done():
+            with contextlib.suppress(Exception):
+                await entering
+        await sidecar.__aexit__(None, None, None)
+
+
+async def test_an_engine_that_fails_to_load_fails_the_start_and_closes_the_ports() -> None:
+    settings = sidecar_settings(sidecar={"unit_id": "broken"})
+    loaded = asyncio.Event()
+    sidecar = Sidecar(settings, engine=SlowLoadingSim(settings, loaded, fail=True))
+    entering = asyncio.create_task(sidecar.__aenter__())
+    await wait_until(lambda: bool(sidecar.http_url), what="ports open")
+    port = int(sidecar.http_url.rsplit(":", 1)[1])
+    loaded.set()
+    with pytest.raises(EngineError, match="weights not found"):
+        await entering
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", port)
