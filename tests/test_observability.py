@@ -10,6 +10,7 @@ import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sim import SimEngine
 from proxy.errors import EngineError
@@ -154,3 +155,38 @@ async def test_an_engine_that_fails_to_load_fails_the_start_and_closes_the_ports
         await entering
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_known_series_start_at_zero_and_each_role_exports_only_its_own(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway([a])
+
+    async def families(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        found: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                found.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        return found
+
+    unit, gateway = await families(a.http_url), await families(gw.http_url)
+    for seen in (unit, gateway):
+        requests = seen["unitproxy_requests_total"]
+        assert requests[(("code", "503"), ("route", "chat"))] == 0
+        assert requests[(("code", "UNAVAILABLE"), ("route", "grpc_generate"))] == 0
+        assert seen["unitproxy_time_to_first_token_seconds_count"][(("route", "chat"),)] == 0
+    transitions = unit["unitproxy_health_transitions_total"]
+    assert transitions[(("node", "leader"), ("to", "unhealthy"))] == 0
+    assert transitions[(("node", "leader"), ("to", "healthy"))] == 1  # it came up
+    assert gateway["unitproxy_retries_total"][(("reason", "503"),)] == 0
+    assert gateway["unitproxy_retries_total"][(("reason", "unavailable"),)] == 0
+    assert gateway["unitproxy_routed_requests_total"][(("unit", "a"),)] == 0
+    # Tokens are counted where they are made: the gateway would only export zeros.
+    assert "unitproxy_generated_tokens_total" in unit
+    assert "unitproxy_inter_token_latency_seconds_count" in unit
+    assert "unitproxy_generated_tokens_total" not in gateway
+    assert "unitproxy_inter_token_latency_seconds_count" not in gateway
+    assert "unitproxy_gateway_unit_state" not in unit and "unitproxy_unit_state" not in gateway

@@ -73,7 +73,7 @@ class Gateway(Service):
         super().__init__()
         self.settings = settings
         self.registry = CollectorRegistry()
-        self.metrics = ServingMetrics(self.registry)
+        self.metrics = ServingMetrics(self.registry, tokens=False)
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.router = Router(settings.gateway, settings.gateway.units, on_change=self._unit_changed)
         self.health_service = HealthServicer()
@@ -103,6 +103,7 @@ class Gateway(Service):
         now = time.monotonic()
         for unit in self.router.units.values():
             self._connect(unit)
+            self.gateway_metrics.add_unit(unit.id)
             self._refresh_gauges(unit, now)  # every series exists from the start
         generate = GenerateProxy(
             self.router, self._generate_call, self.metrics, self.gateway_metrics, self.gate,
@@ -205,6 +206,7 @@ class Gateway(Service):
         unit = self.router.add(target)
         if unit.id not in self._pools:
             self._connect(unit)
+            self.gateway_metrics.add_unit(unit.id)
         return unit
 
     def _poll_session(self) -> aiohttp.ClientSession:
