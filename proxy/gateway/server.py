@@ -45,9 +45,11 @@ from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import (
     Drain,
     Gate,
+    ListenError,
     Service,
     advertised_host,
     cancel_tasks,
+    os_error,
     start_grpc,
 )
 from proxy.settings import Settings, UnitTarget
@@ -277,13 +279,16 @@ class Gateway(Service):
         http_front = front.Front(
             ROUTES, self._serve_front, runner.server, s.max_body_bytes, self.wheel
         )
-        server = await asyncio.get_running_loop().create_server(
-            http_front.protocol,
-            s.host,
-            port,
-            ssl=None if tls is None else tls.ssl_context,
-            reuse_address=True,
-        )
+        try:
+            server = await asyncio.get_running_loop().create_server(
+                http_front.protocol,
+                s.host,
+                port,
+                ssl=None if tls is None else tls.ssl_context,
+                reuse_address=True,
+            )
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {s.host}:{port} (HTTP): {os_error(exc)}") from exc
 
         async def stop() -> None:
             server.close()
