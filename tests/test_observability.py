@@ -190,3 +190,19 @@ async def test_known_series_start_at_zero_and_each_role_exports_only_its_own(
     assert "unitproxy_generated_tokens_total" not in gateway
     assert "unitproxy_inter_token_latency_seconds_count" not in gateway
     assert "unitproxy_gateway_unit_state" not in unit and "unitproxy_unit_state" not in gateway
+
+
+async def test_a_known_route_with_the_wrong_method_is_405_with_allow(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway([a])
+    for base in (a.http_url, gw.http_url):
+        async with http.get(f"{base}/v1/chat/completions") as resp:
+            assert resp.status == 405 and resp.headers["allow"] == "POST"
+            body = await resp.json()
+        assert body["error"]["code"] == "method_not_allowed"
+        async with http.post(f"{base}/v1/models") as resp:
+            assert resp.status == 405 and resp.headers["allow"] == "GET, HEAD"
+        async with http.get(f"{base}/v1/nothing") as resp:
+            assert resp.status == 404
