@@ -97,7 +97,7 @@ class Cell:
         return [*followers, *(u.sidecar for u in self.units), self.gateway]
 
     def state(self) -> dict[str, Any]:
-        """The state file's JSON (DESIGN §1)."""
+        """The state file's JSON (docs/api.md)."""
         return {
             "gateway": self.gateway.endpoints(),
             "units": [

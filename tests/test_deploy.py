@@ -56,8 +56,8 @@ IMAGE_TARGETS = {"unitproxy": "proxy", "unitproxy-engine": "engine"}  # image na
 # What an exit takes beyond the drain: engine shutdown (sidecar), or the worker's own stop.
 STOP_MARGIN_S = 10
 
-# DESIGN §5: the metrics a dashboard must show.
-DESIGN_METRICS = (
+# The metrics a dashboard must show (docs/operations.md, Metrics).
+CORE_METRICS = (
     "requests_total", "outstanding_requests", "request_duration_seconds",
     "time_to_first_token_seconds", "inter_token_latency_seconds", "generated_tokens_total",
     "node_healthy", "unit_state", "health_probe_duration_seconds", "health_transitions_total",
@@ -794,7 +794,7 @@ def _dashboards() -> list[Path]:
 def metric_names(expressions: list[str], where: str) -> set[str]:
     """The unitproxy metrics the expressions name; fails on one the code does not export."""
     exported = exported_metric_names()
-    assert len(exported) > len(DESIGN_METRICS)
+    assert len(exported) > len(CORE_METRICS)
     used = set()
     for expr in expressions:
         names = set(re.findall(r"\bunitproxy_[A-Za-z0-9_:]+", expr))
@@ -808,7 +808,7 @@ def metric_names(expressions: list[str], where: str) -> set[str]:
 def test_dashboard_names_only_exported_metrics(path: Path) -> None:
     dashboard = json.loads(path.read_text())
     used = metric_names(dashboard_expressions(dashboard), path.name)
-    missing = {f"unitproxy_{m}" for m in DESIGN_METRICS} - {
+    missing = {f"unitproxy_{m}" for m in CORE_METRICS} - {
         re.sub(r"_(bucket|sum|count)$", "", n) for n in used
     }
     assert not missing, f"{path.name} shows nothing of {sorted(missing)}"

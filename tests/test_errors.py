@@ -25,7 +25,7 @@ from proxy.errors import (
 
 pytestmark = pytest.mark.timeout(10)
 
-# The table in proxy/errors.py's docstring and the errors of README.md.
+# The table in proxy/errors.py's docstring and in docs/api.md (Errors).
 MAPPING: list[tuple[type[UnitProxyError], int, grpc.StatusCode]] = [
     (UnitProxyError, 500, grpc.StatusCode.INTERNAL),
     (InvalidRequest, 400, grpc.StatusCode.INVALID_ARGUMENT),

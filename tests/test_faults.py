@@ -3,7 +3,7 @@
 Each test starts its own followers, sidecars and gateway (``tests.procs``), puts load
 on them, injects one fault and counts what every request ended as. Each prints one
 ``FAULT`` line with those counts (``pytest -s`` shows them); the assertions hold the
-product to DESIGN §6: nothing hangs past its deadline, a stream cut short says so with
+product to docs/api.md (Semantics): nothing hangs past its deadline, a stream cut short says so with
 an SSE error event, new work goes elsewhere, every count returns to 0.
 """
 

@@ -233,7 +233,7 @@ class PollSource(LoadSource):
 
 
 class RedisSource(LoadSource):
-    """Reports of every unit from Redis (DESIGN §4): SUBSCRIBE to the load channel,
+    """Reports of every unit from Redis (docs/api.md, Load report): SUBSCRIBE to the load channel,
     then re-read every unit's key, on each (re)connect, so nothing is missed.
 
     A report from a unit this gateway does not know adds it (``discover`` opens its
