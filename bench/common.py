@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import platform
+import random
 import signal
+import socket
 import subprocess
 from collections.abc import Awaitable, Coroutine
 from pathlib import Path
@@ -34,6 +37,48 @@ def code_version() -> dict[str, Any]:
         "commit": git("rev-parse", "--short", "HEAD").strip(),
         "uncommitted": [line.split(maxsplit=1)[-1] for line in changed.splitlines()],
     }
+
+
+def no_plot() -> str | None:
+    """Why no PNG can be drawn here (None: it can). matplotlib is the bench extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "no PNG: matplotlib is not installed (pip install -e '.[bench]')"
+    return None
+
+
+# -- ports -----------------------------------------------------------------------------
+
+LOW_PORT = 10_000  # ports are picked from here up to the kernel's ephemeral range
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports below the kernel's ephemeral range, held together while
+    chosen. A port picked with bind(0) comes from the ephemeral range: until the server
+    meant for it binds, any outgoing connection (a gateway already dialling that very
+    unit, another program) may take it as its source port, and the server fails with
+    "address in use". Below that range only a bind on purpose can take it."""
+    low = _ephemeral_low() - 1
+    picked: list[int] = []
+    with contextlib.ExitStack() as stack:
+        for port in random.sample(range(LOW_PORT, low), min(low - LOW_PORT, 50 * n)):
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            picked.append(port)
+            if len(picked) == n:
+                return picked
+    raise OSError(f"no {n} free ports between {LOW_PORT} and {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 # -- running a bench: the loop, signals, what it ran on -------------------------------

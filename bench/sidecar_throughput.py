@@ -8,6 +8,7 @@ loop, encoding and the wire. This process drives it with a closed loop of C work
     completions  POST /v1/completions, max_tokens=16               -> requests/s
     stream       POST /v1/completions, stream, max_tokens=64       -> requests/s, chunks/s
     grpc         unitproxy.v1.Inference/Generate, max_tokens=64    -> streams/s, messages/s
+                 (tokens that waited on a write are merged into one message)
 
 Each run (scenario x concurrency) warms up, then measures a fixed window. Only
 requests that finish successfully inside the window count (with all their chunks);
@@ -35,7 +36,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,7 +55,15 @@ if __package__ in (None, ""):  # run as a file: make the bench package importabl
 import aiohttp
 import grpc
 
-from bench.common import Interrupted, cpu_model, interrupt, loop_name, run_loop, until_signal
+from bench.common import (
+    Interrupted,
+    cpu_model,
+    free_ports,
+    interrupt,
+    loop_name,
+    run_loop,
+    until_signal,
+)
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,20 +171,23 @@ def _check_stream(ttft: float, chunks: int, done: bool, last: bytes, want: int) 
 async def generate(
     stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest, want: int
 ) -> Outcome:
-    """One gRPC Generate stream: counts messages, checks the last one and the status."""
+    """One gRPC Generate stream: counts messages and tokens, checks the last message and
+    the status. Token deltas that waited on a write go out merged in one message, so a
+    stream has up to ``want`` messages and exactly ``want`` tokens."""
     sent = now()
-    ttft, chunks = 0.0, 0
+    ttft, chunks, tokens = 0.0, 0, 0
     last: inference_pb2.GenerateChunk | None = None
     try:
         async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
             if chunks == 0:
                 ttft = now() - sent
             chunks += 1
+            tokens += len(chunk.token_ids)
             last = chunk
     except grpc.aio.AioRpcError as exc:
         return Outcome(error=f"grpc {exc.code().name}: {exc.details()}"[:120])
-    if chunks != want or last is None:
-        return Outcome(error=f"grpc: {chunks} messages, want {want}")
+    if tokens != want or last is None or not 1 <= chunks <= want:
+        return Outcome(error=f"grpc: {tokens} tokens in {chunks} messages, want {want} tokens")
     if last.finish_reason != "length" or last.usage.completion_tokens != want:
         return Outcome(error=f"grpc: last finish_reason {last.finish_reason!r}")
     return Outcome(ttft, chunks)
@@ -435,18 +446,6 @@ class RunningSidecar:
         lines = self.log_path.read_text(errors="replace").splitlines()
         marks = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback")
         return [line for line in lines if any(m in line for m in marks)]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together while chosen)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def sidecar_argv(http_port: int, grpc_port: int, slots: int, extra: Sequence[str]) -> list[str]:

@@ -14,7 +14,7 @@ output tokens/s over the window (tokens from each stream's usage), TTFT p50/p99
 Needs the vLLM venv:
 
     .venv-vllm/bin/python bench/vllm_side_by_side.py                # ~4 min on 2 cores
-    .venv-vllm/bin/python bench/vllm_side_by_side.py --requests 8   # smoke run
+    .venv-vllm/bin/python bench/vllm_side_by_side.py --quick        # smoke run: 8 requests
 """
 
 from __future__ import annotations
@@ -273,7 +273,10 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="vLLM batch size")
     parser.add_argument("--warmup", type=int, default=2, help="requests before measuring")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/vllm_side_by_side.json")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 requests, 1 warm-up")
     args = parser.parse_args()
+    if args.quick:
+        args.requests, args.warmup = min(args.requests, 8), min(args.warmup, 1)
     if args.model == default_model:
         vllm_model.build(args.model)
     results = asyncio.run(run(args))

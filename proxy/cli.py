@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from engine import EngineUnavailable
 from proxy import settings as config
 from proxy.errors import EngineError
-from proxy.serving import run_loop, serve_until_drained, wait_for_signal
+from proxy.serving import ListenError, run_loop, serve_until_drained, wait_for_signal
 
 log = logging.getLogger("unitproxy")
 
@@ -31,6 +31,7 @@ class Flag:
     metavar: str | None = None
     choices: Sequence[str] | None = None
     many: bool = False  # repeatable: each use adds one value
+    switch: bool = False  # takes no value: given means true
 
 
 COMMON = (
@@ -127,6 +128,7 @@ UP = (
     Flag("--base-port", "up.base_port", "PORT"),
     Flag("--ready-timeout", "up.ready_timeout_s", "SECONDS"),
     Flag("--stop-timeout", "up.stop_timeout_s", "SECONDS"),
+    Flag("--restart", "up.restart", switch=True),
 )
 FOLLOWER = (
     Flag("--node-name", "follower.node_name", "NAME"),
@@ -147,14 +149,21 @@ def _describe(key: str) -> str:
 
 def _add(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
     for f in flags:
+        help_text = f"{_describe(f.key)} [{f.key}]".replace("%", "%%")
+        if f.switch:
+            parser.add_argument(f.flag, dest=f.key, action="store_const", const=True,
+                                default=argparse.SUPPRESS, help=help_text)  # fmt: skip
+            continue
         parser.add_argument(
             f.flag,
             dest=f.key,
-            metavar=f.metavar,
+            # --host HOST, as docs/configuration.md writes it (not argparse's SERVER.HOST)
+            metavar=f.metavar
+            or (None if f.choices else f.flag.lstrip("-").upper().replace("-", "_")),
             choices=f.choices,
             action="append" if f.many else "store",
             default=argparse.SUPPRESS,
-            help=f"{_describe(f.key)} [{f.key}]".replace("%", "%%"),
+            help=help_text,
         )
 
 
@@ -198,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:  # argparse keeps no public map of its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]  # type: ignore[no-any-return]
+    return parser
+
+
 def cli_values(namespace: argparse.Namespace) -> dict[str, Any]:
     """The flags given, as the nested dict settings expect."""
     nested: dict[str, Any] = {}
@@ -224,7 +240,9 @@ def split_worker(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     options, worker = split_worker(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(options)
+    args, unknown = parser.parse_known_args(options)
+    if unknown:  # the subcommand's usage, not the top level's
+        _subcommand(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if worker and args.command != "follower":
         parser.error("only 'unitproxy follower' takes a worker command after --")
     try:
@@ -245,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except EngineError as exc:  # the engine did not come up; its cause is in the message
         print(f"unitproxy: engine failed to start: {exc.message}", file=sys.stderr)
+        return 1
+    except ListenError as exc:
+        print(f"unitproxy: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

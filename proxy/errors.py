@@ -2,6 +2,7 @@
 
     UnitProxyError                 500  INTERNAL
     ├── InvalidRequest             400  INVALID_ARGUMENT   malformed JSON, bad field (``param`` names it)
+    ├── MethodNotAllowed           405  UNIMPLEMENTED      a known path with the wrong method (``allow``)
     ├── Unauthenticated            401  UNAUTHENTICATED    missing or bad API key
     ├── Forbidden                  403  PERMISSION_DENIED  a token that does not allow this
     ├── NotFound                   404  NOT_FOUND          unknown model or path
@@ -57,6 +58,12 @@ class InvalidRequest(UnitProxyError):
     http_status = 400
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     error_type = "invalid_request_error"
+
+
+class MethodNotAllowed(UnitProxyError):
+    http_status = 405
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+    error_type = "method_not_allowed"
 
 
 class Unauthenticated(UnitProxyError):

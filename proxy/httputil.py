@@ -15,6 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.errors import (
     Forbidden,
     InvalidRequest,
+    MethodNotAllowed,
     NotFound,
     Overloaded,
     PayloadTooLarge,
@@ -118,7 +119,10 @@ def error_middleware(unit_id: str | None = None) -> Any:
             return error_response(exc, _echoable(request_id), unit_id)
         except web.HTTPException as exc:
             err = _from_http_exception(request, exc)
-            return error_response(err, _echoable(request_id), unit_id)
+            response = error_response(err, _echoable(request_id), unit_id)
+            if isinstance(exc, web.HTTPMethodNotAllowed):
+                response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            return response
         except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
             err = InvalidRequest(f"request body could not be read: {exc.__cause__ or exc}")
             return error_response(err, _echoable(request_id), unit_id)
@@ -156,7 +160,10 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> UnitPr
     if isinstance(exc, web.HTTPNotFound):
         return NotFound(f"no route {request.method} {request.path}", code="unknown_path")
     if isinstance(exc, web.HTTPMethodNotAllowed):
-        return InvalidRequest(f"method {request.method} is not allowed on {request.path}")
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return MethodNotAllowed(
+            f"method {request.method} is not allowed on {request.path}; use {allowed}"
+        )
     return InvalidRequest(f"{exc.status} {exc.reason}")
 
 

@@ -2,7 +2,9 @@
 
 Names carry the ``unitproxy_`` prefix. Label values come from small fixed sets: a
 route name, a status code, a state, a node or unit id from configuration; never
-request data.
+request data. Series whose label values are known up front (routes and codes, states,
+nodes, units, retry reasons) are created at zero at start, so the first event shows
+in ``increase()`` and ``rate()``; a role exports only the series it can fill.
 """
 
 from __future__ import annotations
@@ -22,13 +24,30 @@ TOKEN_GAP_BUCKETS = (
 PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 UNIT_STATES = ("STARTING", "SERVING", "NOT_SERVING", "DRAINING")
+HTTP_ROUTES = ("completions", "chat")
+GRPC_ROUTE = "grpc_generate"
+# The statuses an inference request can end with (499: the client went away).
+HTTP_CODES = ("200", "400", "401", "404", "413", "429", "499", "500", "503", "504")
+GRPC_CODES = (
+    "OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL",
+)  # fmt: skip
+RETRY_REASONS = ("429", "503", "connect", "resource_exhausted", "unavailable")
+MIGRATION_REASONS = ("unit_failed", "broken", "idle")
+HEALTH_TRANSITIONS = ("healthy", "unhealthy")
+GATEWAY_UNIT_STATES = (*UNIT_STATES, "LOST", "UNKNOWN")
 
 
 class ServingMetrics:
-    """What any process that serves inference requests exports (sidecar and gateway)."""
+    """What any process that serves inference requests exports (sidecar and gateway).
 
-    def __init__(self, registry: CollectorRegistry):
+    ``tokens=False`` (the gateway, which forwards bytes and does not count tokens):
+    the token series are kept off the registry, so they are not exported as zeros.
+    """
+
+    def __init__(self, registry: CollectorRegistry, tokens: bool = True):
         self.registry = registry
+        token_registry = registry if tokens else CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             "requests",
             "Inference requests answered, by route and status code.",
@@ -63,14 +82,19 @@ class ServingMetrics:
             "Time between two token deltas of one stream.",
             buckets=TOKEN_GAP_BUCKETS,
             namespace=PREFIX,
-            registry=registry,
+            registry=token_registry,
         )
         self.generated_tokens = Counter(
             "generated_tokens",
             "Tokens generated and sent.",
             namespace=PREFIX,
-            registry=registry,
+            registry=token_registry,
         )
+        for route, codes in (*((r, HTTP_CODES) for r in HTTP_ROUTES), (GRPC_ROUTE, GRPC_CODES)):
+            self.request_duration.labels(route)
+            self.ttft.labels(route)
+            for code in codes:
+                self.requests.labels(route, code)
 
 
 class HealthMetrics:
@@ -99,6 +123,13 @@ class HealthMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+
+    def add_node(self, node: str, role: str) -> None:
+        """The node's series at zero: unhealthy until checked, no transition yet."""
+        self.node_healthy.labels(node, role).set(0)
+        self.probe_duration.labels(node)
+        for to in HEALTH_TRANSITIONS:
+            self.health_transitions.labels(node, to)
 
 
 class UnitMetrics:
@@ -154,6 +185,8 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
         self.migrations = Counter(
             "migrations",
             "Requests continued on another unit after their unit failed under them, by how it failed.",
@@ -161,6 +194,8 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)
         self.migration_pause = Histogram(
             "migration_pause_seconds",
             "Time from a unit's failure under a request to the next unit's first byte to the client.",
@@ -188,9 +223,24 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self.unit_state = Gauge(
+            "gateway_unit_state",
+            "1 for the state this gateway sees a unit in, 0 for the others: the state of "
+            "its last fresh report, LOST when its reports stopped, UNKNOWN before any.",
+            ["unit", "state"],
+            namespace=PREFIX,
+            registry=registry,
+        )
         self.queue_waiting = Gauge(
             "queue_waiting_requests",
             "Requests waiting because every SERVING unit is full.",
             namespace=PREFIX,
             registry=registry,
         )
+
+    def add_unit(self, unit: str) -> None:
+        self.routed.labels(unit)
+
+    def set_unit_state(self, unit: str, state: str) -> None:
+        for name in GATEWAY_UNIT_STATES:
+            self.unit_state.labels(unit, name).set(1 if name == state else 0)

@@ -1,4 +1,4 @@
-"""Load reports in Redis (DESIGN §4): key names, the client, and riding out outages.
+"""Load reports in Redis (docs/api.md, Load report): key names, the client, and riding out outages.
 
 Keys under ``unitproxy:{cluster}:``: ``unit:{id}`` holds a unit's latest report as JSON
 with a TTL of 3 report intervals; the set ``units`` lists unit ids; the channel

@@ -6,6 +6,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable, Sequence
@@ -32,6 +33,15 @@ GRPC_OPTIONS: Sequence[tuple[str, Any]] = (
 )
 
 
+def os_error(exc: OSError) -> str:
+    """'Address already in use', not uvloop's sentence around it."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+class ListenError(OSError):
+    """A server port cannot be opened (in use, not allowed): said in one line at exit."""
+
+
 async def start_http(
     stack: AsyncExitStack,
     app: web.Application,
@@ -55,7 +65,10 @@ async def start_http(
     stack.push_async_callback(runner.cleanup)
     ssl_context = None if tls is None else tls.ssl_context
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {host}:{port} (HTTP): {os_error(exc)}") from exc
     return int(runner.addresses[0][1])
 
 
@@ -70,12 +83,18 @@ async def start_grpc(
     server = grpc.aio.server(options=GRPC_OPTIONS)
     register(server)
     address = f"{_grpc_host(host)}:{port}"
-    if tls is None:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.grpc_credentials)
+    except RuntimeError as exc:  # grpcio says only "Failed to bind"
+        bound = 0
+        cause: BaseException | None = exc
     else:
-        bound = server.add_secure_port(address, tls.grpc_credentials)
+        cause = None
     if bound == 0:
-        raise OSError(f"cannot bind gRPC port {host}:{port}")
+        raise ListenError(f"cannot listen on {address} (gRPC): in use or not allowed") from cause
     await server.start()
     stack.push_async_callback(server.stop, grace_s)
     return server, bound

@@ -577,6 +577,10 @@ class UpSettings(_Section):
         gt=0,
         description="After SIGTERM to the children, how long to wait before SIGKILL, in s. Default 10.",
     )
+    restart: bool = Field(
+        False,
+        description="Start a child that exits again, on the same ports, after a backoff (1 s doubling to 30 s), and rewrite the state file. Default false: a dead child is logged and left so.",
+    )
 
     @property
     def port_count(self) -> int:

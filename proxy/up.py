@@ -2,10 +2,13 @@
 
 Followers and sidecars start first, then the gateway. Once every sidecar answers
 ``GET /ready`` with 200, and the gateway does too and sees every unit SERVING, a table
-of the processes is printed and written as JSON to the state file. Nothing is
-supervised: a child that exits is logged and left so, to be watched. SIGINT or SIGTERM
-stops every child (SIGTERM, then SIGKILL after the stop timeout, or at once on a second
-signal).
+of the processes is printed and written as JSON to the state file. By default nothing
+is supervised: a child that exits is logged and left so, to be watched. With
+``restart`` a child that exits is started again on the same ports after a backoff
+(1 s, doubling to 30 s; back to 1 s once it ran for 30 s) and the state file is
+rewritten with its new pid. SIGINT or SIGTERM stops every child, restarted ones
+included (SIGTERM, then SIGKILL after the stop timeout, or at once on a second
+signal), and removes the state file.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 POLL_INTERVAL_S = 0.2
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before starting a dead child again
+TAIL_BYTES = 8192  # how much of a child's log is read for its last line
 # Flags whose values, when set by flag, environment or file, go on to the children.
 TO_SIDECARS = (*ENGINE, *(f for f in SIDECAR if f.flag == "--capacity"), *HEALTH)
 TO_FOLLOWERS = HEALTH
@@ -92,7 +97,7 @@ class Cell:
         return [*followers, *(u.sidecar for u in self.units), self.gateway]
 
     def state(self) -> dict[str, Any]:
-        """The state file's JSON (DESIGN §1)."""
+        """The state file's JSON (docs/api.md)."""
         return {
             "gateway": self.gateway.endpoints(),
             "units": [
@@ -213,13 +218,26 @@ class Signals:
 
 
 class Processes:
-    """The running children: started on enter, each watched, all stopped on exit."""
+    """The running children: started on enter, each watched, all stopped on exit.
 
-    def __init__(self, children: Sequence[Child], stop_timeout_s: float, hurry: asyncio.Event):
+    ``restarted`` (when given) makes the watchers start a dead child again after a
+    backoff, and is called after each restart (to rewrite the state file).
+    """
+
+    def __init__(
+        self,
+        children: Sequence[Child],
+        stop_timeout_s: float,
+        hurry: asyncio.Event,
+        restarted: Callable[[Child], Awaitable[None]] | None = None,
+    ):
         self.children = list(children)
         self.stop_timeout_s = stop_timeout_s
         self.hurry = hurry
         self.stopping = False
+        self.supervising = False  # set once the cell is ready: restarts only after that
+        self._restarted = restarted
+        self._spawning = asyncio.Lock()  # a restart and a stop never overlap
         self._watchers: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Self:
@@ -241,7 +259,15 @@ class Processes:
 
     async def _spawn(self, child: Child) -> None:
         child.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with child.log_path.open("wb") as out:
+        await self._exec(child, "wb")
+        log.debug("started %s (pid %d): %s", child.title, child.pid, " ".join(child.args))
+        self._watchers.append(asyncio.create_task(self._watch(child), name=f"watch {child.title}"))
+
+    async def _exec(self, child: Child, mode: str) -> None:
+        with child.log_path.open(mode) as out:
+            if mode == "ab":
+                out.write(f"\n--- unitproxy up: restarting {child.title} ---\n".encode())
+                out.flush()
             child.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", *child.args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
@@ -249,17 +275,40 @@ class Processes:
                 preexec_fn=die_with_parent(),
                 start_new_session=True,  # Ctrl-C reaches `up` alone, which stops the cell in order
             )  # fmt: skip
-        log.debug("started %s (pid %d): %s", child.title, child.pid, " ".join(child.args))
-        self._watchers.append(asyncio.create_task(self._watch(child), name=f"watch {child.title}"))
 
     async def _watch(self, child: Child) -> None:
         assert child.proc is not None
-        code = await child.proc.wait()
-        if self.stopping:
-            log.debug("%s (pid %d) stopped: %s", child.title, child.pid, describe_exit(code))
-            return
-        log.warning("%s (pid %d) exited: %s; not restarted; its log: %s",
-                    child.title, child.pid, describe_exit(code), child.log_path)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        started, failures = loop.time(), 0
+        while True:
+            code = await child.proc.wait()
+            if self.stopping:
+                log.debug("%s (pid %d) stopped: %s", child.title, child.pid, describe_exit(code))
+                return
+            last = last_line(child.log_path)
+            if self._restarted is None or not self.supervising:
+                log.warning("%s (pid %d) exited: %s%s; not restarted; its log: %s",
+                            child.title, child.pid, describe_exit(code), last,
+                            child.log_path)  # fmt: skip
+                return
+            first, most = RESTART_BACKOFF_S
+            failures = 0 if loop.time() - started >= most else failures + 1
+            wait_s = min(first * 2 ** max(failures - 1, 0), most)
+            log.warning("%s (pid %d) exited: %s%s; restarting it in %g s; its log: %s",
+                        child.title, child.pid, describe_exit(code), last, wait_s,
+                        child.log_path)  # fmt: skip
+            await asyncio.sleep(wait_s)
+            async with self._spawning:
+                if self.stopping:
+                    return
+                await self._restart(child)
+            started = loop.time()
+            await self._restarted(child)
+
+    async def _restart(self, child: Child) -> None:
+        old = child.pid
+        await self._exec(child, "ab")
+        log.info("restarted %s (pid %d, was %d) on the same ports", child.title, child.pid, old)
 
     def exited(self) -> list[Child]:
         return [c for c in self.children if c.proc is not None and c.proc.returncode is not None]
@@ -267,7 +316,8 @@ class Processes:
     async def stop(self) -> None:
         """SIGTERM to every child still running; SIGKILL what is left after the timeout."""
         self.stopping = True
-        running = [c for c in self.children if c.proc is not None and c.proc.returncode is None]
+        async with self._spawning:  # a restart under way has its new process in hand
+            running = [c for c in self.children if c.proc is not None and c.proc.returncode is None]
         for child in running:
             _send(child, signal.SIGTERM)
         if running:
@@ -286,6 +336,18 @@ class Processes:
         await asyncio.gather(*self._watchers, return_exceptions=True)
         if running:
             log.info("stopped %d processes", len(running))
+
+
+def last_line(path: Path) -> str:
+    """': ' and the last line a child wrote (a traceback's last line names the error)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [line for line in lines if line]
+    return f": {lines[-1][:300]}" if lines else ""
 
 
 async def _wait_all(children: Sequence[Child]) -> None:
@@ -341,7 +403,8 @@ async def wait_ready(cell: Cell, procs: Processes, timeout_s: float) -> None:
 def _exited_line(child: Child) -> str:
     assert child.proc is not None and child.proc.returncode is not None
     code = describe_exit(child.proc.returncode)
-    return f"{child.title} exited ({code}) while the cell was starting; its log: {child.log_path}"
+    return (f"{child.title} exited ({code}) while the cell was starting{last_line(child.log_path)}; "
+            f"its log: {child.log_path}")  # fmt: skip
 
 
 async def _not_ready(session: aiohttp.ClientSession, url: str) -> str:
@@ -402,8 +465,15 @@ async def run_up(settings: Settings) -> int:
 async def _run(settings: Settings) -> int:
     up = settings.up
     cell = plan(settings, allocate_ports(up))
+
+    async def restarted(child: Child) -> None:
+        await asyncio.to_thread(write_state, up.state_file, cell.state())
+
     with Signals() as signals:
-        async with Processes(cell.children, up.stop_timeout_s, signals.hurry) as procs:
+        procs = Processes(
+            cell.children, up.stop_timeout_s, signals.hurry, restarted if up.restart else None
+        )
+        async with procs:
             log.info("started %d processes; waiting for them to be ready", len(procs.children))
             ready = asyncio.create_task(wait_ready(cell, procs, up.ready_timeout_s))
             stop = asyncio.create_task(signals.stop.wait())
@@ -421,12 +491,19 @@ async def _run(settings: Settings) -> int:
                     print(f"unitproxy up: {line}", file=sys.stderr)
                 print("unitproxy up: stopping every process", file=sys.stderr)
                 return 1
+            procs.supervising = True
             print(table(cell), flush=True)
-            await asyncio.to_thread(write_state, up.state_file, cell.state())
-            log.info("cell ready: gateway %s, state in %s; Ctrl-C stops it",
-                     cell.gateway.http_url, up.state_file)  # fmt: skip
-            await signals.stop.wait()
-            log.info("received %s, stopping every process", _name(signals))
+            try:
+                await asyncio.to_thread(write_state, up.state_file, cell.state())
+                log.info("cell ready: gateway %s, state in %s; %sCtrl-C stops it",
+                         cell.gateway.http_url, up.state_file,
+                         "dead processes are restarted; " if up.restart else "")  # fmt: skip
+                await signals.stop.wait()
+                log.info("received %s, stopping every process", _name(signals))
+            finally:
+                await procs.stop()
+                with contextlib.suppress(FileNotFoundError):
+                    up.state_file.unlink()  # its pids are gone
     return 0
 
 

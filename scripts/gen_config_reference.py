@@ -69,8 +69,11 @@ class FlagInfo:
     choices: tuple[str, ...]
     repeatable: bool
     commands: tuple[str, ...]
+    switch: bool = False  # takes no value
 
     def usage(self) -> str:
+        if self.switch:
+            return self.flag
         if self.choices:
             value = "{" + ",".join(self.choices) + "}"
         else:
@@ -92,13 +95,19 @@ def flags_by_key() -> dict[str, FlagInfo]:
                     "metavar": action.metavar if isinstance(action.metavar, str) else None,
                     "choices": tuple(action.choices or ()),
                     "repeatable": isinstance(action, argparse._AppendAction),
+                    "switch": action.nargs == 0,
                     "commands": [],
                 },
             )
             entry["commands"].append(command)
     return {
         key: FlagInfo(
-            v["flag"], v["metavar"], v["choices"], v["repeatable"], tuple(sorted(v["commands"]))
+            v["flag"],
+            v["metavar"],
+            v["choices"],
+            v["repeatable"],
+            tuple(sorted(v["commands"])),
+            v["switch"],
         )
         for key, v in found.items()
     }

@@ -56,8 +56,8 @@ IMAGE_TARGETS = {"unitproxy": "proxy", "unitproxy-engine": "engine"}  # image na
 # What an exit takes beyond the drain: engine shutdown (sidecar), or the worker's own stop.
 STOP_MARGIN_S = 10
 
-# DESIGN §5: the metrics a dashboard must show.
-DESIGN_METRICS = (
+# The metrics a dashboard must show (docs/operations.md, Metrics).
+CORE_METRICS = (
     "requests_total", "outstanding_requests", "request_duration_seconds",
     "time_to_first_token_seconds", "inter_token_latency_seconds", "generated_tokens_total",
     "node_healthy", "unit_state", "health_probe_duration_seconds", "health_transitions_total",
@@ -754,7 +754,7 @@ def exported_metric_names() -> set[str]:
     for _, cls in inspect.getmembers(metrics_module, inspect.isclass):
         if cls.__module__ != metrics_module.__name__:
             continue
-        if list(inspect.signature(cls).parameters) == ["registry"]:
+        if next(iter(inspect.signature(cls).parameters), None) == "registry":
             cls(registry)
     names = set()
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
@@ -794,7 +794,7 @@ def _dashboards() -> list[Path]:
 def metric_names(expressions: list[str], where: str) -> set[str]:
     """The unitproxy metrics the expressions name; fails on one the code does not export."""
     exported = exported_metric_names()
-    assert len(exported) > len(DESIGN_METRICS)
+    assert len(exported) > len(CORE_METRICS)
     used = set()
     for expr in expressions:
         names = set(re.findall(r"\bunitproxy_[A-Za-z0-9_:]+", expr))
@@ -808,7 +808,7 @@ def metric_names(expressions: list[str], where: str) -> set[str]:
 def test_dashboard_names_only_exported_metrics(path: Path) -> None:
     dashboard = json.loads(path.read_text())
     used = metric_names(dashboard_expressions(dashboard), path.name)
-    missing = {f"unitproxy_{m}" for m in DESIGN_METRICS} - {
+    missing = {f"unitproxy_{m}" for m in CORE_METRICS} - {
         re.sub(r"_(bucket|sum|count)$", "", n) for n in used
     }
     assert not missing, f"{path.name} shows nothing of {sorted(missing)}"
@@ -870,3 +870,45 @@ def test_alerts_are_valid_prometheus_rules(tmp_path: Path) -> None:
 def _grafana_to_promql(expr: str) -> str:
     """Grafana's variables replaced by what they stand for at query time."""
     return expr.replace("$__rate_interval", "1m").replace("$instance", ".*")
+
+
+def test_prometheus_rules_file_is_the_alerts_rule_groups() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "gen_prometheus_rules", ROOT / "scripts" / "gen_prometheus_rules.py"
+    )
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.TARGET.read_text() == gen.render(), (
+        "deploy/prometheus/rules.yaml is stale: run `python scripts/gen_prometheus_rules.py`"
+    )
+    shipped = yaml.safe_load(gen.TARGET.read_text())["groups"]
+    assert shipped == _alert_groups()
+
+
+def test_shipped_rules_file_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
+    rules = ROOT / "deploy" / "prometheus" / "rules.yaml"
+    done = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True,
+                          text=True, timeout=30, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_kustomization_labels_the_monitoring_objects_for_the_operator() -> None:
+    # kube-prometheus-stack selects ServiceMonitors and PrometheusRules by `release`.
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    objects = {
+        d["kind"]: d for d in k8s_documents() if d["kind"] in ("ServiceMonitor", "PrometheusRule")
+    }
+    assert set(objects) == {"ServiceMonitor", "PrometheusRule"}
+    patched = set()
+    for entry in kustomization["patches"]:
+        target = objects[entry["target"]["kind"]]
+        assert entry["target"]["name"] == target["metadata"]["name"]
+        for op in yaml.safe_load(entry["patch"]):
+            assert op["op"] == "add" and op["path"] == "/metadata/labels/release"
+            assert "labels" in target["metadata"], "the patch adds to existing labels"
+            patched.add(target["kind"])
+    assert patched == set(objects)

@@ -4,6 +4,7 @@ and every setting, flag, environment variable, metric and link the docs name exi
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,37 @@ def test_relative_links_resolve(path: Path) -> None:
         if re.match(r"[a-z]+://", target):
             continue
         assert (path.parent / target).exists(), f"{path.name}: link to {target} is broken"
+
+
+def test_the_repository_stands_alone() -> None:
+    # Users get the repository alone: no doc, test or comment may point at a file
+    # outside it (a contract kept elsewhere, a shared folder).
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()  # fmt: skip
+    outside = re.compile(
+        "|".join(
+            re.escape(p)
+            for p in ("DESIGN" + ".md", "DESIGN" + " §", "../" + "shared", "shared " + "project")
+        )
+    )
+    found = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix not in (
+            ".py",
+            ".md",
+            ".yaml",
+            ".yml",
+            ".json",
+            ".toml",
+            ".sh",
+            ".proto",
+            "",
+        ):
+            continue
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        found += [f"{name}: {m.group(0)}" for m in outside.finditer(text)]
+    assert found == []

@@ -14,6 +14,7 @@ from proxy.errors import (
     EngineError,
     Forbidden,
     InvalidRequest,
+    MethodNotAllowed,
     NotFound,
     Overloaded,
     PayloadTooLarge,
@@ -25,10 +26,11 @@ from proxy.errors import (
 
 pytestmark = pytest.mark.timeout(10)
 
-# The table in proxy/errors.py's docstring and DESIGN.md §2/§3.
+# The table in proxy/errors.py's docstring and in docs/api.md (Errors).
 MAPPING: list[tuple[type[UnitProxyError], int, grpc.StatusCode]] = [
     (UnitProxyError, 500, grpc.StatusCode.INTERNAL),
     (InvalidRequest, 400, grpc.StatusCode.INVALID_ARGUMENT),
+    (MethodNotAllowed, 405, grpc.StatusCode.UNIMPLEMENTED),
     (Unauthenticated, 401, grpc.StatusCode.UNAUTHENTICATED),
     (Forbidden, 403, grpc.StatusCode.PERMISSION_DENIED),
     (NotFound, 404, grpc.StatusCode.NOT_FOUND),

@@ -3,7 +3,7 @@
 Each test starts its own followers, sidecars and gateway (``tests.procs``), puts load
 on them, injects one fault and counts what every request ended as. Each prints one
 ``FAULT`` line with those counts (``pytest -s`` shows them); the assertions hold the
-product to DESIGN §6: nothing hangs past its deadline, a stream cut short says so with
+product to docs/api.md (Semantics): nothing hangs past its deadline, a stream cut short says so with
 an SSE error event, new work goes elsewhere, every count returns to 0.
 """
 
@@ -404,7 +404,7 @@ async def test_black_hole_unit_gets_no_work(procs: Procs, load_source: str) -> N
         gateway_ready=ready,
     )
     assert Counter(status for status, _ in results) == Counter({200: 40})
-    assert units["hole"]["state"] is None and units["hole"]["routed"] == 0
+    assert units["hole"]["state"] == "UNKNOWN" and units["hole"]["routed"] == 0
     # The gateway did try to get its load reports, and sent no request there.
     if load_source == "watch":
         assert hole_grpc.accepted >= 1 and hole_http.accepted == 0

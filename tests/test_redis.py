@@ -1,4 +1,4 @@
-"""Load sharing through Redis (DESIGN §4), against a real Redis server.
+"""Load sharing through Redis (docs/api.md, Load report), against a real Redis server.
 
 The tests use the Redis at ``UNITPROXY_TEST_REDIS_URL`` (default
 redis://127.0.0.1:6379/0) and skip, saying how to get one, when none answers:

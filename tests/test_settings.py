@@ -274,3 +274,27 @@ def test_advertised_address() -> None:
     assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
     assert advertised_host("::", "fd00::1") == "[fd00::1]"
     assert advertised_host("0.0.0.0")  # the host name, whatever it is here
+
+
+def test_help_writes_placeholders_as_the_configuration_reference_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sidecar", "--help"])
+    out = capsys.readouterr().out
+    assert "--host HOST" in out and "--model MODEL" in out and "--unit-id ID" in out
+    assert "SERVER.HOST" not in out and "ENGINE.MODEL" not in out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--help"])
+    assert "[--restart]" in capsys.readouterr().out
+
+
+def test_an_unknown_flag_shows_its_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["gateway", "--unit", "a=http://h:1,h:2", "--bogus", "1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: unitproxy gateway ")
+    assert "unitproxy gateway: error: unrecognized arguments: --bogus 1" in err

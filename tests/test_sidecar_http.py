@@ -135,7 +135,7 @@ async def test_oversize_body_unknown_path_and_wrong_method(
         assert resp.status == 404
         assert "/v2/nothing" in (await resp.json())["error"]["message"]
     async with http.get(f"{sidecar.http_url}/v1/completions") as resp:
-        assert resp.status == 400
+        assert resp.status == 405 and resp.headers["allow"] == "POST"
         assert "GET" in (await resp.json())["error"]["message"]
     async with http.get(f"{sidecar.http_url}/ready") as resp:
         assert resp.status == 200

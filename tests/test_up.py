@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,7 @@ async def test_up_starts_a_cell_and_sigterm_stops_it(
         assert await up.wait(20) == 0
         gone = [name for name, pid in pids.items() if _alive(pid)]
         assert gone == [], f"still running after up exited: {gone}"
+        assert not (tmp_path / "cell" / "cell.json").exists(), "its pids are gone"
 
 
 @pytest.mark.slow
@@ -231,7 +233,9 @@ async def test_a_child_that_cannot_start_fails_up_and_stops_the_rest(
     assert await up.wait(STARTUP_TIMEOUT_S) == 1
     output = up.output()
     assert "unitproxy up: sidecar unit-" in output
-    assert "while the cell was starting; its log: " in output
+    # The cause, from the end of the sidecar's log, in up's own output.
+    assert "while the cell was starting: unitproxy: invalid configuration: engine.kind: " in output
+    assert "; its log: " in output
     assert str(tmp_path / "cell" / "logs" / "sidecar-unit-") in output
     assert not state_file.exists()
     pids = [int(pid) for pid in re.findall(r"started \S+(?: \S+)? \(pid (\d+)\)", output)]
@@ -247,3 +251,68 @@ def test_table_values_reach_the_sidecars_as_json() -> None:
     settings = load({"engine": {"engine_args": {"enforce_eager": True}, "kind": "sim"}})
     argv = given_flags(settings, ENGINE)
     assert argv[argv.index("--engine-args") + 1] == '{"enforce_eager": true}'
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_restart_brings_a_dead_child_back_and_ctrl_c_stops_it_too(
+    procs: Procs, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    up, state = await _start_up(procs, tmp_path, "--units", "1", "--followers", "1", "--restart")
+    state_file = tmp_path / "cell" / "cell.json"
+    seen = [state]
+    async with _reaping(state):
+        pids = _pids(state)
+        os.kill(pids["u0-f0"], signal.SIGKILL)
+
+        def new_follower() -> bool:
+            current = json.loads(state_file.read_text())
+            return _pids(current)["u0-f0"] != pids["u0-f0"]
+
+        await _until(new_follower, 15, "the state file to list the restarted follower")
+        restarted = json.loads(state_file.read_text())
+        seen.append(restarted)
+        new_pid = _pids(restarted)["u0-f0"]
+        assert _alive(new_pid)
+        assert restarted["units"][0]["followers"] == [
+            {**state["units"][0]["followers"][0], "pid": new_pid}
+        ]  # same ports
+        output = up.output()
+        assert f"follower u0-f0 (pid {pids['u0-f0']}) exited: signal SIGKILL" in output
+        assert "restarting it in 1 s" in output
+        assert f"restarted follower u0-f0 (pid {new_pid}, was {pids['u0-f0']})" in output
+        # The unit comes back by itself.
+        deadline = asyncio.get_running_loop().time() + 20
+        while await _ready(http, state["units"][0]["sidecar"]["http"]) != 200:
+            assert asyncio.get_running_loop().time() < deadline, "unit-0 did not come back"
+            await asyncio.sleep(0.1)
+
+        up.signal(signal.SIGINT)
+        assert await up.wait(20) == 0
+        left = [pid for pid in [*pids.values(), new_pid] if _alive(pid)]
+        assert left == [], f"still running after up exited: {left}"
+        assert not state_file.exists(), "the state file of a stopped cell is removed"
+    for old in seen:
+        assert not any(_alive(pid) for pid in _pids(old).values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+async def test_a_child_whose_port_is_taken_says_so_in_ups_output(
+    procs: Procs, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        base = taken.getsockname()[1]
+        state_file = tmp_path / "cell" / "cell.json"
+        # --base-port: the gateway's HTTP port comes first, and it is taken.
+        up = await procs.start("up", "--state-file", str(state_file), "--units", "1",
+                               "--followers", "0", "--base-port", str(base), name="up")  # fmt: skip
+        assert await up.wait(STARTUP_TIMEOUT_S) == 1
+    output = up.output()
+    assert (
+        f"gateway exited (status 1) while the cell was starting: unitproxy: cannot listen on "
+        f"127.0.0.1:{base} (HTTP): Address already in use; its log: "
+    ) in output, output
+    assert not state_file.exists()

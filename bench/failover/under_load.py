@@ -55,7 +55,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -73,7 +72,7 @@ if __package__ in (None, ""):  # run as a file: make the bench package importabl
 
 import aiohttp
 
-from bench.common import cpu_model, loop_name, run_loop
+from bench.common import cpu_model, free_ports, loop_name, run_loop
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "failover_under_load.json"
@@ -141,14 +140,6 @@ async def running(name: str, args: Sequence[str], log: Path) -> AsyncIterator[Ch
         yield child
     finally:
         await child.stop()
-
-
-def free_ports(n: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 async def until_ready(http: aiohttp.ClientSession, child: Child, url: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from bench.common import no_plot
 from bench.overhead import goals, plot, report
 
 PRINTED_LOG_LINES = 5
@@ -160,6 +161,9 @@ def draw(rep: dict[str, Any]) -> None:
         f"bench/overhead: {m['nproc']} cores {m['cpu_model']}, {s['repeats']}x{s['duration_s']:g} s "
         f"windows per cell, targets interleaved, {rep['finished_at']}"
     )
+    if (why := no_plot()) is not None:
+        print(why)
+        return
     plot.plot(rep["rows"], s["concurrency"], title, Path(rep["png"]))
 
 

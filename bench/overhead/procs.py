@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -115,18 +114,6 @@ def _signal(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
     # The child leads its own session: the group holds it and any workers it forked.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together while chosen)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # -- CPU from /proc -------------------------------------------------------------------

@@ -39,7 +39,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.overhead.procs import HOST, Child, ChildFailed, free_ports, running
+from bench.common import free_ports
+from bench.overhead.procs import HOST, Child, ChildFailed, running
 
 REPO = Path(__file__).resolve().parents[2]
 VENVS = REPO / "bench" / ".venvs"

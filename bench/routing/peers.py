@@ -67,6 +67,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.common import free_ports
 from bench.overhead import procs
 from bench.overhead.targets import SETUP, VENVS, _answers, _peer_version, _poll
 from bench.routing import fleet
@@ -253,7 +254,7 @@ async def running_peer(
     """A fresh peer router over the fleet, once it sees every unit healthy and answers."""
     if (why := policy.router.unavailable()) is not None:
         raise fleet.GatewayFailed(why)
-    port, metrics_port = procs.free_ports(2)
+    port, metrics_port = free_ports(2)
     worker_urls = [child.http_url for child in units.sidecars]
     argv = policy.argv(worker_urls, port, metrics_port)
     url = f"http://{fleet.HOST}:{port}"

@@ -56,7 +56,15 @@ if __package__ in (None, ""):  # run as a file: make the bench.routing package i
 
 import aiohttp
 
-from bench.common import Interrupted, code_version, cpu_model, loop_name, run_loop, until_signal
+from bench.common import (
+    Interrupted,
+    code_version,
+    cpu_model,
+    loop_name,
+    no_plot,
+    run_loop,
+    until_signal,
+)
 from bench.routing import client, fleet, peers, report, workload
 
 REPO = Path(__file__).resolve().parents[2]
@@ -661,7 +669,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     data = build_report(s, results, machine, time.perf_counter() - started)
     s.out.write_text(json.dumps(data, indent=2) + "\n")
-    if results.rows:
+    if results.rows and (why := no_plot()) is not None:
+        print(why)
+    elif results.rows:
         report.plot(results.rows, s.png, plot_title(results, s, machine))
     print_report(data, results)
     if results.stopped_by:

@@ -44,7 +44,7 @@ class NodeState:
         self._metrics = metrics
         self._verdicts: dict[str, tuple[bool, str]] = {}
         self.healthy = False
-        metrics.node_healthy.labels(node, ROLE).set(0)
+        metrics.add_node(node, ROLE)
 
     def expect(self, name: str, reason: str) -> None:
         self._verdicts[name] = (False, reason)

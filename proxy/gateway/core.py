@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
-from proxy.metrics import GatewayMetrics
+from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics
 from proxy.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,6 @@ log = logging.getLogger(__name__)
 NOT_TAKING_WORK = frozenset({"starting", "not_serving", "draining"})
 # One that says the unit failed under the request: a reason to migrate.
 UNIT_FAILED = frozenset({"unit_failed", "engine_dead"})
-RETRY_REASONS = ("429", "503", "connect", "resource_exhausted", "unavailable")
-MIGRATION_REASONS = ("unit_failed", "broken", "idle")
 
 
 class UnitTimeout(DeadlineExceeded):

@@ -79,7 +79,7 @@ class WatchSource(LoadSource):
                 received = await self._hold(unit, stub)
                 why = "load stream ended"
             except grpc.aio.AioRpcError as exc:
-                received, why = False, f"load stream broke: {exc.code().name}"
+                received, why = False, f"load stream broke: {exc.code().name}: {exc.details()}"
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -218,7 +218,9 @@ class PollSource(LoadSource):
             except asyncio.CancelledError:
                 raise
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-                log.debug("polling unit %s failed: %s", unit.id, exc)
+                # Its last report ages out; the unit shows LOST with this reason.
+                why = str(exc) or type(exc).__name__
+                self._router.unreachable(unit, f"polling /load failed: {why}")
             except Exception:
                 log.exception("polling unit %s failed unexpectedly", unit.id)
             await asyncio.sleep(self._interval_s * self._rng.uniform(0.9, 1.1))
@@ -231,7 +233,7 @@ class PollSource(LoadSource):
 
 
 class RedisSource(LoadSource):
-    """Reports of every unit from Redis (DESIGN §4): SUBSCRIBE to the load channel,
+    """Reports of every unit from Redis (docs/api.md, Load report): SUBSCRIBE to the load channel,
     then re-read every unit's key, on each (re)connect, so nothing is missed.
 
     A report from a unit this gateway does not know adds it (``discover`` opens its

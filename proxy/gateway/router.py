@@ -19,7 +19,7 @@ from enum import Enum
 
 from proxy.errors import Overloaded, Unavailable
 from proxy.gateway.select import POLICIES
-from proxy.gateway.units import Unit
+from proxy.gateway.units import Unit, reason
 from proxy.load import LoadReport
 from proxy.settings import GatewaySettings, UnitTarget
 
@@ -221,6 +221,9 @@ class Router:
         ):
             return  # an older report that arrived late
         before = unit.state
+        if unit.lost is not None:
+            log.info("unit %s: load reports again (was %s)", unit_id, unit.lost)
+            unit.lost = None
         unit.apply(report, self._clock())
         if report.state != before:
             log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
@@ -255,12 +258,26 @@ class Router:
         return self._aging_paused_at is not None
 
     def forget_report(self, unit_id: str, why: str) -> None:
-        """The load source lost the unit: route nothing there until it reports again."""
+        """The load source lost the unit: route nothing there until it reports again.
+
+        The unit shows as LOST (UNKNOWN if it never reported) with ``why``; its report
+        age keeps growing. Logged once per change of reason, not once per retry.
+        """
         unit = self.units.get(unit_id)
-        if unit is not None and unit.report is not None:
-            log.warning("unit %s: no load report (%s); not routing there", unit_id, why)
+        if unit is None:
+            return
+        self.unreachable(unit, why)
+        if unit.report is not None:
             unit.report = None
             self._changed(unit)
+
+    def unreachable(self, unit: Unit, why: str) -> None:
+        """The load source could not reach the unit (its last report, if any, ages out)."""
+        short = reason(why)
+        if unit.lost != short:
+            detail = why if short == why else f"{short}: {why}"
+            log.warning("unit %s: no load report (%s); not routing there", unit.id, detail)
+            unit.lost = short
 
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -46,9 +47,11 @@ from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import (
     Drain,
     Gate,
+    ListenError,
     Service,
     advertised_host,
     cancel_tasks,
+    os_error,
     start_grpc,
 )
 from proxy.settings import Settings, UnitTarget
@@ -74,7 +77,7 @@ class Gateway(Service):
         super().__init__()
         self.settings = settings
         self.registry = CollectorRegistry()
-        self.metrics = ServingMetrics(self.registry)
+        self.metrics = ServingMetrics(self.registry, tokens=False)
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.router = Router(settings.gateway, settings.gateway.units, on_change=self._unit_changed)
         self.health_service = HealthServicer()
@@ -101,8 +104,11 @@ class Gateway(Service):
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
+        now = time.monotonic()
         for unit in self.router.units.values():
             self._connect(unit)
+            self.gateway_metrics.add_unit(unit.id)
+            self._refresh_gauges(unit, now)  # every series exists from the start
         self.wheel = Wheel(asyncio.get_running_loop())
         stack.callback(self.wheel.close)
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
@@ -210,6 +216,7 @@ class Gateway(Service):
         unit = self.router.add(target)
         if unit.id not in self._pools:
             self._connect(unit)
+            self.gateway_metrics.add_unit(unit.id)
         return unit
 
     def _poll_session(self) -> aiohttp.ClientSession:
@@ -220,13 +227,25 @@ class Gateway(Service):
     # --- health -------------------------------------------------------------------
 
     def _unit_changed(self, unit: Unit) -> None:
-        self.gateway_metrics.unit_load.labels(unit.id).set(
-            unit.estimate(self.settings.gateway.correct_load)
-        )
+        self._refresh_gauges(unit, time.monotonic())
         serving = any(u.state is UnitState.SERVING for u in self.router.units.values())
         if serving != self._served:
             self._served = serving
             self._serving_changed.set()
+
+    def _refresh_gauges(self, unit: Unit, now: float) -> None:
+        """The unit's state, load and report age as this gateway sees them. A LOST or
+        UNKNOWN unit has no load series (a dead unit must not read as idle), and its
+        report age keeps growing."""
+        m, g = self.gateway_metrics, self.settings.gateway
+        state, _ = unit.view(now, g.stale_after_s)
+        m.set_unit_state(unit.id, state)
+        m.report_age.labels(unit.id).set(unit.report_age(now))
+        if state in ("LOST", "UNKNOWN"):
+            with contextlib.suppress(KeyError):
+                m.unit_load.remove(unit.id)
+        else:
+            m.unit_load.labels(unit.id).set(unit.estimate(g.correct_load))
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -247,11 +266,8 @@ class Gateway(Service):
         """Refresh the per-unit gauges; a unit whose reports stopped is no longer serving."""
         while True:
             now = time.monotonic()
-            correct = self.settings.gateway.correct_load
             for unit in self.router.units.values():
-                age = now - unit.report_at if unit.report is not None else -1.0
-                self.gateway_metrics.report_age.labels(unit.id).set(age)
-                self.gateway_metrics.unit_load.labels(unit.id).set(unit.estimate(correct))
+                self._refresh_gauges(unit, now)
             self.gateway_metrics.queue_waiting.set(self.router.waiting)
             self.router.wake()
             await asyncio.sleep(0.5)
@@ -271,13 +287,16 @@ class Gateway(Service):
         http_front = front.Front(
             ROUTES, self._serve_front, runner.server, s.max_body_bytes, self.wheel
         )
-        server = await asyncio.get_running_loop().create_server(
-            http_front.protocol,
-            s.host,
-            port,
-            ssl=None if tls is None else tls.ssl_context,
-            reuse_address=True,
-        )
+        try:
+            server = await asyncio.get_running_loop().create_server(
+                http_front.protocol,
+                s.host,
+                port,
+                ssl=None if tls is None else tls.ssl_context,
+                reuse_address=True,
+            )
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {s.host}:{port} (HTTP): {os_error(exc)}") from exc
 
         async def stop() -> None:
             server.close()
@@ -374,7 +393,8 @@ class Gateway(Service):
         return json_response(body, status=200 if body["state"] == "SERVING" else 503)
 
     def _ready_body(self) -> dict[str, Any]:
-        counts = Counter(str(u.state) if u.state else "UNKNOWN" for u in self.router.units.values())
+        now, stale = time.monotonic(), self.settings.gateway.stale_after_s
+        counts = Counter(u.view(now, stale)[0] for u in self.router.units.values())
         serving = len(self.router.serving())
         state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
         return {"state": state, "serving_units": serving, "units": dict(counts),
@@ -382,24 +402,27 @@ class Gateway(Service):
 
     async def _units(self, request: web.Request) -> web.Response:
         now = time.monotonic()
-        correct = self.settings.gateway.correct_load
-        units = [
-            {
-                "id": u.id,
-                "http_url": u.http_url,
-                "grpc_target": u.grpc_target,
-                "state": str(u.state) if u.state else None,
-                "outstanding": u.estimate(correct),
-                "reported_outstanding": u.report.outstanding if u.report else None,
-                "inflight_here": u.inflight,
-                "capacity": u.capacity,
-                "report_age_s": round(now - u.report_at, 3) if u.report else None,
-                "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
-                "routed": u.routed,
-            }
-            for u in self.router.units.values()
-        ]
+        units = [self._unit_json(u, now) for u in self.router.units.values()]
         return json_response({"units": units, "waiting": self.router.waiting})
+
+    def _unit_json(self, u: Unit, now: float) -> dict[str, Any]:
+        g = self.settings.gateway
+        state, why = u.view(now, g.stale_after_s)
+        age = u.report_age(now)
+        return {
+            "id": u.id,
+            "http_url": u.http_url,
+            "grpc_target": u.grpc_target,
+            "state": state,
+            "reason": why,
+            "outstanding": u.estimate(g.correct_load),
+            "reported_outstanding": u.report.outstanding if u.report else None,
+            "inflight_here": u.inflight,
+            "capacity": u.capacity,
+            "report_age_s": None if age < 0 else round(age, 3),
+            "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
+            "routed": u.routed,
+        }
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from proxy.load import LoadReport, UnitState
+
+# The states /units and unitproxy_gateway_unit_state give a unit: the state of its last
+# fresh report, LOST once its reports stopped (stream broken, unreachable, or stale),
+# UNKNOWN before it ever reported.
+VIEW_STATES = (*(s.value for s in UnitState), "LOST", "UNKNOWN")
+
+# Why a unit cannot be reached, from the text of the error: the short names operators
+# look for first (the full text is logged).
+_REASONS = (
+    ("refused", "connection refused"),
+    ("tls", "TLS handshake failed"),
+    ("ssl", "TLS handshake failed"),
+    ("certificate", "TLS handshake failed"),
+    ("resolv", "name not resolved"),
+    ("name not found", "name not resolved"),
+    ("name or service not known", "name not resolved"),
+    ("deadline", "timed out"),
+    ("timed out", "timed out"),
+    ("timeout", "timed out"),
+    ("no report for", "timed out"),
+    ("reset", "connection reset"),
+    ("http/2", "not a unitproxy gRPC port"),
+)
 
 
 @dataclass(slots=True)
@@ -20,6 +44,7 @@ class Unit:
     failures: int = 0  # consecutive connection errors and 5xx
     ejected_until: float = 0.0
     routed: int = 0
+    lost: str | None = None  # why the load source cannot reach the unit (None: it can)
 
     @property
     def state(self) -> UnitState | None:
@@ -28,6 +53,20 @@ class Unit:
     @property
     def capacity(self) -> int:
         return self.report.capacity if self.report else 0
+
+    def view(self, now: float, stale_after_s: float) -> tuple[str, str | None]:
+        """The unit's state as this gateway sees it, and why it is LOST or UNKNOWN."""
+        if self.report is None:
+            state = "UNKNOWN" if math.isinf(self.report_at) else "LOST"
+            return state, self.lost or ("no load report yet" if state == "UNKNOWN" else None)
+        age = now - self.report_at
+        if age >= stale_after_s:
+            return "LOST", self.lost or f"no load report for {age:.0f} s"
+        return self.report.state.value, None
+
+    def report_age(self, now: float) -> float:
+        """Seconds since the last report arrived, growing while none comes; -1: none yet."""
+        return -1.0 if math.isinf(self.report_at) else now - self.report_at
 
     def estimate(self, correct: bool = True) -> int:
         """Outstanding requests now: the last report, corrected by what this gateway
@@ -65,3 +104,12 @@ class Unit:
         self.report_at = now
         self.started_since_report = 0
         self.finished_since_report = 0
+
+
+def reason(error: str) -> str:
+    """A short name for why a unit is unreachable (refused, timed out, TLS...)."""
+    low = error.lower()
+    for needle, name in _REASONS:
+        if needle in low:
+            return name
+    return error.splitlines()[0][:120] if error else "unknown error"

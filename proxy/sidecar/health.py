@@ -60,7 +60,7 @@ class UnitHealth:
         if name in self._nodes:
             raise ValueError(f"node {name!r} is configured twice")
         self._nodes[name] = _Node(name, role, address, since_ms=self._wall_ms())
-        self._health_metrics.node_healthy.labels(name, role).set(0)
+        self._health_metrics.add_node(name, role)
         self._update_state()
 
     def set_node(self, name: str, healthy: bool, reason: str = "") -> None:

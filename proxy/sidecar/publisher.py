@@ -1,4 +1,4 @@
-"""Publishing the unit's load report to Redis (DESIGN §4).
+"""Publishing the unit's load report to Redis (docs/api.md, Load report).
 
 On every change (coalesced: changes that arrive while one report is on its way fold
 into the next) and at least every report interval, one MULTI: ``SET unit:{id}`` with

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = "unitproxy.v1.Inference"
 LEADER = "leader"
+LOAD_PROGRESS_S = 1.0  # how often the leader's reason shows the engine load's time so far
 
 
 class Sidecar(Service):
@@ -74,10 +75,48 @@ class Sidecar(Service):
         self._tasks: list[asyncio.Task[None]] = []
 
     async def _start(self) -> None:
+        """Ports first, then the engine: a long model load is visible and probe-able
+        (STARTING, /ready 503 naming the load and its time so far, /metrics)."""
         s = self.settings
         stack = self._stack
         self._watch_engine_gauges()
-        await stack.enter_async_context(self.engine)
+        await self._open_ports()
+        self.health.add_node(LEADER, "leader", self.grpc_target)
+        for follower in s.sidecar.followers:
+            self.health.add_node(follower.name, "follower", follower.target)
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
+        )
+        stack.push_async_callback(cancel_tasks, self._tasks)
+        self._spawn(self._publish_health(), "grpc health")
+        for follower in s.sidecar.followers:
+            self._spawn(self._monitor(follower, session).run(), f"follower {follower.name}")
+        if s.redis.url is not None:
+            # Entered after the tasks: on exit it stops first, with a last report.
+            publisher = ReportPublisher(
+                s.redis, self.core.report, self.changes, s.sidecar.report_interval_s
+            )
+            self.publisher = await stack.enter_async_context(publisher)
+        await self._load_engine()
+        # Stopping runs in reverse: requests still in flight (a forced stop, a drain that
+        # ran out of time) end with the unit-failure error event or status, then the
+        # engine stops, then the servers close. After a drain there is none.
+        stack.push_async_callback(self._let_go_all)
+        stack.push_async_callback(cancel_tasks, self._tasks)  # before the engine stops
+        self._spawn(self._leader_checker().run(), "leader health")
+        self._spawn(self.core.watch_failures(), "unit failure")
+        recovery = s.sidecar.recovery
+        if recovery.command or recovery.url:
+            self.recovery = RecoveryHook(recovery, self.health, session)
+            self._spawn(self.recovery.run(), "recovery hook")
+        log.info(
+            "sidecar %s: engine %s%s loaded, HTTP %s, gRPC %s",
+            s.sidecar.unit_id, self.engine.model_name,
+            " (simulator)" if self.engine.is_simulator else "", self.http_url, self.grpc_target,
+        )  # fmt: skip
+
+    async def _open_ports(self) -> None:
+        s, stack = self.settings, self._stack
         http_port, grpc_port = s.ports("sidecar")
         self.api_keys = await ApiKeys.load(s.server)
         tls = await server_tls(s.server)
@@ -101,42 +140,34 @@ class Sidecar(Service):
         )
         bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
         stack.push_async_callback(self.watch.close)  # before the servers close
-        # Stopping runs in reverse: requests still in flight (a forced stop, a drain
-        # that ran out of time) end with the unit-failure error event or status, then
-        # the engine stops, then the servers close. After a drain there is none.
-        stack.push_async_callback(self.engine.stop)
-        stack.push_async_callback(self._let_go_all)
         host = advertised_host(s.server.host, s.server.advertise_host)
         scheme = "http" if tls is None else "https"
         self.http_url = self.core.http_url = f"{scheme}://{host}:{bound_http}"
         self.grpc_target = self.core.grpc_target = f"{host}:{bound_grpc}"
-        self.health.add_node(LEADER, "leader", self.grpc_target)
-        for follower in s.sidecar.followers:
-            self.health.add_node(follower.name, "follower", follower.target)
-        session = await stack.enter_async_context(
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
-        )
-        stack.push_async_callback(cancel_tasks, self._tasks)
-        self._spawn(self._leader_checker().run(), "leader health")
-        for follower in s.sidecar.followers:
-            self._spawn(self._monitor(follower, session).run(), f"follower {follower.name}")
-        recovery = s.sidecar.recovery
-        if recovery.command or recovery.url:
-            self.recovery = RecoveryHook(recovery, self.health, session)
-            self._spawn(self.recovery.run(), "recovery hook")
-        self._spawn(self._publish_health(), "grpc health")
-        self._spawn(self.core.watch_failures(), "unit failure")
-        if s.redis.url is not None:
-            # Entered after the tasks: on exit it stops first, with a last report.
-            publisher = ReportPublisher(
-                s.redis, self.core.report, self.changes, s.sidecar.report_interval_s
-            )
-            self.publisher = await stack.enter_async_context(publisher)
-        log.info(
-            "sidecar %s: HTTP %s, gRPC %s, engine %s%s",
-            s.sidecar.unit_id, self.http_url, self.grpc_target, self.engine.model_name,
-            " (simulator)" if self.engine.is_simulator else "",
-        )  # fmt: skip
+        log.info("sidecar %s: HTTP %s, gRPC %s, STARTING: loading the engine",
+                 s.sidecar.unit_id, self.http_url, self.grpc_target)  # fmt: skip
+
+    async def _load_engine(self) -> None:
+        """Start the engine while the ports answer; the leader node says how long the
+        load has taken so far. Stopping runs in reverse: the engine stops before the
+        servers close, so a request still in flight (a forced stop) ends with an error
+        event or status, not a cut connection. After a drain there is none."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def progress() -> None:
+            while True:
+                took = loop.time() - started
+                self.health.set_node(LEADER, False, f"engine loading ({took:.0f} s so far)")
+                await asyncio.sleep(LOAD_PROGRESS_S)
+
+        shown = asyncio.create_task(progress(), name="engine load progress")
+        try:
+            await self._stack.enter_async_context(self.engine)
+        finally:
+            await cancel_tasks([shown])
+        self.health.set_node(LEADER, False, "engine loaded; first health check pending")
+        log.info("unit %s: engine loaded in %.1f s", self.core.unit_id, loop.time() - started)
 
     def start_drain(self) -> None:
         """DRAINING at once: readiness and health say so, new requests get 503."""

@@ -1,0 +1,63 @@
+"""Every bench program runs: its quick mode, through bench/all.py, must exit 0.
+
+Benchmarks are programs, not timed tests; this only keeps them from breaking
+silently (a check that no longer matches the product, a flag that went away). Each
+runs its ``--quick`` mode narrowed further by its own flags where the quick mode alone
+takes minutes, so each test stays within about two minutes on two busy cores. Peer
+routers that are not installed are left out by the benches themselves, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+# bench name (in bench/all.py) -> the flags that bound its quick mode here
+SMOKE: dict[str, tuple[str, ...]] = {
+    "sidecar_throughput": (),
+    "overhead": ("--concurrency", "4", "--duration", "0.5", "--warmup", "0.2"),
+    "routing": (
+        "--loads",
+        "85",
+        "--duration",
+        "3",
+        "--warmup",
+        "1",
+        "--policies",
+        "lor,random",
+        "--saturation-window",
+        "2",
+    ),
+    "failover_detect": ("--scenarios", "kill-watch,stop-watch"),
+    "failover_under_load": ("--scenarios", "sidecar-kill", "--settle", "1", "--watch", "2"),
+}
+
+
+def test_every_bench_has_a_smoke_run() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.all import BENCHES
+    finally:
+        sys.path.remove(str(ROOT))
+    needs_vllm = {"vllm_side_by_side"}  # its own venv; run with `bench/all.py --quick`
+    assert {b.name for b in BENCHES} - needs_vllm == set(SMOKE)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_bench_quick_mode_runs(name: str, tmp_path: Path) -> None:
+    argv = [sys.executable, "bench/all.py", "--quick", "--only", name, "--out", str(tmp_path),
+            "--", *SMOKE[name]]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=190, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    results = tmp_path / f"{name}.json"
+    assert results.exists(), output[-3000:]
+    assert json.loads(results.read_text()), f"{results} is empty"
