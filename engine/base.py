@@ -73,6 +73,9 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = -1.0  # 0..1, -1 when unknown
+    prefix_cache_hit_rate: float = -1.0  # 0..1, -1 when unknown
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which were cached
 
 
 class Engine(abc.ABC):

@@ -8,8 +8,10 @@ counts like a real BPE tokenizer): token k is a function of the engine seed, the
 request's seed and the whole context before it (prompt or chat template, then the
 output so far), so the same request gives the same text in any process, and a
 request resumed with its output so far appended continues exactly as it would have.
-Fault knobs make every request fail after N tokens (error), the scheduler stop
-stepping (hang) or the whole engine die (crash).
+A prefix cache (``engine.prefix_cache``: KV blocks, LRU) makes prefill cost only the
+prompt tokens not already cached, shared across requests; its hit rate is in
+``stats()``. Fault knobs make every request fail after N tokens (error), the
+scheduler stop stepping (hang) or the whole engine die (crash).
 
 The hang and crash knobs count requests admitted since ``start()`` (``generate()``
 calls that began); a knob of N trips as the N-th begins, and 0 trips at ``start()``.
@@ -27,6 +29,7 @@ from typing import Literal
 
 from engine import tokens
 from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
+from engine.prefix_cache import PrefixCache
 from proxy.errors import EngineDeadError, EngineError
 from proxy.settings import SimSettings
 
@@ -111,17 +114,22 @@ def count_prompt_tokens(
     return n
 
 
-def _context_hash(engine_seed: int, request: EngineRequest) -> hashlib.blake2b:
+def _context_text(request: EngineRequest) -> str:
+    """The prompt as text (the chat template's for messages); "" for token ids."""
+    if request.messages is not None:
+        return chat_context(request)
+    return request.prompt or ""
+
+
+def _context_hash(engine_seed: int, request: EngineRequest, text: str) -> hashlib.blake2b:
     """The hash of (seeds, context) that picks the next token; tokens extend it."""
     # hashlib, not hash(): str hashes are salted per process
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{engine_seed}/{request.sampling.seed}/".encode())
     if request.prompt_token_ids is not None:
         h.update(b"ids:" + b"".join(i.to_bytes(4, "little") for i in request.prompt_token_ids))
-    elif request.messages is not None:
-        h.update(b"text:" + chat_context(request).encode(errors="surrogatepass"))
     else:
-        h.update(b"text:" + (request.prompt or "").encode(errors="surrogatepass"))
+        h.update(b"text:" + text.encode(errors="surrogatepass"))
     return h
 
 
@@ -171,6 +179,7 @@ class _Seq:
     tables: _Tables
     by_ids: bool  # the prompt was token ids: the context goes on in ids
     stop: _StopFilter | None
+    blocks: list[int]  # the prompt's KV blocks (chained hashes), for the prefix cache
     state: Literal["waiting", "running", "done"] = "waiting"
     completion_tokens: int = 0
     deltas: deque[TokenDelta] = field(default_factory=deque)
@@ -219,6 +228,9 @@ class SimEngine(Engine):
         self._admitted = 0
         self._last_progress = 0.0
         self._tables = _Tables.of(tokens.builtin())
+        self._cache: PrefixCache | None = None
+        if settings.prefix_cache_blocks > 0:
+            self._cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
 
     @property
     def last_progress(self) -> float:
@@ -265,12 +277,20 @@ class SimEngine(Engine):
             raise EngineDeadError(self._dead)
 
     def stats(self) -> EngineStats:
-        running = len(self._running)
+        running, cache = len(self._running), self._cache
         return EngineStats(
             running=running,
             waiting=len(self._waiting),
             kv_cache_usage=running / self._settings.max_num_seqs,
+            prefix_cache_hit_rate=-1.0 if cache is None else cache.hit_rate,
+            prefix_cache_queries=0 if cache is None else cache.queries,
+            prefix_cache_hits=0 if cache is None else cache.hits,
         )
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (None when ``prefix_cache_blocks`` is 0)."""
+        return self._cache
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         seq = self._accept(request)
@@ -310,15 +330,25 @@ class SimEngine(Engine):
         sampling = request.sampling
         stops = tuple(s for s in sampling.stop if s)
         max_tokens = sampling.max_tokens
+        text = _context_text(request)
         return _Seq(
             prompt_tokens=count_prompt_tokens(request, self._tables.count),
             max_tokens=self._settings.default_max_tokens if max_tokens is None else max_tokens,
             min_tokens=sampling.min_tokens,
-            context=_context_hash(self._settings.seed, request),
+            context=_context_hash(self._settings.seed, request, text),
             tables=self._tables,
             by_ids=request.prompt_token_ids is not None,
             stop=_StopFilter(stops) if stops else None,
+            blocks=self._blocks(request, text),
         )
+
+    def _blocks(self, request: EngineRequest, text: str) -> list[int]:
+        cache = self._cache
+        if cache is None:
+            return []
+        if request.prompt_token_ids is not None:
+            return cache.id_blocks(request.prompt_token_ids)
+        return cache.text_blocks(text)
 
     def _new_future(self) -> asyncio.Future[None]:
         assert self._loop is not None  # set by start(), before any request is accepted
@@ -388,14 +418,17 @@ class SimEngine(Engine):
                 self._decode(loop)
 
     def _fill_slots(self) -> int:
-        """Move waiting requests into free slots; returns the prompt tokens to prefill."""
+        """Move waiting requests into free slots; returns the prompt tokens to prefill
+        (those the prefix cache does not hold)."""
         prefill = 0
         free = self._settings.max_num_seqs - len(self._running)
+        cache = self._cache
         while free > 0 and self._waiting:
             seq = self._waiting.popleft()
             seq.state = "running"
             self._running[seq] = None
-            prefill += seq.prompt_tokens
+            cached = 0 if cache is None else cache.admit(seq.blocks, seq.prompt_tokens)
+            prefill += seq.prompt_tokens - cached
             free -= 1
         return prefill
 

@@ -136,6 +136,20 @@ class TokenCounter:
     def __call__(self, text: str) -> int:
         return sum(map(self._counts.__getitem__, _PIECE.findall(text)))
 
+    def block_ends(self, text: str, size: int) -> list[int]:
+        """Where in ``text`` each full block of ``size`` tokens ends: at the end of the
+        piece that fills it (a piece's tokens are not split; the excess counts toward
+        the next block, so block k ends near token k * size)."""
+        ends: list[int] = []
+        counts = self._counts
+        n = 0
+        for match in _PIECE.finditer(text):
+            n += counts[match.group()]
+            while n >= size:
+                ends.append(match.end())
+                n -= size
+        return ends
+
 
 @dataclass(frozen=True, slots=True)
 class Vocabulary:

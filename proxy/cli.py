@@ -62,6 +62,8 @@ ENGINE = (
     Flag("--sim-decode-ms-per-seq", "engine.sim.decode_ms_per_seq", "MS"),
     Flag("--sim-default-max-tokens", "engine.sim.default_max_tokens", "N"),
     Flag("--sim-seed", "engine.sim.seed", "N"),
+    Flag("--sim-prefix-cache-blocks", "engine.sim.prefix_cache_blocks", "N"),
+    Flag("--sim-block-size", "engine.sim.block_size", "TOKENS"),
     Flag("--sim-error-after-tokens", "engine.sim.error_after_tokens", "N"),
     Flag("--sim-hang-after-requests", "engine.sim.hang_after_requests", "N"),
     Flag("--sim-crash-after-requests", "engine.sim.crash_after_requests", "N"),

@@ -9,7 +9,11 @@ in ``increase()`` and ``rate()``; a role exports only the series it can fill.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 PREFIX = "unitproxy"
 
@@ -161,10 +165,45 @@ class UnitMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self.engine_prefix_cache_hit_rate = Gauge(
+            "engine_prefix_cache_hit_rate",
+            "Share of prompt tokens found in the engine's prefix cache (0..1; -1 when unknown).",
+            namespace=PREFIX,
+            registry=registry,
+        )
+
+        self._prefix_cache = _PrefixCacheCounters()
+        registry.register(self._prefix_cache)
+
+    def count_prefix_cache(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Export the engine's prefix-cache counters (prompt tokens looked up, and
+        found), as vLLM's ``prefix_cache_queries`` and ``prefix_cache_hits``; 0 until
+        this is called."""
+        self._prefix_cache.read = read
 
     def set_state(self, state: str) -> None:
         for name in UNIT_STATES:
             self.unit_state.labels(name).set(1 if name == state else 0)
+
+
+class _PrefixCacheCounters(Collector):
+    """Counters the engine keeps itself, read at each scrape."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[int, int]] = lambda: (0, 0)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        queries, hits = self.read()
+        yield CounterMetricFamily(
+            f"{PREFIX}_engine_prefix_cache_queries",
+            "Prompt tokens the engine looked up in its prefix cache.",
+            value=queries,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_engine_prefix_cache_hits",
+            "Prompt tokens the engine found in its prefix cache (no prefill needed).",
+            value=hits,
+        )
 
 
 class GatewayMetrics:

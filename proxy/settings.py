@@ -133,6 +133,14 @@ class SimSettings(_Section):
         description="Output length when a request gives no max_tokens, in tokens. Default 64.",
     )
     seed: int = Field(0, description="Seed of the generated text. Default 0.")
+    prefix_cache_blocks: int = Field(
+        4096,
+        ge=0,
+        description="KV blocks the prefix cache holds (LRU); a prompt's cached leading blocks need no prefill. 0: no prefix cache. Default 4096.",
+    )
+    block_size: int = Field(
+        16, gt=0, description="Tokens per KV block of the prefix cache. Default 16."
+    )
     error_after_tokens: int | None = Field(
         None, ge=0, description="Fault: every request fails after this many tokens. Default off."
     )

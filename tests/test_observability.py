@@ -206,3 +206,21 @@ async def test_a_known_route_with_the_wrong_method_is_405_with_allow(
             assert resp.status == 405 and resp.headers["allow"] == "GET, HEAD"
         async with http.get(f"{base}/v1/nothing") as resp:
             assert resp.status == 404
+
+
+async def test_the_sidecar_exports_its_engines_prefix_cache(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    system = "the assistant answers every question in plain words " * 30
+    for question in ("why is the sky blue", "why is the sea blue"):
+        body = {"model": "unitproxy-sim", "prompt": system + question, "max_tokens": 2}
+        async with http.post(f"{a.http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+    async with http.get(f"{a.http_url}/metrics") as resp:
+        text = await resp.text()
+    found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    queries = found["unitproxy_engine_prefix_cache_queries_total"]
+    hits = found["unitproxy_engine_prefix_cache_hits_total"]
+    assert 0 < hits < queries / 2  # the second prompt found most of itself cached
+    assert found["unitproxy_engine_prefix_cache_hit_rate"] == hits / queries

@@ -515,3 +515,72 @@ async def test_context_manager_and_model_name() -> None:
         assert len(await collect(engine, req(max_tokens=2))) == 2
     with pytest.raises(EngineDeadError):
         await engine.check_health()
+
+
+# -- prefix cache ----------------------------------------------------------------------
+
+SYSTEM_PROMPT = " ".join(["the assistant answers in plain words"] * 60)  # 360 tokens
+
+
+async def test_a_cached_prefix_skips_its_prefill(make_engine: Factory) -> None:
+    engine = await make_engine(prefill_ms_per_token=0.5, decode_step_ms=1.0)
+    loop = asyncio.get_running_loop()
+
+    async def ttft(prompt: str) -> float:
+        began = loop.time()
+        gen = engine.generate(req(prompt, max_tokens=2))
+        await first_delta(gen)
+        await gen.aclose()
+        return loop.time() - began
+
+    cold = await ttft(SYSTEM_PROMPT + " first question")  # about 180 ms of prefill
+    warm = await ttft(SYSTEM_PROMPT + " second question")  # only the last block or so
+    assert cold >= 0.17
+    assert warm < 0.05
+    assert 0.4 < engine.stats().prefix_cache_hit_rate < 0.5
+
+
+def chat(messages: tuple[ChatMessage, ...], max_tokens: int) -> EngineRequest:
+    return EngineRequest("c", messages=messages, sampling=SamplingParams(max_tokens=max_tokens))
+
+
+async def test_chat_turns_share_the_history(make_engine: Factory) -> None:
+    engine = await make_engine()
+    cache = engine.prefix_cache
+    assert cache is not None
+    system = ChatMessage("system", SYSTEM_PROMPT)
+    first = (system, ChatMessage("user", "tell me a story"))
+    reply = text_of(await collect(engine, chat(first, max_tokens=40)))
+    assert cache.hits == 0
+    second = (*first, ChatMessage("assistant", reply), ChatMessage("user", "and then?"))
+    await collect(engine, chat(second, max_tokens=4))
+    # the whole first prompt but its last partial block was cached
+    assert cache.hits >= tokens.count(SYSTEM_PROMPT) - 16
+    assert engine.stats().prefix_cache_hit_rate > 0.3
+
+
+async def test_no_prefix_cache_prefills_everything(make_engine: Factory) -> None:
+    engine = await make_engine(prefix_cache_blocks=0, prefill_ms_per_token=0.5)
+    loop = asyncio.get_running_loop()
+    await collect(engine, req(SYSTEM_PROMPT, max_tokens=1))
+    began = loop.time()
+    await collect(engine, req(SYSTEM_PROMPT, max_tokens=1))
+    assert loop.time() - began >= 0.17
+    assert engine.prefix_cache is None
+    assert engine.stats().prefix_cache_hit_rate == -1.0
+
+
+async def test_a_small_cache_evicts_the_least_recent_chain_from_its_end(
+    make_engine: Factory,
+) -> None:
+    engine = await make_engine(prefix_cache_blocks=30, block_size=16)  # one prompt's worth
+    cache = engine.prefix_cache
+    assert cache is not None
+    blocks = len(cache.text_blocks(SYSTEM_PROMPT))
+    assert 15 < blocks <= 30
+    await collect(engine, req(SYSTEM_PROMPT, max_tokens=1))
+    await collect(engine, req("other " + SYSTEM_PROMPT, max_tokens=1))
+    assert len(cache) == 30
+    await collect(engine, req(SYSTEM_PROMPT, max_tokens=1))
+    # the first prompt lost the end of its chain; its leading blocks still hit
+    assert cache.hits == (30 - blocks) * 16

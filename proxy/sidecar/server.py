@@ -274,6 +274,13 @@ class Sidecar(Service):
         m.engine_running.set_function(lambda: engine.stats().running)
         m.engine_waiting.set_function(lambda: engine.stats().waiting)
         m.engine_kv_cache_usage.set_function(lambda: engine.stats().kv_cache_usage)
+        m.engine_prefix_cache_hit_rate.set_function(lambda: engine.stats().prefix_cache_hit_rate)
+
+        def prefix_cache() -> tuple[int, int]:
+            stats = engine.stats()
+            return stats.prefix_cache_queries, stats.prefix_cache_hits
+
+        m.count_prefix_cache(prefix_cache)
 
 
 def _secret(value: SecretStr | None) -> str | None:

@@ -1,0 +1,86 @@
+"""The simulator's prefix cache: KV blocks of a fixed number of tokens, LRU, bounded.
+
+A prompt is cut into full blocks of ``block_size`` tokens of the simulator's tokenizer
+(``engine.tokens``; token-id prompts in blocks of ids) and each block is named by a
+hash chained over every block before it, as vLLM names its KV blocks: a block hits
+only when the whole prefix up to its end is the same. A request's leading run of
+cached blocks needs no prefill; then every block of its prompt is the most recently
+used, and the least recently used blocks go once there are more than ``capacity``.
+A block is shared by every request whose prompt starts the same way. The last,
+partial block of a prompt is never cached, and neither is the output (vLLM caches
+full blocks of output too; a follow-up turn here hits up to its previous prompt).
+
+Hit rate: cached prompt tokens over prompt tokens looked up, since start (vLLM's
+``prefix_cache_hits`` over ``prefix_cache_queries``, both in tokens).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.tokens import TokenCounter
+
+
+class PrefixCache:
+    """At most ``capacity`` blocks of ``block_size`` tokens, least recently used out first."""
+
+    def __init__(self, block_size: int, capacity: int) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._counter = TokenCounter()
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of which were cached
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached over looked-up prompt tokens since start; 0 before the first lookup."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    def text_blocks(self, text: str) -> list[int]:
+        """The chained hashes of ``text``'s full blocks (hash() is per process, as is
+        the cache)."""
+        blocks: list[int] = []
+        h, start = 0, 0
+        for end in self._counter.block_ends(text, self.block_size):
+            h = hash((h, text[start:end]))
+            blocks.append(h)
+            start = end
+        return blocks
+
+    def id_blocks(self, ids: Sequence[int]) -> list[int]:
+        size = self.block_size
+        blocks: list[int] = []
+        h = 0
+        for start in range(0, len(ids) - size + 1, size):
+            h = hash((h, tuple(ids[start : start + size])))
+            blocks.append(h)
+        return blocks
+
+    def admit(self, blocks: Sequence[int], prompt_tokens: int) -> int:
+        """The cached tokens of a prompt whose prefill begins now (its leading run of
+        cached blocks, less one token: the last prompt token is always computed);
+        every block of it becomes the most recently used."""
+        cache = self._blocks
+        hit = 0
+        for block in blocks:
+            if block not in cache:
+                break
+            hit += 1
+        # The first block is touched last: a chain is evicted from its end, as vLLM
+        # frees a sequence's blocks, so a shared prefix outlives what follows it.
+        for block in reversed(blocks):
+            if block in cache:
+                cache.move_to_end(block)
+            else:
+                cache[block] = None
+        while len(cache) > self.capacity:
+            cache.popitem(last=False)
+        cached = max(0, min(hit * self.block_size, prompt_tokens - 1))
+        self.queries += prompt_tokens
+        self.hits += cached
+        return cached
