@@ -294,6 +294,9 @@ async def answers(
     raise ChildFailed(f"{child.name}: no completion through it in {timeout_s:g} s (last: {last})")
 
 
+PREFIX_CACHE = re.compile(r"^unitproxy_engine_prefix_cache_(queries|hits)_total ([0-9.e+]+)$", re.M)
+
+
 @dataclass
 class Fleet:
     specs: list[UnitSpec]
@@ -319,6 +322,19 @@ class Fleet:
 
         counts = await asyncio.gather(*(one(c) for c in self.sidecars))
         return {spec.id: n for spec, n in zip(self.specs, counts, strict=True)}
+
+    async def prefix_cache(self, session: aiohttp.ClientSession) -> tuple[int, int]:
+        """Prompt tokens the units looked up in their prefix caches, and found, so far."""
+
+        async def one(child: Child) -> tuple[int, int]:
+            timeout = aiohttp.ClientTimeout(total=2.0)
+            async with session.get(f"{child.http_url}/metrics", timeout=timeout) as resp:
+                text = await resp.text()
+            found = dict(PREFIX_CACHE.findall(text))
+            return int(float(found.get("queries", 0))), int(float(found.get("hits", 0)))
+
+        counts = await asyncio.gather(*(one(c) for c in self.sidecars))
+        return sum(q for q, _ in counts), sum(h for _, h in counts)
 
     async def wait_idle(self, session: aiohttp.ClientSession) -> dict[str, int]:
         """Poll every unit's /load until all show 0 outstanding, or IDLE_TIMEOUT_S passed;

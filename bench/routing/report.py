@@ -61,6 +61,10 @@ class RunMetrics:
     outstanding_after: dict[str, int] = field(default_factory=dict)
     gateway_exit: int | None = None
     gateway_problems: list[str] = field(default_factory=list)
+    prefix_hit_rate: float | None = None  # the fleet's prefix cache: cached / prompt tokens
+    # p99 over the run's samples of the most loaded unit's outstanding / capacity over
+    # the fleet's mean (samples with work only): 1.0 is a perfectly even fleet
+    peak_over_mean_p99: float | None = None
 
     @property
     def error_count(self) -> int:
@@ -131,6 +135,11 @@ COLUMNS: tuple[tuple[str, Callable[[RunMetrics], str]], ...] = (
     ("TTFT p99 ms", lambda m: _fmt(m.ttft_p99_ms, 0)),
     ("good@1s r/s", lambda m: _fmt(m.goodput["1s"])),
     ("good@300ms r/s", lambda m: _fmt(m.goodput["300ms"])),
+    (
+        "cache hit %",
+        lambda m: _fmt(None if m.prefix_hit_rate is None else 100 * m.prefix_hit_rate, 0),
+    ),
+    ("max/mean p99", lambda m: _fmt(m.peak_over_mean_p99, 2)),
     ("errors", lambda m: str(m.error_count)),
     ("unfinished", lambda m: str(m.unfinished)),
     ("gw CPU %", lambda m: _fmt(m.cpu.get("gateway"), 0)),
@@ -174,8 +183,8 @@ def routing_table(rows: Sequence[RunMetrics], load_pct: int, shares: dict[str, f
     return "\n".join(lines)
 
 
-def goal(rows: Sequence[RunMetrics]) -> dict[str, Any]:
-    good, base, load_pct, want = GOAL
+def goal(rows: Sequence[RunMetrics], spec: tuple[str, str, int, float] = GOAL) -> dict[str, Any]:
+    good, base, load_pct, want = spec
     by = {(m.policy, m.load_pct): m for m in rows}
     mine, theirs = by.get((good, load_pct)), by.get((base, load_pct))
     if mine is None or theirs is None:
@@ -198,10 +207,12 @@ def goal(rows: Sequence[RunMetrics]) -> dict[str, Any]:
     }
 
 
-def peer_goal(rows: Sequence[RunMetrics], peer_policies: Sequence[str]) -> dict[str, Any]:
-    """lor's goodput@1s against every peer policy run at the same load: the headline at
-    85 % load, and each load run."""
-    mine, headline_load = PEER_GOAL
+def peer_goal(
+    rows: Sequence[RunMetrics], peer_policies: Sequence[str], spec: tuple[str, int] = PEER_GOAL
+) -> dict[str, Any]:
+    """One policy's goodput@1s (lor's by default) against every peer policy run at the
+    same load: the headline at 85 % load, and each load run."""
+    mine, headline_load = spec
     by = {(m.policy, m.load_pct): m for m in rows}
     per_load: dict[int, dict[str, dict[str, Any]]] = {}
     for load_pct in sorted({m.load_pct for m in rows}):
@@ -211,7 +222,7 @@ def peer_goal(rows: Sequence[RunMetrics], peer_policies: Sequence[str]) -> dict[
             continue
         a = ours.goodput["1s"]
         per_load[load_pct] = {
-            m.policy: {"lor": a, "peer": m.goodput["1s"], "met": a >= m.goodput["1s"]}
+            m.policy: {"mine": a, "peer": m.goodput["1s"], "met": a >= m.goodput["1s"]}
             for m in theirs
         }
     lines = [_peer_goal_line(mine, load, peers) for load, peers in per_load.items()]
@@ -234,7 +245,7 @@ def peer_goal(rows: Sequence[RunMetrics], peer_policies: Sequence[str]) -> dict[
 
 def _peer_goal_line(mine: str, load_pct: int, peers: dict[str, dict[str, Any]]) -> str:
     met = all(v["met"] for v in peers.values())
-    a = next(iter(peers.values()))["lor"]
+    a = next(iter(peers.values()))["mine"]
     against = ", ".join(
         f"{p} {v['peer']:.1f}{'' if v['met'] else ' (higher)'}" for p, v in peers.items()
     )

@@ -45,7 +45,7 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,6 +77,9 @@ RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected reque
 GATEWAY_TRIES = 3  # starts of a run's gateway before the run is given up
 GATEWAY_RETRY_PAUSE_S = 10.0
 T = TypeVar("T")
+# With shared prefixes: prefix goodput@1s >= 1.3x lor's at 85 % load; without: >= 0.97x.
+PREFIX_GOAL = ("prefix", "lor", 85, 1.3)
+PLAIN_GOAL = ("prefix", "lor", 85, 0.97)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class BenchSettings:
     saturation_window_s: float
     quick: bool
     out: Path
+    workload: str = "plain"
 
     @property
     def png(self) -> Path:
@@ -104,8 +108,9 @@ class BenchSettings:
         return self.out.parent / f"{self.out.stem}-logs"
 
     @property
-    def mix(self) -> workload.Workload:
-        return workload.QUICK_WORKLOAD if self.quick else workload.DEFAULT_WORKLOAD
+    def mix(self) -> workload.Workload | workload.PrefixWorkload:
+        mix = workload.WORKLOADS[self.workload]
+        return workload.quick(mix) if self.quick else mix
 
     def gateway_args(self, policy: str) -> list[str]:
         """The gateway's policy flags for one of OWN_POLICIES."""
@@ -253,12 +258,18 @@ async def policy_run(
     log = s.log_dir / f"{name}-{load_pct}.log"
     started = time.perf_counter()
     async with running_router(s, policy, units, session, log) as gateway:
+        cache_before = await units.prefix_cache(session)
         before = CpuSample.take(gateway, units)
-        run = await client.open_loop(
-            session, f"{gateway.http_url}/v1/completions", arrivals, s.drain_s
-        )
+        async with sampling_loads(units, session) as peaks:
+            run = await client.open_loop(
+                session, f"{gateway.http_url}/v1/completions", arrivals, s.drain_s
+            )
         after = CpuSample.take(gateway, units)
+        cache_after = await units.prefix_cache(session)
     metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)
+    queries, hits = (a - b for a, b in zip(cache_after, cache_before, strict=True))
+    metrics.prefix_hit_rate = hits / queries if queries else None
+    metrics.peak_over_mean_p99 = report.percentile(peaks, 99)
     metrics.cpu = after.percent_since(before)
     metrics.timing_s = {
         "gateway_ready": round(before.at - started, 2),
@@ -271,6 +282,37 @@ async def policy_run(
     metrics.outstanding_after = await units.wait_idle(session)
     metrics.timing_s["idle_wait"] = round(time.perf_counter() - idle_from, 2)
     return metrics
+
+
+LOAD_SAMPLE_S = 0.2  # how often a run samples every unit's outstanding
+BUSY_PER_UNIT = 4  # a sample counts when the fleet has this many outstanding per unit
+
+
+@contextlib.asynccontextmanager
+async def sampling_loads(
+    units: fleet.Fleet, session: aiohttp.ClientSession
+) -> AsyncIterator[list[float]]:
+    """Samples, while the block runs, of the most loaded unit's outstanding / capacity
+    over the fleet's mean, when the fleet is busy (BUSY_PER_UNIT): with a few requests
+    in flight one unit always holds more than the mean."""
+    peaks: list[float] = []
+
+    async def sample() -> None:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                counts = await units.outstanding(session)
+                if sum(counts.values()) >= BUSY_PER_UNIT * len(counts):
+                    loads = [counts[s.id] / s.capacity for s in units.specs]
+                    peaks.append(max(loads) * len(loads) / sum(loads))
+            await asyncio.sleep(LOAD_SAMPLE_S)
+
+    task = asyncio.create_task(sample())
+    try:
+        yield peaks
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 # -- the whole benchmark --------------------------------------------------------------
@@ -294,17 +336,16 @@ class Results:
 
 
 async def bench(s: BenchSettings, results: Results) -> None:
+    """Every run on one fleet; with shared prefixes a fresh fleet for the saturation run
+    and for each run, so that no run starts with what an earlier one left in the
+    units' prefix caches."""
     connector = aiohttp.TCPConnector(limit=8192, limit_per_host=8192)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
-    units: fleet.Fleet | None = None
-    try:
-        async with (
-            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-            fleet.running_fleet(results.specs, session, s.log_dir) as units,
-        ):
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with fleet_for(s, results, session) as units:
             progress(
-                f"fleet of {len(units.specs)} units up; measuring saturation "
-                f"({s.saturation_warmup_s:g} s + {s.saturation_window_s:g} s)"
+                f"fleet of {len(units.specs)} units up ({s.mix.name} workload); measuring "
+                f"saturation ({s.saturation_warmup_s:g} s + {s.saturation_window_s:g} s)"
             )
             if any(p in peers.PEER_POLICIES for p in s.policies):
                 results.get_load = await peers.get_load_answer(session, units.sidecars[0].http_url)
@@ -314,15 +355,36 @@ async def bench(s: BenchSettings, results: Results) -> None:
                 f"saturation {sat.measured:.1f} r/s from tokens/s (model {sat.model:.1f} r/s, "
                 f"completions in the window {sat.completions_per_s:.1f} r/s)"
             )
-            for load_pct in s.loads:
-                for policy in [p for p in s.policies if p not in results.skipped]:
+            if not s.mix.shares_prefixes:
+                for load_pct, policy in _runs(s, results):
                     await one_run(s, policy, load_pct, sat.measured, units, session, results)
+        if s.mix.shares_prefixes:
+            for load_pct, policy in _runs(s, results):
+                async with fleet_for(s, results, session) as cold:
+                    await one_run(s, policy, load_pct, sat.measured, cold, session, results)
+
+
+def _runs(s: BenchSettings, results: Results) -> list[tuple[int, str]]:
+    return [(load, p) for load in s.loads for p in s.policies if p not in results.skipped]
+
+
+@contextlib.asynccontextmanager
+async def fleet_for(
+    s: BenchSettings, results: Results, session: aiohttp.ClientSession
+) -> AsyncIterator[fleet.Fleet]:
+    units: fleet.Fleet | None = None
+    try:
+        async with fleet.running_fleet(results.specs, session, s.log_dir) as units:
+            yield units
     finally:
         if units is not None:  # the fleet started: say how each unit ended
-            results.sidecar_exits = {c.name: c.exit_code for c in units.sidecars}
+            results.sidecar_exits |= {c.name: c.exit_code for c in units.sidecars}
             for child in units.sidecars:
                 problems, probes = peers.unit_log_problems(child.log_path)
-                results.sidecar_problems[child.name] = problems
+                results.sidecar_problems[child.name] = [
+                    *results.sidecar_problems.get(child.name, []),
+                    *problems,
+                ]
                 results.http2_probes += probes
 
 
@@ -414,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")
     add(
+        "--workload",
+        choices=tuple(workload.WORKLOADS),
+        default="plain",
+        help="plain: no shared prefixes; chat: multi-turn conversations; tenants: Zipf-popular "
+        "tenants with 1-4k-token system prompts; tenants-hot: tenant 0 sends half. "
+        "Default plain.",
+    )
+    add(
         "--fleet",
         choices=fleet.FLEETS,
         default="mixed",
@@ -473,8 +543,14 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
         saturation_warmup_s=2.0 if quick else 5.0,
         saturation_window_s=window,
         quick=quick,
-        out=args.out or (QUICK_OUT if quick else DEFAULT_OUT),
+        out=args.out or default_out(args.workload, quick),
+        workload=args.workload,
     )
+
+
+def default_out(name: str, quick: bool) -> Path:
+    out = DEFAULT_OUT if name == "plain" else DEFAULT_OUT.with_stem(f"routing-{name}")
+    return out.with_suffix(".quick.json") if quick else out
 
 
 # -- the report -----------------------------------------------------------------------
@@ -522,8 +598,13 @@ def build_report(
         "saturation": asdict(r.saturation) if r.saturation else None,
         "runs": [m.to_json() for m in r.rows],
         "failed_runs": r.failed_runs,
-        "goal": report.goal(r.rows),
-        "goal_peers": report.peer_goal(r.rows, list(peers.PEER_POLICIES)),
+        "goal": report.goal(r.rows, PREFIX_GOAL if s.mix.shares_prefixes else report.GOAL),
+        "goal_peers": report.peer_goal(
+            r.rows,
+            list(peers.PEER_POLICIES),
+            ("prefix", 85) if "prefix" in s.policies else report.PEER_GOAL,
+        ),
+        "goal_plain": report.goal(r.rows, PLAIN_GOAL) if not s.mix.shares_prefixes else None,
         "sidecar_exits": r.sidecar_exits,
         "sidecar_problems": {k: v[:50] for k, v in r.sidecar_problems.items() if v},
         "png": str(s.png),
@@ -560,8 +641,9 @@ def print_report(data: dict[str, Any], r: Results) -> None:
     dirty = f", uncommitted: {' '.join(code['uncommitted'])}" if code["uncommitted"] else ""
     print(f"product code: commit {code['commit']}{dirty}")
     w = data["workload"]
+    shape = f"prompt lognormal {w['prompt']}" if "prompt" in w else _prefix_shape(w)
     print(
-        f"workload: prompt lognormal {w['prompt']}, output {w['output']} (exact, ignore_eos); "
+        f"workload {w['name']}: {shape}, output {w['output']} (exact, ignore_eos); "
         f"means {w['mean_prompt_tokens']:.0f} / {w['mean_output_tokens']:.0f} tokens"
     )
     print(f"\n{fleet_table(r.specs, r.means)}\n")
@@ -584,10 +666,25 @@ def print_report(data: dict[str, Any], r: Results) -> None:
         print(f"\nshare of requests per unit at {load_pct} % load:")
         print(report.routing_table(r.rows, load_pct, shares))
     print(f"\n{data['goal']['line']}")
+    if data["goal_plain"] is not None:
+        print(data["goal_plain"]["line"])
     print("\n".join(data["goal_peers"]["lines"]))
     _print_peers(data)
     _print_problems(r)
     print(f"\nwall time {data['wall_s'] / 60:.1f} min; JSON {s['out']}; PNG {data['png']}")
+
+
+def _prefix_shape(w: dict[str, Any]) -> str:
+    if w["name"] == "chat":
+        return (
+            f"{w['conversations']} conversations of up to {w['turns']} turns, system prompt "
+            f"{w['system'][0]}-{w['system'][1]} tokens, user turns {w['message']}"
+        )
+    hot = f", tenant 0 sends {w['hot_share']:.0%}" if w["hot_share"] else ""
+    return (
+        f"{w['tenants']} tenants (Zipf {w['zipf']:g}{hot}), system prompts "
+        f"{w['system'][0]}-{w['system'][1]} tokens, user messages {w['message']}"
+    )
 
 
 def _print_peers(data: dict[str, Any]) -> None:

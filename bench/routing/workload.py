@@ -1,21 +1,41 @@
-"""The seeded workload: long-tailed prompt and output lengths, Poisson arrivals.
+"""The seeded workloads: long-tailed prompt and output lengths, Poisson arrivals.
 
-Prompts are text of whitespace-separated numbers, one simulated token each (the
-simulator counts words exactly; sglang-router refuses token-id prompts), distinct per
-request with no shared prefixes; outputs are exact: the simulator generates
-``max_tokens`` tokens, with ``ignore_eos`` sent as a real engine would need it, and
-``model`` as sglang-router needs it. The same seed and rate give the same requests at the same offsets, so
-every policy at one load sees the identical sequence.
+``plain`` (the default): prompts are text of whitespace-separated numbers, distinct per
+request with no shared prefixes (the simulator counts a number of up to three digits as
+one token; sglang-router refuses token-id prompts). Two workloads share prefixes, so
+that where a request goes decides how much of its prompt is already in a unit's KV
+cache (``engine.prefix_cache`` in the simulator):
+
+``chat``      a few hundred conversations, each turn a request for the next answer: the
+              whole history so far (system prompt, every user turn and answer) then the
+              new user turn. The answers in the history are text of the length the
+              previous turn asked for (the benchmark does not wait for the real one), so
+              each turn's prompt extends the previous turn's.
+``tenants``   many tenants, each with its own 1-4k-token system prompt and a popularity
+              following Zipf's law (``tenants-hot``: tenant 0 sends half the requests);
+              each request is the tenant's system prompt and a distinct user message.
+
+Every prompt is sent as /v1/completions text (the chat rendered with role markers), so
+every router, the peers' included, sees the same bytes. Outputs are exact: the
+simulator generates ``max_tokens`` tokens, with ``ignore_eos`` sent as a real engine
+would need it, and ``model`` as sglang-router needs it. The same seed and rate give the
+same requests at the same offsets, so every policy at one load sees the identical
+sequence.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import random
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
+
+from engine.tokens import WORDS
 
 MODEL = "unitproxy-sim"  # the sim engine's served model
 
@@ -34,13 +54,24 @@ class LogNormal:
         return max(self.low, min(self.high, round(value)))
 
 
+class Source(Protocol):
+    """A seeded sequence of requests: ``draw`` is called with the index of each in turn."""
+
+    def draw(self, rng: random.Random, index: int) -> tuple[RequestSpec, bytes]: ...
+
+
 @dataclass(frozen=True)
 class Workload:
     prompt: LogNormal
     output: LogNormal
+    name: str = "plain"
+    shares_prefixes: bool = False
 
     def request(self, rng: random.Random) -> RequestSpec:
         return RequestSpec(self.prompt.draw(rng), self.output.draw(rng))
+
+    def source(self) -> Source:
+        return _Plain(self)
 
     def means(self, samples: int = 50_000, seed: int = 12345) -> tuple[float, float]:
         """Mean prompt and output length, from a large sample (the clipping has no closed form)."""
@@ -87,7 +118,11 @@ class Arrival:
 
 
 def poisson_arrivals(
-    workload: Workload, rate_per_s: float, duration_s: float, seed: int, limit: int
+    workload: Workload | PrefixWorkload,
+    rate_per_s: float,
+    duration_s: float,
+    seed: int,
+    limit: int,
 ) -> list[Arrival]:
     """Open-loop arrivals in ``[0, duration_s)``: a Poisson process conditioned on its
     count, ``rate * duration`` (at most ``limit``) uniform times, so every load offers
@@ -95,18 +130,153 @@ def poisson_arrivals(
     rng = random.Random(seed)
     count = min(limit, round(rate_per_s * duration_s))
     times = sorted(rng.uniform(0.0, duration_s) for _ in range(count))
+    source = workload.source()
     arrivals = []
     for index, at in enumerate(times):
-        spec = workload.request(rng)
-        arrivals.append(Arrival(index, at, spec, spec.body(index)))
+        spec, body = source.draw(rng, index)
+        arrivals.append(Arrival(index, at, spec, body))
     return arrivals
 
 
-def request_stream(workload: Workload, seed: int) -> Iterator[tuple[RequestSpec, bytes]]:
+def request_stream(
+    workload: Workload | PrefixWorkload, seed: int
+) -> Iterator[tuple[RequestSpec, bytes]]:
     """An endless seeded stream of requests, for the closed loop."""
     rng = random.Random(seed)
+    source = workload.source()
     index = 0
     while True:
-        spec = workload.request(rng)
-        yield spec, spec.body(index)
+        yield source.draw(rng, index)
         index += 1
+
+
+class _Plain:
+    def __init__(self, workload: Workload) -> None:
+        self._workload = workload
+
+    def draw(self, rng: random.Random, index: int) -> tuple[RequestSpec, bytes]:
+        spec = self._workload.request(rng)
+        return spec, spec.body(index)
+
+
+# -- shared prefixes --------------------------------------------------------------------
+
+VOCABULARY = tuple(f" {w}" for w in WORDS)  # one simulated token each
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(rng.choices(VOCABULARY, k=n))
+
+
+def _body(prompt: str, max_tokens: int) -> bytes:
+    request = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    return json.dumps(request, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class PrefixWorkload:
+    """``chat`` or ``tenants`` (see the module docstring); lengths in tokens."""
+
+    name: str
+    output: LogNormal
+    message: LogNormal  # a user turn
+    conversations: int = 200  # chat
+    turns: int = 10  # chat: then the conversation starts over, a new one
+    system: tuple[int, int] = (100, 400)  # chat: its system prompt; tenants: 1000-4000
+    tenants: int = 100
+    zipf: float = 1.0
+    hot_share: float = 0.0  # tenants-hot: tenant 0's share of the requests
+    shares_prefixes: bool = True
+
+    def source(self) -> Source:
+        return _Chat(self) if self.name == "chat" else _Tenants(self)
+
+    def means(self, samples: int = 20_000, seed: int = 12345) -> tuple[float, float]:
+        rng, source = random.Random(seed), self.source()
+        drawn = [source.draw(rng, i)[0] for i in range(samples)]
+        return (
+            statistics.fmean(r.prompt_tokens for r in drawn),
+            statistics.fmean(r.max_tokens for r in drawn),
+        )
+
+
+class _Chat:
+    def __init__(self, w: PrefixWorkload) -> None:
+        self._w = w
+        self._histories: list[list[str]] = [[] for _ in range(w.conversations)]
+        self._lengths = [0] * w.conversations  # tokens of each history
+        self._turns = [0] * w.conversations
+
+    def draw(self, rng: random.Random, index: int) -> tuple[RequestSpec, bytes]:
+        w, c = self._w, rng.randrange(self._w.conversations)
+        history = self._histories[c]
+        if self._turns[c] >= w.turns or not history:
+            n = rng.randint(*w.system)
+            history[:] = [f"<|system|>\n{words(rng, n)}\n"]
+            self._lengths[c], self._turns[c] = n + 4, 0
+        n = w.message.draw(rng)
+        history.append(f"<|user|>\n{words(rng, n)}\n<|assistant|>\n")
+        self._lengths[c] += n + 8
+        max_tokens = w.output.draw(rng)
+        spec = RequestSpec(self._lengths[c], max_tokens)
+        body = _body("".join(history), max_tokens)
+        # the answer, as the next turn will resend it
+        history.append(f"{words(rng, max_tokens)}\n")
+        self._lengths[c] += max_tokens + 1
+        self._turns[c] += 1
+        return spec, body
+
+
+class _Tenants:
+    def __init__(self, w: PrefixWorkload) -> None:
+        self._w = w
+        rng = random.Random(7)  # the tenants are the same whatever the run's seed
+        lengths = [rng.randint(*w.system) for _ in range(w.tenants)]
+        self._system = [
+            (f"<|system|>\ntenant {t}:{words(rng, n)}\n", n + 7) for t, n in enumerate(lengths)
+        ]
+        weights = [1 / (k + 1) ** w.zipf for k in range(w.tenants)]
+        if w.hot_share:
+            rest = sum(weights[1:])
+            weights = [rest * w.hot_share / (1 - w.hot_share), *weights[1:]]
+        self._weights = list(itertools.accumulate(weights))
+
+    def draw(self, rng: random.Random, index: int) -> tuple[RequestSpec, bytes]:
+        w = self._w
+        tenant = rng.choices(range(w.tenants), cum_weights=self._weights)[0]
+        system, tokens = self._system[tenant]
+        n = w.message.draw(rng)
+        prompt = f"{system}<|user|>\n{words(rng, n)}\n<|assistant|>\n"
+        max_tokens = w.output.draw(rng)
+        return RequestSpec(tokens + n + 8, max_tokens), _body(prompt, max_tokens)
+
+
+OUTPUT = DEFAULT_WORKLOAD.output
+CHAT = PrefixWorkload("chat", OUTPUT, LogNormal(median=60, sigma=0.7, low=4, high=400))
+TENANTS = PrefixWorkload(
+    "tenants", OUTPUT, LogNormal(median=80, sigma=0.8, low=4, high=800), system=(1000, 4000)
+)
+TENANTS_HOT = PrefixWorkload(
+    "tenants-hot",
+    OUTPUT,
+    TENANTS.message,
+    system=TENANTS.system,
+    hot_share=0.5,
+)
+WORKLOADS: dict[str, Workload | PrefixWorkload] = {
+    "plain": DEFAULT_WORKLOAD,
+    "chat": CHAT,
+    "tenants": TENANTS,
+    "tenants-hot": TENANTS_HOT,
+}
+
+
+def quick(workload: Workload | PrefixWorkload) -> Workload | PrefixWorkload:
+    """The same, with no output above 96 tokens: a smoke run's drain stays short."""
+    return dataclasses.replace(workload, output=LogNormal(48, 0.8, 4, 96))
