@@ -21,7 +21,7 @@ def create_engine(settings: EngineSettings) -> Engine:
     if settings.kind == "sim":
         from engine.sim import SimEngine
 
-        return SimEngine(settings.sim, model_name=settings.model)
+        return SimEngine(settings.sim, model_name=settings.served_model_name or settings.model)
     if settings.kind == "vllm":
         from engine.vllm import VllmEngine
 

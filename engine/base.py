@@ -55,6 +55,8 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # None: the engine's model; else another of its ``served_models()`` (an adapter)
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,11 @@ class Engine(abc.ABC):
     model_name: str
     #: true for the simulator, so it can say so everywhere it shows up
     is_simulator: bool = False
+
+    def served_models(self) -> tuple[str, ...]:
+        """Every model name a request may give: ``model_name`` first, then what else
+        the engine serves (LoRA adapters, an upstream's other models)."""
+        return (self.model_name,)
 
     @abc.abstractmethod
     async def start(self) -> None: ...

@@ -20,6 +20,7 @@ upstream's 400 ``InvalidRequest``, 404 ``NotFound``, 429 ``Overloaded``, 503
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -227,6 +228,7 @@ class OpenAIUpstreamEngine(Engine):
         self._poller: asyncio.Task[None] | None = None
         self._stats = UNKNOWN
         self._metrics_ok: bool | None = None  # for logging transitions only
+        self._models: tuple[str, ...] = ()  # the upstream's /v1/models, as last read
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -261,6 +263,18 @@ class OpenAIUpstreamEngine(Engine):
             await session.close()
         self._stats = UNKNOWN
 
+    def served_models(self) -> tuple[str, ...]:
+        """The configured model, then the upstream's other models (its LoRA adapters,
+        say), as its /v1/models last listed them."""
+        return (self.model_name, *(m for m in self._models if m != self.model_name))
+
+    async def _read_models(self) -> None:
+        # Keeps the last list when the upstream cannot say: a model does not vanish
+        # because one poll failed.
+        with contextlib.suppress(UnitProxyError, KeyError, TypeError, ValueError):
+            body = await self._get_json("/v1/models")
+            self._models = tuple(str(m["id"]) for m in body["data"])
+
     async def _served_model(self) -> str:
         """The upstream's first model, for when none was configured."""
         try:
@@ -285,6 +299,7 @@ class OpenAIUpstreamEngine(Engine):
     async def _poll_metrics(self) -> None:
         while True:
             try:
+                await self._read_models()
                 self._stats = await self._read_metrics()
                 self._log_metrics(True, "")
             except asyncio.CancelledError:
@@ -353,7 +368,8 @@ class OpenAIUpstreamEngine(Engine):
             prompt_tokens = len(request.prompt_token_ids or ()) or await self.count_tokens(text)
             yield TokenDelta("", (), prompt_tokens, 0, "length")
             return
-        path, body = request_body(request, self.model_name, self._settings.upstream_vllm_extras)
+        model = request.model or self.model_name
+        path, body = request_body(request, model, self._settings.upstream_vllm_extras)
         resp = await self._post(path, body)
         stream, done = _Stream(), False
         try:

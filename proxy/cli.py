@@ -106,7 +106,12 @@ HEALTH = (
 )
 GATEWAY = (
     Flag("--unit", "gateway.units", "ID=HTTP_URL,GRPC_TARGET", many=True),
-    Flag("--policy", "gateway.policy", choices=("lor", "p2c", "round_robin", "random")),
+    Flag("--policy", "gateway.policy", choices=("lor", "prefix", "p2c", "round_robin", "random")),
+    Flag("--prefix-balance", "gateway.prefix_balance", "RATIO"),
+    Flag("--prefix-slack", "gateway.prefix_slack", "N"),
+    Flag("--prefix-chunk-chars", "gateway.prefix_chunk_chars", "N"),
+    Flag("--prefix-max-blocks", "gateway.prefix_max_blocks", "N"),
+    Flag("--prefix-ttl", "gateway.prefix_ttl_s", "SECONDS"),
     Flag("--load-source", "gateway.load_source", choices=("watch", "watch-http", "poll", "redis")),
     Flag("--retries", "gateway.retries", "N"),
     Flag("--tls-ca-file", "gateway.tls_ca_file", "PATH"),
@@ -131,6 +136,7 @@ UP = (
     Flag("--ready-timeout", "up.ready_timeout_s", "SECONDS"),
     Flag("--stop-timeout", "up.stop_timeout_s", "SECONDS"),
     Flag("--restart", "up.restart", switch=True),
+    Flag("--unit-model", "up.unit_models", "NAME", many=True),
 )
 FOLLOWER = (
     Flag("--node-name", "follower.node_name", "NAME"),

@@ -45,11 +45,14 @@ class LoadReport:
     timestamp_ms: int = 0
     http_url: str = ""
     grpc_target: str = ""
+    prefix_cache_hit_rate: float = -1.0
+    models: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["state"] = str(self.state)
         data["nodes"] = [asdict(n) for n in self.nodes]
+        data["models"] = list(self.models)
         return data
 
     def to_json(self) -> str:
@@ -69,6 +72,8 @@ class LoadReport:
             timestamp_ms=self.timestamp_ms,
             http_url=self.http_url,
             grpc_target=self.grpc_target,
+            prefix_cache_hit_rate=self.prefix_cache_hit_rate,
+            models=self.models,
         )
 
     @classmethod
@@ -89,6 +94,8 @@ class LoadReport:
             timestamp_ms=msg.timestamp_ms,
             http_url=msg.http_url,
             grpc_target=msg.grpc_target,
+            prefix_cache_hit_rate=msg.prefix_cache_hit_rate,
+            models=tuple(msg.models),
         )
 
     @classmethod
@@ -96,7 +103,9 @@ class LoadReport:
         values = dict(data)
         values["state"] = _state(values["state"])
         values["nodes"] = tuple(NodeStatus(**n) for n in values.get("nodes", ()))
-        return cls(**values)
+        values["models"] = tuple(values.get("models", ()))
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in values.items() if k in known})  # a newer peer's extras
 
 
 def _state(name: str) -> UnitState:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -193,6 +194,24 @@ class ChatBody(_SamplingFields):
         return value
 
 
+def model_card(name: str, simulator: bool) -> dict[str, Any]:
+    """A model as /v1/models lists it; the simulator says it is one."""
+    card: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "unitproxy-simulator" if simulator else "unitproxy",
+    }
+    if simulator:
+        card["simulator"] = True
+        card["description"] = "unitproxy's simulated engine: generates synthetic text, no model"
+    return card
+
+
+def model_not_found(name: str) -> NotFound:
+    return NotFound(f"the model '{name}' does not exist", param="model", code="model_not_found")
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
 
@@ -215,7 +234,7 @@ def parse(
     body: bytes,
     *,
     request_id: str,
-    served_model: str,
+    served_model: str | Sequence[str],
     max_prompt_chars: int,
 ) -> ParsedRequest:
     """Validate an OpenAI request body; raise InvalidRequest/NotFound/PayloadTooLarge."""
@@ -232,7 +251,7 @@ def parse_fields(
     fields: dict[str, Any],
     *,
     request_id: str,
-    served_model: str,
+    served_model: str | Sequence[str],
     max_prompt_chars: int,
 ) -> ParsedRequest:
     """Like ``parse``, for fields that arrived another way (the gRPC request)."""
@@ -251,15 +270,18 @@ def _parsed(
     route: Route,
     req: CompletionBody | ChatBody,
     request_id: str,
-    served_model: str,
+    served_model: str | Sequence[str],
     max_prompt_chars: int,
 ) -> ParsedRequest:
-    if req.model not in (None, "", served_model):
+    served = (served_model,) if isinstance(served_model, str) else tuple(served_model)
+    if req.model not in (None, "", *served):
         raise NotFound(
-            f"model '{req.model}' is not served here (this unit serves '{served_model}')",
+            f"model '{req.model}' is not served here (this unit serves "
+            f"{', '.join(repr(m) for m in served)})",
             param="model",
             code="model_not_found",
         )
+    model = req.model or served[0]
     if isinstance(req, CompletionBody):
         max_tokens = req.max_tokens
         prompt, ids, messages = _completion_input(req, max_prompt_chars)
@@ -277,9 +299,10 @@ def _parsed(
         prompt_token_ids=ids,
         messages=messages,
         sampling=req.sampling(max_tokens),
+        model=None if model == served[0] else model,
         **template,
     )
-    return ParsedRequest(route, engine_request, served_model, req.stream, req.include_usage)
+    return ParsedRequest(route, engine_request, model, req.stream, req.include_usage)
 
 
 def _completion_input(

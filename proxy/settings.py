@@ -184,7 +184,7 @@ class EngineSettings(_Section):
     # -- engine vllm: passed through to vLLM's engine arguments ----------------------
     served_model_name: str | None = Field(
         None,
-        description="Model name shown in /v1/models and expected in requests, for engine vllm. Default: the model path.",
+        description="Model name shown in /v1/models, in load reports and expected in requests, for engines vllm and sim. Default: the model path (sim: --model, else 'unitproxy-sim').",
     )
     tokenizer: str | None = Field(
         None, description="Tokenizer path or name, for engine vllm. Default: the model's."
@@ -438,9 +438,34 @@ class GatewaySettings(_Section):
         default_factory=list,
         description="The units to route to, ID=HTTP_URL,GRPC_TARGET each. Default none.",
     )
-    policy: Literal["lor", "p2c", "round_robin", "random"] = Field(
+    policy: Literal["lor", "prefix", "p2c", "round_robin", "random"] = Field(
         "lor",
-        description="How a unit is chosen: lor (least outstanding / capacity), p2c (power of two choices), round_robin, random. Default lor.",
+        description="How a unit is chosen: lor (least outstanding / capacity), prefix (the unit most likely to hold the prompt's prefix in its KV cache, within a bound on its load, else lor), p2c (power of two choices), round_robin, random. Default lor.",
+    )
+    prefix_balance: float = Field(
+        0.2,
+        ge=0,
+        description="Policy prefix: a unit holding the prompt's prefix is chosen while its estimated outstanding / capacity is at most (1 + this) x the least loaded candidate's, plus prefix_slack requests; otherwise lor decides. Default 0.2.",
+    )
+    prefix_slack: int = Field(
+        2,
+        ge=0,
+        description="Policy prefix: requests a unit holding the prefix may have above the bound of prefix_balance (so an idle fleet keeps affinity). Default 2.",
+    )
+    prefix_chunk_chars: int = Field(
+        256,
+        gt=0,
+        description="Policy prefix: characters of prompt text per block of the prefix index. Default 256.",
+    )
+    prefix_max_blocks: int = Field(
+        8192,
+        gt=0,
+        description="Policy prefix: most blocks the index keeps per unit, least recently sent out first (about 200 bytes each). Default 8192.",
+    )
+    prefix_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description="Policy prefix: a block not sent to a unit for this long is dropped from its index, in s. Default 600.",
     )
     load_source: Literal["watch", "watch-http", "poll", "redis"] = Field(
         "watch",
@@ -584,6 +609,10 @@ class UpSettings(_Section):
         10.0,
         gt=0,
         description="After SIGTERM to the children, how long to wait before SIGKILL, in s. Default 10.",
+    )
+    unit_models: list[str] = Field(
+        default_factory=list,
+        description="Served model names of the units, in turn: unit i serves the (i mod n)-th (its --served-model-name), so a cell can hold units of different models. Default none: every unit the engine settings' model.",
     )
     restart: bool = Field(
         False,

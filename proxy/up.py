@@ -138,6 +138,8 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
         follower_args = [a for f in followers for a in ("--follower", f"{f.name}={f.grpc_target}")]
         sidecar = child("sidecar", unit_id, unit_id, ["--unit-id", unit_id, *follower_args])
         sidecar.args += given_flags(settings, TO_SIDECARS)
+        if up.unit_models:  # after the engine flags: it wins over --served-model-name
+            sidecar.args += ["--served-model-name", up.unit_models[i % len(up.unit_models)]]
         for f in followers:
             f.args += given_flags(settings, TO_FOLLOWERS)
         units.append(Unit(unit_id, sidecar, followers))

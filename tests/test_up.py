@@ -123,6 +123,19 @@ def test_plan_names_ports_and_flags() -> None:
     assert cell.gateway.log_path == Path(".unitproxy/logs/gateway.log")
 
 
+def test_units_of_different_models() -> None:
+    cell = _plan(
+        up={"units": 3, "followers": 0, "unit_models": ["llama", "qwen"]},
+        engine={"served_model_name": "ignored"},
+        gateway={"policy": "prefix"},
+    )
+    served = [
+        u.sidecar.args[u.sidecar.args.index("--served-model-name", -3) + 1] for u in cell.units
+    ]
+    assert served == ["llama", "qwen", "llama"]
+    assert "--policy prefix" in " ".join(cell.gateway.args)
+
+
 def test_free_ports_are_distinct() -> None:
     cell = _plan(up={"units": 3, "followers": 2})
     ports = [p for c in cell.children for p in (c.http_port, c.grpc_port)]

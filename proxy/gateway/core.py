@@ -22,7 +22,8 @@ from enum import Enum
 from typing import Any, Protocol
 
 from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
-from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.gateway.prefix import Want, grpc_want, json_want
+from proxy.gateway.router import NO_WANT, NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics
 from proxy.settings import GatewaySettings
@@ -114,23 +115,41 @@ class GatewayCore:
     def active(self) -> int:
         return len(self._active)
 
-    async def run(self, job: Job) -> None:
+    def json_want(self, body: bytes) -> Want:
+        """What choosing a unit needs of an HTTP request body, when it needs anything
+        (policy prefix; units serving different models); raises NotFound for a model
+        that no unit serves."""
+        return self._want(json_want, body)
+
+    def grpc_want(self, request: bytes) -> Want:
+        """The same for a serialized GenerateRequest."""
+        return self._want(grpc_want, request)
+
+    def _want(self, parse: Any, raw: bytes) -> Want:
+        router = self._router
+        if not router.reads_requests:
+            return NO_WANT
+        want: Want = parse(raw, router.prefix)
+        router.check_model(want.model)
+        return want
+
+    async def run(self, job: Job, want: Want = NO_WANT) -> None:
         """Serve ``job`` until its client has an answer; raises UnitProxyError when no unit
         could be tried and nothing reached the client."""
         self._active.add(job)
         try:
-            await self._run(job)
+            await self._run(job, want)
         finally:
             self._active.discard(job)
 
-    async def _run(self, job: Job) -> None:
+    async def _run(self, job: Job, want: Want) -> None:
         s = self._settings
         tried: set[str] = set()
         retries = migrations = 0
         last: Tried | None = None
         while True:
             try:
-                unit = await self._router.acquire(tried)
+                unit = await self._router.acquire(tried, want)
             except NoUnit as exc:
                 if last is None:
                     self._metrics.no_unit_available.inc()

@@ -141,10 +141,11 @@ class Forwarder:
 
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
+        want = self.core.json_want(req.body)
         job = HttpJob(self, down, req, started)
         self._gate.enter()
         try:
-            await self.core.run(job)
+            await self.core.run(job, want)
             return job.status or down.status
         finally:
             self._gate.exit()

@@ -110,7 +110,7 @@ class GenerateProxy:
             await context.abort(exc.grpc_code, exc.message)
         job = GrpcJob(self, request, context, started)
         try:
-            await self.core.run(job)
+            await self.core.run(job, self.core.grpc_want(request))
             await job.finish()
         except UnitProxyError as exc:
             code = exc.grpc_code.name

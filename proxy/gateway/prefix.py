@@ -29,7 +29,54 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
+
+from proxy.pb.unitproxy.v1 import inference_pb2
+
+NO_BLOCKS: list[int] = []
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What the router needs of a request: its model (None: any unit), and the blocks
+    of its prompt (policy prefix; empty otherwise)."""
+
+    model: str | None = None
+    blocks: list[int] = field(default_factory=list)
+
+
+def json_want(body: bytes, index: PrefixIndex | None) -> Want:
+    """The Want of an OpenAI JSON body (one that does not parse wants nothing: the
+    unit answers it with its 400)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return Want()
+    if not isinstance(data, dict):
+        return Want()
+    model = data.get("model")
+    blocks = NO_BLOCKS if index is None else index.hashes(prompt_text(data))
+    return Want(model if isinstance(model, str) and model else None, blocks)
+
+
+def grpc_want(request: bytes, index: PrefixIndex | None) -> Want:
+    """The Want of a serialized GenerateRequest."""
+    try:
+        req = inference_pb2.GenerateRequest.FromString(request)
+    except Exception:  # protobuf's DecodeError; the unit answers INVALID_ARGUMENT
+        return Want()
+    if index is None:
+        return Want(req.model or None)
+    which = req.WhichOneof("input")
+    if which == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        text = prompt_text({"messages": messages})
+    elif which == "prompt_token_ids":
+        text = prompt_text({"prompt": list(req.prompt_token_ids.ids)})
+    else:
+        text = req.prompt
+    return Want(req.model or None, index.hashes(text))
 
 
 def prompt_text(body: dict[str, Any]) -> str:

@@ -13,14 +13,15 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable
 from enum import Enum
 
-from proxy.errors import Overloaded, Unavailable
-from proxy.gateway.select import POLICIES
+from proxy.errors import NotFound, Overloaded, Unavailable
+from proxy.gateway.prefix import PrefixIndex, Want
+from proxy.gateway.select import POLICIES, prefix_affinity
 from proxy.gateway.units import Unit, reason
-from proxy.load import LoadReport
+from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,28 @@ class NoUnit(Unavailable):
     """No SERVING unit is left to try (apart from those excluded)."""
 
 
+NO_WANT = Want()
+
+
 class _Waiter:
     """A request in the wait queue, and the units it must not be given."""
 
-    __slots__ = ("exclude", "future", "seq")
+    __slots__ = ("exclude", "future", "model", "seq")
 
-    def __init__(self, future: asyncio.Future[None], exclude: Collection[str], seq: int):
+    def __init__(
+        self,
+        future: asyncio.Future[None],
+        exclude: Collection[str],
+        seq: int,
+        model: str | None = None,
+    ):
         self.future = future
         self.exclude = exclude
         self.seq = seq  # its place in line
+        self.model = model
+
+    def may_take(self, unit: Unit) -> bool:
+        return unit.id not in self.exclude and unit.serves(self.model)
 
 
 class Router:
@@ -68,6 +82,15 @@ class Router:
         self._arrivals = itertools.count()
         self._on_change = on_change
         self._aging_paused_at: float | None = None
+        self.prefix: PrefixIndex | None = None
+        if settings.policy == "prefix":
+            self.prefix = PrefixIndex(
+                settings.prefix_chunk_chars, settings.prefix_max_blocks, settings.prefix_ttl_s
+            )
+        # How many units list each model, and how many list none (serve any): the
+        # gateway reads a request's model only when the units differ.
+        self._models: Counter[str] = Counter()
+        self._model_sets: Counter[tuple[str, ...]] = Counter()
         for target in targets:
             self.add(target)
 
@@ -79,32 +102,62 @@ class Router:
 
     # --- choosing ---------------------------------------------------------------
 
-    def candidates(self, exclude: Collection[str] = ()) -> list[Unit]:
+    def candidates(self, exclude: Collection[str] = (), model: str | None = None) -> list[Unit]:
         now, s = self._clock(), self.settings
         age_at = self._age_at(now)
         return [
             u
             for u in self.units.values()
-            if u.id not in exclude and u.available(now, s.stale_after_s, s.correct_load, age_at)
+            if u.id not in exclude
+            and u.available(now, s.stale_after_s, s.correct_load, age_at)
+            and u.serves(model)
         ]
 
-    def serving(self, exclude: Collection[str] = ()) -> list[Unit]:
+    def serving(self, exclude: Collection[str] = (), model: str | None = None) -> list[Unit]:
         now = self._clock()
         age_at = self._age_at(now)
         return [
             u
             for u in self.units.values()
-            if u.id not in exclude and u.serving(now, self.settings.stale_after_s, age_at)
+            if u.id not in exclude
+            and u.serving(now, self.settings.stale_after_s, age_at)
+            and u.serves(model)
         ]
+
+    # --- what a request needs -----------------------------------------------------
+
+    @property
+    def reads_requests(self) -> bool:
+        """Whether choosing needs the request's model or prompt: policy prefix, or units
+        that do not all serve the same models."""
+        return self.prefix is not None or len(self._model_sets) > 1
+
+    def check_model(self, model: str | None) -> None:
+        """Raises NotFound (model_not_found) when no unit's report lists ``model``."""
+        if model is None or self._models[model] or self._model_sets[()]:
+            return
+        raise NotFound(f"the model '{model}' does not exist", param="model", code="model_not_found")
+
+    def _count_models(self, report: LoadReport | None, n: int) -> None:
+        if report is None:
+            return
+        self._model_sets[report.models] += n
+        if self._model_sets[report.models] <= 0:
+            del self._model_sets[report.models]
+        for model in report.models:
+            self._models[model] += n
+            if self._models[model] <= 0:
+                del self._models[model]
 
     def _age_at(self, now: float) -> float:
         paused_at = self._aging_paused_at
         return now if paused_at is None else min(now, paused_at)
 
-    def pick(self, exclude: Collection[str] = ()) -> Unit | None:
-        unit = self._select(
-            self.candidates(exclude), self._rng, self._turn, self.settings.correct_load
-        )
+    def pick(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit | None:
+        candidates = self.candidates(exclude, want.model)
+        unit = self._select(candidates, self._rng, self._turn, self.settings.correct_load)
+        if unit is not None and self.prefix is not None and want.blocks:
+            unit = self._by_prefix(unit, candidates, want)
         if unit is not None:
             self._turn += 1
             unit.inflight += 1
@@ -112,45 +165,57 @@ class Router:
             unit.routed += 1
         return unit
 
-    async def acquire(self, exclude: Collection[str] = ()) -> Unit:
+    def _by_prefix(self, least: Unit, candidates: list[Unit], want: Want) -> Unit:
+        assert self.prefix is not None
+        now, s = self._clock(), self.settings
+        by_id = {u.id: u for u in candidates}
+        holders = (
+            [by_id[i] for i in ids if i in by_id]
+            for _, ids in self.prefix.matches(want.blocks, now)
+        )
+        unit = prefix_affinity(least, holders, s.correct_load, s.prefix_balance, s.prefix_slack)
+        self.prefix.record(unit.id, want.blocks, now)
+        return unit
+
+    async def acquire(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit:
         """A unit for one attempt; waits while every SERVING unit it may take is full.
 
-        Raises NoUnit when no SERVING unit is left to try, Overloaded past the queue's
-        bounds.
+        Raises NoUnit when no SERVING unit (serving the request's model) is left to try,
+        Overloaded past the queue's bounds.
         """
-        if not self._waiters or not self._may_pass(exclude):
-            unit = self.pick(exclude)
+        if not self._waiters or not self._may_pass(exclude, want.model):
+            unit = self.pick(exclude, want)
             if unit is not None:
                 return unit
-        if not self.serving(exclude):
-            raise NoUnit("no unit is SERVING", code="no_unit_available")
+        if not self.serving(exclude, want.model):
+            raise NoUnit(_none_serving(want.model), code="no_unit_available")
         if len(self._waiters) >= self.settings.queue_size:
             raise Overloaded(
                 f"every unit is full and {len(self._waiters)} requests already wait",
                 code="queue_full",
             )
-        return await self._wait(exclude)
+        return await self._wait(exclude, want)
 
-    def _may_pass(self, exclude: Collection[str]) -> bool:
+    def _may_pass(self, exclude: Collection[str], model: str | None) -> bool:
         """False if a waiter ahead could take a unit this request could take too."""
-        free = self.candidates(exclude)
-        return not any(u.id not in waiter.exclude for waiter in self._waiters for u in free)
+        free = self.candidates(exclude, model)
+        return not any(waiter.may_take(u) for waiter in self._waiters for u in free)
 
-    async def _wait(self, exclude: Collection[str]) -> Unit:
+    async def _wait(self, exclude: Collection[str], want: Want) -> Unit:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), exclude, next(self._arrivals))
+        waiter = _Waiter(loop.create_future(), exclude, next(self._arrivals), want.model)
         self._waiters.append(waiter)
         self.wake()
         try:
             async with asyncio.timeout(self.settings.queue_timeout_s):
                 while True:
                     await waiter.future
-                    unit = self.pick(exclude)
+                    unit = self.pick(exclude, want)
                     if unit is not None:
                         return unit
-                    if not self.serving(exclude):
-                        raise NoUnit("no unit is SERVING", code="no_unit_available")
-                    waiter = _Waiter(loop.create_future(), exclude, waiter.seq)
+                    if not self.serving(exclude, want.model):
+                        raise NoUnit(_none_serving(want.model), code="no_unit_available")
+                    waiter = _Waiter(loop.create_future(), exclude, waiter.seq, want.model)
                     self._insert(waiter)  # keep its place in line
         except TimeoutError:
             raise Overloaded(
@@ -180,7 +245,7 @@ class Router:
         if not free:
             return
         for waiter in self._waiters:
-            if not waiter.future.done() and any(u.id not in waiter.exclude for u in free):
+            if not waiter.future.done() and any(waiter.may_take(u) for u in free):
                 self._waiters.remove(waiter)
                 waiter.future.set_result(None)
                 return
@@ -224,6 +289,10 @@ class Router:
         if unit.lost is not None:
             log.info("unit %s: load reports again (was %s)", unit_id, unit.lost)
             unit.lost = None
+        if self.prefix is not None and _cache_lost(unit.report, report):
+            self.prefix.forget(unit_id)
+        self._count_models(unit.report, -1)
+        self._count_models(report, +1)
         unit.apply(report, self._clock())
         if report.state != before:
             log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
@@ -268,6 +337,7 @@ class Router:
             return
         self.unreachable(unit, why)
         if unit.report is not None:
+            self._count_models(unit.report, -1)
             unit.report = None
             self._changed(unit)
 
@@ -282,3 +352,17 @@ class Router:
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:
             self._on_change(unit)
+
+
+def _none_serving(model: str | None) -> str:
+    return "no unit is SERVING" if model is None else f"no unit serving '{model}' is SERVING"
+
+
+def _cache_lost(before: LoadReport | None, after: LoadReport) -> bool:
+    """The unit's KV cache is likely gone: its sidecar restarted (seq went back) or it
+    left SERVING for NOT_SERVING (a failed node; the engine may be restarted)."""
+    if before is None:
+        return False
+    restarted = after.seq < before.seq and after.timestamp_ms > before.timestamp_ms
+    failed = before.state is UnitState.SERVING and after.state is UnitState.NOT_SERVING
+    return restarted or failed

@@ -7,12 +7,12 @@ looks at anything else, so "can take a request" has one definition.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from proxy.gateway.units import Unit
 
-Policy = Literal["lor", "p2c", "round_robin", "random"]
+Policy = Literal["lor", "prefix", "p2c", "round_robin", "random"]
 Select = Callable[[Sequence[Unit], random.Random, int, bool], Unit | None]
 
 
@@ -53,8 +53,37 @@ def uniform_random(
     return rng.choice(candidates) if candidates else None
 
 
+def prefix_affinity(
+    least: Unit,
+    holders: Iterable[Sequence[Unit]],
+    correct: bool,
+    balance: float,
+    slack: int,
+) -> Unit:
+    """Policy ``prefix``: of the units that hold the longest prefix of the prompt
+    (``holders``, longest match first), the least loaded one whose load is within the
+    bound: at most ``(1 + balance)`` x the least loaded candidate's, plus ``slack``
+    requests; if none is, the next shorter match; if no holder is, ``least`` (lor).
+
+    Bounded load: a popular prefix spreads over more units as its first ones fill up,
+    because the unit that takes the overflow holds it from then on.
+    """
+    bound = (1.0 + balance) * least.load(correct)
+    for units in holders:
+        best: Unit | None = None
+        best_load = 0.0
+        for unit in units:
+            load = unit.load(correct)
+            if load <= bound + slack / unit.capacity and (best is None or load < best_load):
+                best, best_load = unit, load
+        if best is not None:
+            return best
+    return least
+
+
 POLICIES: dict[str, Select] = {
     "lor": least_outstanding,
+    "prefix": least_outstanding,  # when no prefix is known; the router does the rest
     "p2c": power_of_two,
     "round_robin": round_robin,
     "random": uniform_random,

@@ -8,7 +8,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -18,9 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proxy import openai_api
 from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
-from proxy.errors import Unavailable, UnitProxyError
+from proxy.errors import UnitProxyError
 from proxy.gateway import front
 from proxy.gateway.core import GatewayCore
 from proxy.gateway.forward import Forwarder, Inbound
@@ -367,6 +368,7 @@ class Gateway(Service):
         for path, route in ROUTES.items():
             app.router.add_post(path, inference(route))
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", _health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/units", self._units)
@@ -377,16 +379,17 @@ class Gateway(Service):
         return app
 
     async def _models(self, request: web.Request) -> web.Response:
-        serving = self.router.serving()
-        if not serving:
-            raise Unavailable("no unit is SERVING", code="no_unit_available")
-        unit = random.choice(serving)
-        conn = await self._pools[unit.id].request(b"GET", "/v1/models", {})
-        try:
-            body = await conn.read()
-        finally:
-            conn.done()
-        return web.Response(status=conn.status, body=body, content_type="application/json")
+        """Every model some unit's last load report lists, whatever its state now: the
+        answer needs no unit, so it comes even while none is SERVING."""
+        served = served_models(self.router.units.values())
+        return json_response({"object": "list", "data": [_card(m, u) for m, u in served.items()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        units = served_models(self.router.units.values()).get(name)
+        if units is None:
+            raise openai_api.model_not_found(name)
+        return json_response(_card(name, units))
 
     async def _ready(self, request: web.Request) -> web.Response:
         body = self._ready_body()
@@ -476,3 +479,17 @@ class AiohttpResponse:
 
 async def _health(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
+
+
+def served_models(units: Iterable[Unit]) -> dict[str, list[str]]:
+    """Model name -> the ids of the units whose last report lists it, in unit order."""
+    found: dict[str, list[str]] = {}
+    for unit in units:
+        if unit.report is not None:
+            for model in unit.report.models:
+                found.setdefault(model, []).append(unit.id)
+    return found
+
+
+def _card(model: str, units: list[str]) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "unitproxy", "units": units}

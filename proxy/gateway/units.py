@@ -96,6 +96,11 @@ class Unit:
         """Can take a request now: serving, and below capacity by our estimate."""
         return self.serving(now, stale_after_s, age_at) and self.estimate(correct) < self.capacity
 
+    def serves(self, model: str | None) -> bool:
+        """Serves ``model`` by its last report (a report that lists none: any model)."""
+        report = self.report
+        return model is None or report is None or not report.models or model in report.models
+
     def load(self, correct: bool = True) -> float:
         return self.estimate(correct) / self.capacity if self.capacity else float("inf")
 

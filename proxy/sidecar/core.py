@@ -234,6 +234,8 @@ class SidecarCore:
             running=stats.running,
             waiting=stats.waiting,
             kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            models=self.engine.served_models(),
             nodes=self.health.nodes(),
             seq=self._seq,
             timestamp_ms=int(time.time() * 1000),

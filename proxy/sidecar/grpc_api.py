@@ -102,7 +102,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             route,
             fields,
             request_id=request_id,
-            served_model=core.engine.model_name,
+            served_model=core.engine.served_models(),
             max_prompt_chars=self._max_prompt_chars,
         )
         hint = resume.parse_hint(_metadata(context, RESUME_HEADER))

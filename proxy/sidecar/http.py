@@ -69,6 +69,7 @@ def build_app(
     app.router.add_post("/v1/completions", _inference("completions"))
     app.router.add_post("/v1/chat/completions", _inference("chat"))
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
@@ -114,7 +115,7 @@ async def _serve(
         route,
         body,
         request_id=request_id,
-        served_model=core.engine.model_name,
+        served_model=core.engine.served_models(),
         max_prompt_chars=request.app[MAX_PROMPT_CHARS],
     )
     hint = resume.parse_hint(request.headers.get(RESUME_HEADER))
@@ -198,18 +199,17 @@ def _headers(core: SidecarCore, request_id: str) -> dict[str, str]:
 
 
 async def _models(request: web.Request) -> web.Response:
-    core = request.app[CORE]
-    engine = core.engine
-    model: dict[str, Any] = {
-        "id": engine.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "unitproxy-simulator" if engine.is_simulator else "unitproxy",
-    }
-    if engine.is_simulator:
-        model["simulator"] = True
-        model["description"] = "unitproxy's simulated engine: generates synthetic text, no model"
-    return json_response({"object": "list", "data": [model]})
+    engine = request.app[CORE].engine
+    data = [openai_api.model_card(m, engine.is_simulator) for m in engine.served_models()]
+    return json_response({"object": "list", "data": data})
+
+
+async def _model(request: web.Request) -> web.Response:
+    engine = request.app[CORE].engine
+    name = request.match_info["model"]
+    if name not in engine.served_models():
+        raise openai_api.model_not_found(name)
+    return json_response(openai_api.model_card(name, engine.is_simulator))
 
 
 async def _health(request: web.Request) -> web.Response:
