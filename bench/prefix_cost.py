@@ -1,0 +1,99 @@
+"""What policy prefix costs the gateway: µs per request to choose a unit, and the index's memory.
+
+The routing core alone (``proxy.gateway.router.Router``, no network), fed the request
+bodies of bench/routing's shared-prefix workloads: per request the gateway parses the
+body, hashes its prompt's blocks (``core.json_want``'s work) and picks a unit, then the
+request is released after about a fleet's worth of others (a steady state of 8 in
+flight per unit). Measured at 8 and 256 units for lor (no parsing) and prefix; the
+index's memory is tracemalloc's count of what it holds after the run, at its bound
+when the run sends more blocks than the index keeps.
+
+    .venv/bin/python bench/prefix_cost.py            # about a minute
+    .venv/bin/python bench/prefix_cost.py --requests 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+import tracemalloc
+from collections import deque
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.routing import workload
+from proxy.gateway.prefix import json_want
+from proxy.gateway.router import NO_WANT, Outcome, Router
+from proxy.gateway.units import Unit
+from proxy.load import LoadReport, UnitState
+from proxy.settings import GatewaySettings, UnitTarget
+
+IN_FLIGHT_PER_UNIT = 8
+
+
+def fleet(units: int, policy: str) -> Router:
+    targets = [UnitTarget(id=f"u{i}", http_url=f"http://u{i}:1", grpc_target=f"u{i}:2")
+               for i in range(units)]  # fmt: skip
+    # a clock that stands still: reports never go stale however long the run takes
+    router = Router(
+        GatewaySettings(policy=policy), targets, rng=random.Random(1), clock=lambda: 0.0
+    )
+    for t in targets:
+        router.apply_report(t.id, LoadReport(t.id, UnitState.SERVING, 0, 64, seq=1))
+    return router
+
+
+def run(router: Router, units: int, bodies: list[bytes]) -> float:
+    """Seconds to route every body."""
+    in_flight: deque[Unit] = deque()
+    began = time.perf_counter()
+    for body in bodies:
+        want = json_want(body, router.prefix) if router.prefix is not None else NO_WANT
+        unit = router.pick(want=want)
+        assert unit is not None
+        in_flight.append(unit)
+        if len(in_flight) > IN_FLIGHT_PER_UNIT * units:
+            router.release(in_flight.popleft(), Outcome.OK)
+    return time.perf_counter() - began
+
+
+def measure(units: int, policy: str, bodies: list[bytes]) -> dict[str, float]:
+    elapsed = run(fleet(units, policy), units, bodies)
+    router = fleet(units, policy)  # again, with tracemalloc on, for the index's memory
+    tracemalloc.start()
+    run(router, units, bodies)
+    held = 0
+    if router.prefix is not None:
+        snapshot = tracemalloc.take_snapshot()
+        held = sum(
+            s.size for s in snapshot.statistics("filename")
+            if s.traceback[0].filename.endswith("prefix.py")
+        )  # fmt: skip
+    tracemalloc.stop()
+    blocks = router.prefix.stats()[1] if router.prefix is not None else 0
+    return {"us_per_request": 1e6 * elapsed / len(bodies), "index_mb": held / 1e6,
+            "blocks": blocks}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=5000, help="per run. Default 5000.")
+    args = parser.parse_args()
+    print("workload      units  policy  µs/request  index MB  blocks")
+    for name in ("chat", "tenants"):
+        source, rng = workload.WORKLOADS[name].source(), random.Random(1)
+        bodies = [source.draw(rng, i)[1] for i in range(args.requests)]
+        for units in (8, 256):
+            for policy in ("lor", "prefix"):
+                m = measure(units, policy, bodies)
+                print(f"{name:<12}  {units:>5}  {policy:<6}  {m['us_per_request']:>10.1f}  "
+                      f"{m['index_mb']:>8.2f}  {m['blocks']:>6.0f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
