@@ -154,10 +154,9 @@ class Router:
         return now if paused_at is None else min(now, paused_at)
 
     def pick(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit | None:
-        candidates = self.candidates(exclude, want.model)
-        unit = self._select(candidates, self._rng, self._turn, self.settings.correct_load)
+        unit = self._choose(exclude, want)
         if unit is not None and self.prefix is not None and want.blocks:
-            unit = self._by_prefix(unit, candidates, want)
+            unit = self._by_prefix(unit, exclude, want)
         if unit is not None:
             self._turn += 1
             unit.inflight += 1
@@ -165,12 +164,28 @@ class Router:
             unit.routed += 1
         return unit
 
-    def _by_prefix(self, least: Unit, candidates: list[Unit], want: Want) -> Unit:
+    def _choose(self, exclude: Collection[str], want: Want) -> Unit | None:
+        candidates = self.candidates(exclude, want.model)
+        return self._select(candidates, self._rng, self._turn, self.settings.correct_load)
+
+    def _by_prefix(self, least: Unit, exclude: Collection[str], want: Want) -> Unit:
+        """Policy prefix, given the least loaded candidate: looks only at the units that
+        hold a prefix of the prompt, not at the whole fleet."""
         assert self.prefix is not None
         now, s = self._clock(), self.settings
-        by_id = {u.id: u for u in candidates}
+        age_at, units = self._age_at(now), self.units
+
+        def can_take(unit_id: str) -> bool:
+            unit = units.get(unit_id)
+            return (
+                unit is not None
+                and unit_id not in exclude
+                and unit.available(now, s.stale_after_s, s.correct_load, age_at)
+                and unit.serves(want.model)
+            )
+
         holders = (
-            [by_id[i] for i in ids if i in by_id]
+            [units[i] for i in ids if can_take(i)]
             for _, ids in self.prefix.matches(want.blocks, now)
         )
         unit = prefix_affinity(least, holders, s.correct_load, s.prefix_balance, s.prefix_slack)
