@@ -73,6 +73,7 @@ QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full
 OWN_POLICIES = (
     "lor",
     "prefix",
+    "prefix-strict",
     "p2c",
     "round_robin",
     "random",
@@ -126,6 +127,8 @@ class BenchSettings:
         return {
             "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
             "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
+            # bounded load with no slack: at most 1.2 x the least loaded, however few
+            "prefix-strict": ["--policy", "prefix", "--prefix-slack", "0"],
         }.get(policy, ["--policy", policy])
 
 
@@ -348,9 +351,9 @@ class Results:
 
 
 async def bench(s: BenchSettings, results: Results) -> None:
-    """Every run on one fleet; with shared prefixes a fresh fleet for the saturation run
-    and for each run, so that no run starts with what an earlier one left in the
-    units' prefix caches."""
+    """A fresh fleet for the saturation run and for each run: no run starts with what
+    an earlier one left in the units' prefix caches (the plain workload's prompts
+    repeat across runs, which share no prefix within one)."""
     connector = aiohttp.TCPConnector(limit=8192, limit_per_host=8192)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -367,9 +370,6 @@ async def bench(s: BenchSettings, results: Results) -> None:
                 f"saturation {sat.measured:.1f} r/s from tokens/s (model {sat.model:.1f} r/s, "
                 f"completions in the window {sat.completions_per_s:.1f} r/s)"
             )
-            if not s.mix.shares_prefixes:
-                for load_pct, policy in _runs(s, results):
-                    await one_run(s, policy, load_pct, sat.measured, units, session, results)
         if s.mix.shares_prefixes and "prefix" in s.policies:
             # What the fleet sustains when its caches are used: the higher is 100 %.
             async with fleet_for(s, results, session) as cold:
@@ -378,10 +378,9 @@ async def bench(s: BenchSettings, results: Results) -> None:
             progress(f"saturation through prefix {by_prefix.measured:.1f} r/s")
             if by_prefix.measured > sat.measured:
                 results.saturation = sat = by_prefix
-        if s.mix.shares_prefixes:
-            for load_pct, policy in _runs(s, results):
-                async with fleet_for(s, results, session) as cold:
-                    await one_run(s, policy, load_pct, sat.measured, cold, session, results)
+        for load_pct, policy in _runs(s, results):
+            async with fleet_for(s, results, session) as cold:
+                await one_run(s, policy, load_pct, sat.measured, cold, session, results)
 
 
 def _runs(s: BenchSettings, results: Results) -> list[tuple[int, str]]:
