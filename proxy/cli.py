@@ -48,6 +48,11 @@ SERVING = (
     Flag("--api-keys-file", "server.api_keys_file", "PATH"),
     Flag("--tls-cert-file", "server.tls_cert_file", "PATH"),
     Flag("--tls-key-file", "server.tls_key_file", "PATH"),
+    Flag("--head-timeout", "server.head_timeout_s", "SECONDS"),
+    Flag("--body-timeout", "server.body_timeout_s", "SECONDS"),
+    Flag("--keepalive-timeout", "server.keepalive_timeout_s", "SECONDS"),
+    Flag("--write-timeout", "server.write_timeout_s", "SECONDS"),
+    Flag("--max-connections", "server.max_connections", "N"),
     Flag("--drain-timeout", "server.drain_timeout_s", "SECONDS"),
 )
 ENGINE = (

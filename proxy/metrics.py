@@ -73,6 +73,31 @@ class ServingMetrics:
         )
 
 
+# Why the server closed a client connection (see proxy/ingress.py).
+CLOSE_REASONS = ("head_timeout", "body_timeout", "write_timeout", "idle", "max_connections")
+
+
+class IngressMetrics:
+    """Client connections on an HTTP port, and those the ingress limits closed."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.connections = Gauge(
+            "client_connections",
+            "Client connections open on the HTTP port.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.closed = Counter(
+            "client_connections_closed",
+            "Client connections the server closed by a limit (timeouts, max_connections).",
+            ["reason"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        for reason in CLOSE_REASONS:
+            self.closed.labels(reason)
+
+
 class HealthMetrics:
     """Node health as seen by whoever checks it (sidecar for its unit, follower for itself)."""
 

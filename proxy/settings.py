@@ -94,6 +94,31 @@ class ServerSettings(_Section):
         None,
         description="Token that /admin routes require as 'Authorization: Bearer TOKEN'. Default none (admin routes open).",
     )
+    head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest time a request head may take, from its first byte to its end, in s; past it the client gets 408 and the connection closes. Default 10.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest time a request body may take, from the end of the head to its last byte, in s; past it the client gets 408 and the connection closes. Default 30.",
+    )
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="An idle keep-alive connection (between requests) is closed after this, in s. Default 75.",
+    )
+    write_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest time a client may leave its response unread while the server has more to send, in s; past it the connection closes, the request ends and its capacity slot is freed. Default 60.",
+    )
+    max_connections: int = Field(
+        4096,
+        gt=0,
+        description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
+    )
     max_prompt_chars: int = Field(
         1_000_000,
         gt=0,

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proxy import ingress
 from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
@@ -39,8 +40,9 @@ from proxy.httputil import (
     quiet_bad_requests,
     timeout_s,
 )
+from proxy.ingress import Limits
 from proxy.load import UnitState
-from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics
 from proxy.serving import (
     Drain,
     Gate,
@@ -74,6 +76,7 @@ class Gateway(Service):
         self.registry = CollectorRegistry()
         self.metrics = ServingMetrics(self.registry)
         self.gateway_metrics = GatewayMetrics(self.registry)
+        self.ingress_metrics = IngressMetrics(self.registry)
         self.router = Router(settings.gateway, settings.gateway.units, on_change=self._unit_changed)
         self.health_service = HealthServicer()
         self.http_url = ""
@@ -260,9 +263,12 @@ class Gateway(Service):
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
+        limits = Limits(s, self.wheel, self.ingress_metrics)
+        keys = self.api_keys
         http_front = front.Front(
-            ROUTES, self._serve_front, runner.server, s.max_body_bytes, self.wheel
-        )
+            ROUTES, self._serve_front, runner.server, s.max_body_bytes, limits,
+            authorize=lambda head: keys.check(head.headers.get("authorization")),
+        )  # fmt: skip
         server = await asyncio.get_running_loop().create_server(
             http_front.protocol,
             s.host,
@@ -292,8 +298,7 @@ class Gateway(Service):
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
         request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
-        try:
-            self.api_keys.check(headers.get("authorization"))
+        try:  # the API key was checked from the head, before the body was read
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)))  # fmt: skip
             await self.forwarder.handle(down, req)
@@ -316,8 +321,9 @@ class Gateway(Service):
     def _http_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.server.max_body_bytes,
-            middlewares=[error_middleware()]
-            + ([self.api_keys.middleware()] if self.api_keys.enabled else []),
+            middlewares=[ingress.phase_middleware(), error_middleware()]
+            + ([self.api_keys.middleware()] if self.api_keys.enabled else [])
+            + [ingress.body_middleware()],
         )
 
         def inference(route: str) -> Any:
@@ -338,16 +344,19 @@ class Gateway(Service):
             return handle
 
         for path, route in ROUTES.items():
-            app.router.add_post(path, inference(route))
+            app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", _health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/units", self._units)
         app.router.add_get("/metrics", self._metrics_page)
-        token = self.settings.server.admin_token
-        secret = None if token is None else token.get_secret_value()
-        app.router.add_post("/admin/drain", admin_drain(self.start_drain, secret, self._ready_body))
+        drain = admin_drain(self.start_drain, self._admin_token(), self._ready_body)
+        app.router.add_post("/admin/drain", drain)
         return app
+
+    def _admin_token(self) -> str | None:
+        token = self.settings.server.admin_token
+        return None if token is None else token.get_secret_value()
 
     async def _models(self, request: web.Request) -> web.Response:
         serving = self.router.serving()

@@ -19,8 +19,9 @@ from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.checks import Checker, CheckPolicy, ProbeFailed
 from proxy.errors import EngineError
+from proxy.ingress import Limits
 from proxy.load import UnitState
-from proxy.metrics import HealthMetrics, ServingMetrics, UnitMetrics
+from proxy.metrics import HealthMetrics, IngressMetrics, ServingMetrics, UnitMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
 from proxy.serving import Drain, Service, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import FollowerTarget, Settings
@@ -31,6 +32,7 @@ from proxy.sidecar.health import UnitHealth
 from proxy.sidecar.publisher import ReportPublisher
 from proxy.sidecar.recovery import RecoveryHook
 from proxy.sidecar.watch import ReportWatch
+from proxy.timers import Wheel
 from proxy.tls import server_tls
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class Sidecar(Service):
         self.serving_metrics = ServingMetrics(self.registry)
         self.unit_metrics = UnitMetrics(self.registry)
         self.health_metrics = HealthMetrics(self.registry)
+        self.ingress_metrics = IngressMetrics(self.registry)
         self.engine = engine or create_engine(settings.engine)
         unit_id = settings.sidecar.unit_id
         self.health = UnitHealth(unit_id, self.unit_metrics, self.health_metrics, self.changes)
@@ -99,7 +102,10 @@ class Sidecar(Service):
         _, bound_grpc = await start_grpc(
             stack, s.server.host, grpc_port, self._register_grpc, tls=tls
         )
-        bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
+        wheel = Wheel(asyncio.get_running_loop())
+        stack.callback(wheel.close)
+        limits = Limits(s.server, wheel, self.ingress_metrics)
+        bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls, limits=limits)
         stack.push_async_callback(self.watch.close)  # before the servers close
         # Stopping runs in reverse: the engine stops before the servers close, so a
         # request still in flight (a forced stop) ends with an error event or status,
