@@ -92,7 +92,7 @@ class ServerSettings(_Section):
     )
     admin_token: SecretStr | None = Field(
         None,
-        description="Token that /admin routes require as 'Authorization: Bearer TOKEN'. Default none (admin routes open).",
+        description="Token that /admin routes require as 'Authorization: Bearer TOKEN'. Default none: only loopback clients may call them.",
     )
     head_timeout_s: float = Field(
         10.0,

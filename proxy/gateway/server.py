@@ -34,6 +34,7 @@ from proxy.httputil import (
     ClientClosed,
     ClientGone,
     admin_drain,
+    describe_admin,
     error_middleware,
     error_parts,
     json_response,
@@ -133,6 +134,7 @@ class Gateway(Service):
         log.info("gateway: HTTP %s, gRPC %s, %d units, policy %s, load from %s",
                  self.http_url, self.grpc_target, len(self.router.units),
                  s.gateway.policy, s.gateway.load_source)  # fmt: skip
+        log.info("gateway: %s", describe_admin(self._admin_token()))
 
     # --- drain ----------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.checks import Checker, CheckPolicy, ProbeFailed
 from proxy.errors import EngineError
+from proxy.httputil import describe_admin
 from proxy.ingress import Limits
 from proxy.load import UnitState
 from proxy.metrics import HealthMetrics, IngressMetrics, ServingMetrics, UnitMetrics
@@ -141,6 +142,7 @@ class Sidecar(Service):
             s.sidecar.unit_id, self.http_url, self.grpc_target, self.engine.model_name,
             " (simulator)" if self.engine.is_simulator else "",
         )  # fmt: skip
+        log.info("sidecar %s: %s", s.sidecar.unit_id, describe_admin(_secret(s.server.admin_token)))
 
     def start_drain(self) -> None:
         """DRAINING at once: readiness and health say so, new requests get 503."""
