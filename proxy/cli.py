@@ -117,6 +117,7 @@ GATEWAY = (
     Flag("--queue-timeout", "gateway.queue_timeout_s", "SECONDS"),
     Flag("--eject-after", "gateway.eject_after", "N"),
     Flag("--eject-time", "gateway.eject_s", "SECONDS"),
+    Flag("--max-ejection-percent", "gateway.max_ejection_percent", "PERCENT"),
     Flag("--request-timeout", "gateway.request_timeout_s", "SECONDS"),
     Flag("--response-timeout", "gateway.response_timeout_s", "SECONDS"),
     Flag("--report-delay", "gateway.report_delay_s", "SECONDS"),

@@ -481,6 +481,12 @@ class GatewaySettings(_Section):
     eject_s: float = Field(
         5.0, gt=0, description="How long an ejected unit gets no requests, in s. Default 5."
     )
+    max_ejection_percent: int = Field(
+        50,
+        ge=0,
+        le=100,
+        description="Passive health never ejects more than this share of the SERVING units, in percent, rounded down (at 50: one of 2 or 3 units, none of 1); a unit past it keeps taking requests. Default 50.",
+    )
     connections_per_unit: int = Field(
         512,
         gt=0,
