@@ -231,8 +231,9 @@ class EngineSettings(_Section):
         description='Any other vLLM engine arguments as a JSON object (e.g. {"enforce_eager": true}); they win over the fields above. Default none.',
     )
     # -- engine openai ---------------------------------------------------------------
-    upstream_api_key: str | None = Field(
-        None, description="Bearer token sent to the upstream, for engine openai. Default none."
+    upstream_api_key: SecretStr | None = Field(
+        None,
+        description="Bearer token sent to the upstream, for engine openai; a secret: give it in the environment (UNITPROXY_ENGINE__UPSTREAM_API_KEY) or the config file rather than on a command line. Default none.",
     )
     upstream_metrics_interval_s: float = Field(
         1.0,
@@ -707,6 +708,11 @@ class ConfigError(Exception):
 def check_role(role: str, settings: Settings) -> None:
     """What one role needs beyond valid values; raises ConfigError."""
     problems = []
+    if role == "follower" and settings.redis.url is not None:
+        problems.append(
+            "redis.url: the follower does not use Redis (its node's health reaches Redis in "
+            "its sidecar's load reports); drop --redis-url / UNITPROXY_REDIS__URL here"
+        )
     if role == "gateway":
         redis_source = settings.gateway.load_source == "redis"
         if redis_source and settings.redis.url is None:

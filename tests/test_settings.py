@@ -274,3 +274,11 @@ def test_advertised_address() -> None:
     assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
     assert advertised_host("::", "fd00::1") == "[fd00::1]"
     assert advertised_host("0.0.0.0")  # the host name, whatever it is here
+
+
+def test_the_follower_refuses_a_redis_url() -> None:
+    redis = {"url": "redis://127.0.0.1:6379/0"}
+    with pytest.raises(config.ConfigError) as info:
+        config.check_role("follower", config.load({"redis": redis}))
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith("redis.url:")
+    config.check_role("follower", config.load({}))

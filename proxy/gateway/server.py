@@ -27,7 +27,7 @@ from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
-from proxy.gateway.upstream import Pool
+from proxy.gateway.upstream import Pool, UpstreamError
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
@@ -59,6 +59,7 @@ from proxy.tls import ClientTLS, ServerTLS, server_tls
 log = logging.getLogger(__name__)
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+MODELS_TIMEOUT_S = 10.0  # GET /v1/models from a unit: a list, answered at once
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -365,11 +366,20 @@ class Gateway(Service):
         if not serving:
             raise Unavailable("no unit is SERVING", code="no_unit_available")
         unit = random.choice(serving)
-        conn = await self._pools[unit.id].request(b"GET", "/v1/models", {})
+        key = self._unit_key()
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        conn = None
         try:
-            body = await conn.read()
+            async with asyncio.timeout(MODELS_TIMEOUT_S):
+                conn = await self._pools[unit.id].request(b"GET", "/v1/models", headers)
+                body = await conn.read()
+        except (UpstreamError, TimeoutError) as exc:
+            log.info("unit %s: GET /v1/models failed: %s", unit.id, exc or "timed out")
+            raise Unavailable(f"unit {unit.id} did not answer /v1/models",
+                              code="unit_unavailable") from exc  # fmt: skip
         finally:
-            conn.done()
+            if conn is not None:
+                conn.done()
         return web.Response(status=conn.status, body=body, content_type="application/json")
 
     async def _ready(self, request: web.Request) -> web.Response:
