@@ -508,7 +508,7 @@ class GatewaySettings(_Section):
     )
     tls_ca_file: Path | None = Field(
         None,
-        description="CA bundle to verify units by, when their URLs are https:// and their gRPC uses TLS. Default: the system's CAs for https://, plain gRPC.",
+        description="CA bundle to verify units by. A unit given as https:// is reached over TLS for HTTP and gRPC alike (plain http:// means plain for both); with this set, every unit must be https://. Default: the system's CAs.",
     )
     unit_api_key: SecretStr | None = Field(
         None,
@@ -518,6 +518,17 @@ class GatewaySettings(_Section):
         True,
         description="Correct each unit's last report by this gateway's own starts and finishes since. Off only in benchmarks. Default true.",
     )
+
+    @model_validator(mode="after")
+    def _tls_everywhere(self) -> GatewaySettings:
+        if self.tls_ca_file is not None:
+            plain = [u.id for u in self.units if not u.http_url.startswith("https://")]
+            if plain:
+                raise ValueError(
+                    f"units {', '.join(plain)} are http:// while tls_ca_file is set: units "
+                    "are then reached over TLS only; give https:// URLs (or drop tls_ca_file)"
+                )
+        return self
 
     @field_validator("units", mode="before")
     @classmethod

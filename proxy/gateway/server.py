@@ -90,7 +90,7 @@ class Gateway(Service):
         self._served = False
         self.api_keys = ApiKeys()
         self._requests: dict[tuple[str, str], Any] = {}
-        self._client_tls: ClientTLS | None = None
+        self._client_tls: ClientTLS | None = None  # set at start
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
         self.gate = Gate("gateway", self.changes, self.metrics.outstanding)
@@ -151,11 +151,10 @@ class Gateway(Service):
 
     # --- clients to units ---------------------------------------------------------
 
-    async def _load_client_tls(self) -> ClientTLS | None:
-        g = self.settings.gateway
-        if g.tls_ca_file is None and not any(u.http_url.startswith("https://") for u in g.units):
-            return None
-        return await ClientTLS.load(g.tls_ca_file)
+    async def _load_client_tls(self) -> ClientTLS:
+        """What units are verified by: the CA file, else the system's roots. Loaded even
+        when no configured unit is https://, for those discovered through Redis."""
+        return await ClientTLS.load(self.settings.gateway.tls_ca_file)
 
     def _unit_key(self) -> str | None:
         key = self.settings.gateway.unit_api_key
@@ -164,8 +163,11 @@ class Gateway(Service):
     def _connect(self, unit: Unit) -> None:
         limit = self.settings.gateway.connections_per_unit
         tls = self._client_tls
-        self._pools[unit.id] = Pool(unit.http_url, limit, tls.ssl_context if tls else None)
-        if tls is not None and self.settings.gateway.tls_ca_file is not None:
+        assert tls is not None
+        self._pools[unit.id] = Pool(unit.http_url, limit, tls.ssl_context)
+        # A unit is TLS or not as its URL says, for HTTP and gRPC alike: never plaintext
+        # gRPC (load reports, Generate, the client's key) beside an https:// URL.
+        if unit.http_url.startswith("https://"):
             channel = grpc.aio.secure_channel(
                 unit.grpc_target, tls.grpc_credentials, options=UNIT_CHANNEL_OPTIONS
             )
@@ -211,7 +213,10 @@ class Gateway(Service):
         return unit
 
     def _poll_session(self) -> aiohttp.ClientSession:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))
+        tls = self._client_tls
+        assert tls is not None
+        connector = aiohttp.TCPConnector(limit=16, ssl=tls.ssl_context)  # for https:// units
+        session = aiohttp.ClientSession(connector=connector)
         self._stack.push_async_callback(session.close)
         return session
 
