@@ -118,6 +118,8 @@ GATEWAY = (
     Flag("--eject-after", "gateway.eject_after", "N"),
     Flag("--eject-time", "gateway.eject_s", "SECONDS"),
     Flag("--max-ejection-percent", "gateway.max_ejection_percent", "PERCENT"),
+    Flag("--discover-allow", "gateway.discover_allow", "URL_PATTERN", many=True),
+    Flag("--max-units", "gateway.max_units", "N"),
     Flag("--request-timeout", "gateway.request_timeout_s", "SECONDS"),
     Flag("--response-timeout", "gateway.response_timeout_s", "SECONDS"),
     Flag("--report-delay", "gateway.report_delay_s", "SECONDS"),

@@ -161,6 +161,10 @@ class UnitMetrics:
             self.unit_state.labels(name).set(1 if name == state else 0)
 
 
+# Why a unit registered in Redis was refused (see proxy/gateway/discovery.py).
+DISCOVERY_REFUSALS = ("not_allowed", "max_units", "bad_id", "tls")
+
+
 class GatewayMetrics:
     """Routing, retries and the gateway's view of each unit's load."""
 
@@ -199,6 +203,15 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self.discovery_refused = Counter(
+            "discovery_refused",
+            "Load reports of units in Redis that this gateway refused to route to, by reason.",
+            ["reason"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        for reason in DISCOVERY_REFUSALS:
+            self.discovery_refused.labels(reason)
         self.queue_waiting = Gauge(
             "queue_waiting_requests",
             "Requests waiting because every SERVING unit is full.",

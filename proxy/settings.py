@@ -514,10 +514,27 @@ class GatewaySettings(_Section):
         None,
         description="API key this gateway presents to units. Default: the client's own Authorization is passed on.",
     )
+    discover_allow: list[str] = Field(
+        default_factory=list,
+        description="With load_source redis: the units registered in Redis that this gateway routes to, as shell-style patterns of their HTTP URL (e.g. 'http://10.0.*:8080'); a unit's gRPC target must be on its URL's host. Units given in gateway.units need none. Default none: only configured units.",
+    )
+    max_units: int = Field(
+        256,
+        ge=1,
+        description="Most units this gateway knows (configured and discovered in Redis); more registered in Redis are refused. Default 256.",
+    )
     correct_load: bool = Field(
         True,
         description="Correct each unit's last report by this gateway's own starts and finishes since. Off only in benchmarks. Default true.",
     )
+
+    @model_validator(mode="after")
+    def _units_fit(self) -> GatewaySettings:
+        if len(self.units) > self.max_units:
+            raise ValueError(
+                f"{len(self.units)} units are configured, over max_units {self.max_units}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tls_everywhere(self) -> GatewaySettings:
@@ -729,6 +746,11 @@ def check_role(role: str, settings: Settings) -> None:
         if redis_source and settings.redis.url is None:
             problems.append(
                 "gateway.load_source: redis needs redis.url; give --redis-url redis://HOST:PORT/DB"
+            )
+        if redis_source and not settings.gateway.units and not settings.gateway.discover_allow:
+            problems.append(
+                "gateway.discover_allow: with load_source redis and no units configured, give "
+                "the URL patterns of the units to accept from Redis (e.g. http://10.0.*:8080)"
             )
         # With Redis, units register themselves; otherwise they must be listed.
         if not settings.gateway.units and not redis_source:

@@ -22,6 +22,7 @@ from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
 from proxy.gateway import front
+from proxy.gateway.discovery import Discovery
 from proxy.gateway.forward import Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
@@ -79,6 +80,7 @@ class Gateway(Service):
         self.metrics = ServingMetrics(self.registry)
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.ingress_metrics = IngressMetrics(self.registry)
+        self.discovery = Discovery(settings.gateway, self.gateway_metrics.discovery_refused)
         self.router = Router(settings.gateway, settings.gateway.units, on_change=self._unit_changed)
         self.health_service = HealthServicer()
         self.http_url = ""
@@ -205,8 +207,11 @@ class Gateway(Service):
         for unit, run in zip(units, runs, strict=True):
             self._tasks.append(asyncio.create_task(run, name=f"load {unit.id}"))
 
-    def _discovered(self, target: UnitTarget) -> Unit:
-        """A unit registered in Redis but not configured here: route to it too."""
+    def _discovered(self, target: UnitTarget) -> Unit | None:
+        """A unit registered in Redis but not configured here: route to it too, if the
+        discovery rules allow it."""
+        if not self.discovery.admit(target, len(self.router.units)):
+            return None
         unit = self.router.add(target)
         if unit.id not in self._pools:
             self._connect(unit)
