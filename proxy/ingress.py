@@ -51,6 +51,9 @@ def _refusal() -> bytes:
 
 
 REFUSAL = _refusal()
+# Connections the kernel queues before they are accepted (asyncio's default is 100, which
+# a burst of clients overflows into SYN retries); capped by net.core.somaxconn.
+LISTEN_BACKLOG = 1024
 
 
 class Limits:

@@ -20,7 +20,7 @@ from prometheus_client import Gauge
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable
 from proxy.httputil import quiet_bad_requests
-from proxy.ingress import Guard, Limits
+from proxy.ingress import LISTEN_BACKLOG, Guard, Limits
 from proxy.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,12 @@ async def start_http(
     handler = runner.server
     assert handler is not None
     server = await asyncio.get_running_loop().create_server(
-        lambda: Guard(limits, handler()), host, port, ssl=ssl_context, reuse_address=True
+        lambda: Guard(limits, handler()),
+        host,
+        port,
+        ssl=ssl_context,
+        reuse_address=True,
+        backlog=LISTEN_BACKLOG,
     )
     stack.callback(server.close)  # runs before runner.cleanup, which ends the connections
     return int(server.sockets[0].getsockname()[1])

@@ -288,6 +288,7 @@ class Gateway(Service):
             port,
             ssl=None if tls is None else tls.ssl_context,
             reuse_address=True,
+            backlog=ingress.LISTEN_BACKLOG,
         )
 
         async def stop() -> None:
