@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from proxy.follower.agent import FollowerAgent
 from proxy.gateway.server import Gateway
 from proxy.settings import load
 from proxy.sidecar.server import Sidecar
@@ -86,7 +87,7 @@ def last_status(data: bytes) -> int:
     return status(data[data.rindex(b"HTTP/1.") :])
 
 
-def closed_total(server: Gateway | Sidecar, reason: str) -> float:
+def closed_total(server: Gateway | Sidecar | FollowerAgent, reason: str) -> float:
     value = server.registry.get_sample_value(
         "unitproxy_client_connections_closed_total", {"reason": reason}
     )
@@ -267,3 +268,14 @@ async def test_a_stream_left_unread_ends_and_frees_its_slot(
         sock.close()
     if role == "gateway":
         await wait_until(lambda: server.gate.in_flight == 0, 3.0, "gateway in flight 0")
+
+
+async def test_the_followers_http_port_closes_slow_heads_too() -> None:
+    settings = load({"server": {"host": HOST, "http_port": 0, "grpc_port": 0, **LIMITS}})
+    async with FollowerAgent(settings) as follower:
+        reader, writer = await connect(follower.http_url)
+        writer.write(b"GET /hea")
+        got, after_s = await closed_with(reader, time.monotonic())
+        writer.close()
+        assert status(got) == 408 and after_s < LATE_S
+        assert closed_total(follower, "head_timeout") == 1
