@@ -234,7 +234,8 @@ class OpenAIUpstreamEngine(Engine):
         if self._session is not None:
             return
         s = self._settings
-        headers = {"Authorization": f"Bearer {s.upstream_api_key}"} if s.upstream_api_key else {}
+        key = s.upstream_api_key
+        headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
             connector=aiohttp.TCPConnector(limit=_CONNECTIONS),

@@ -90,6 +90,15 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
     return kwargs
 
 
+def loggable_kwargs(kwargs: dict[str, Any], settings: EngineSettings) -> str:
+    """The engine arguments for a log line: ``engine_args`` may carry a token (a hub
+    token, say), so their values are hidden; the named settings are shown."""
+    shown = (
+        f"{k}=<hidden>" if k in settings.engine_args else f"{k}={v!r}" for k, v in kwargs.items()
+    )
+    return ", ".join(shown)
+
+
 # -- load -------------------------------------------------------------------------------
 
 
@@ -222,6 +231,7 @@ class VllmEngine(Engine):
     def __init__(self, settings: EngineSettings) -> None:
         require_vllm()
         self._kwargs = engine_kwargs(settings)
+        self._shown_kwargs = loggable_kwargs(self._kwargs, settings)
         self._device = settings.device
         self.model_name = settings.served_model_name or str(settings.model)
         self._vllm: _Vllm | None = None
@@ -248,7 +258,7 @@ class VllmEngine(Engine):
     async def start(self) -> None:
         if self._vllm is not None:
             return
-        logger.info("engine vllm: starting, engine arguments %s", self._kwargs)
+        logger.info("engine vllm: starting, engine arguments %s", self._shown_kwargs)
         loop = asyncio.get_running_loop()
         started = loop.time()
         # Importing vLLM and building the engine block for seconds (torch import, model

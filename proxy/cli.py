@@ -49,6 +49,11 @@ SERVING = (
     Flag("--api-keys-file", "server.api_keys_file", "PATH"),
     Flag("--tls-cert-file", "server.tls_cert_file", "PATH"),
     Flag("--tls-key-file", "server.tls_key_file", "PATH"),
+    Flag("--head-timeout", "server.head_timeout_s", "SECONDS"),
+    Flag("--body-timeout", "server.body_timeout_s", "SECONDS"),
+    Flag("--keepalive-timeout", "server.keepalive_timeout_s", "SECONDS"),
+    Flag("--write-timeout", "server.write_timeout_s", "SECONDS"),
+    Flag("--max-connections", "server.max_connections", "N"),
     Flag("--drain-timeout", "server.drain_timeout_s", "SECONDS"),
 )
 ENGINE = (
@@ -114,6 +119,9 @@ GATEWAY = (
     Flag("--queue-timeout", "gateway.queue_timeout_s", "SECONDS"),
     Flag("--eject-after", "gateway.eject_after", "N"),
     Flag("--eject-time", "gateway.eject_s", "SECONDS"),
+    Flag("--max-ejection-percent", "gateway.max_ejection_percent", "PERCENT"),
+    Flag("--discover-allow", "gateway.discover_allow", "URL_PATTERN", many=True),
+    Flag("--max-units", "gateway.max_units", "N"),
     Flag("--request-timeout", "gateway.request_timeout_s", "SECONDS"),
     Flag("--response-timeout", "gateway.response_timeout_s", "SECONDS"),
     Flag("--migrations", "gateway.migrations", "N"),

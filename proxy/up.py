@@ -55,6 +55,7 @@ class Child:
     grpc_port: int
     args: list[str]  # after ``python -m proxy``
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # secrets: never on a command line
     proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -138,6 +139,7 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
         follower_args = [a for f in followers for a in ("--follower", f"{f.name}={f.grpc_target}")]
         sidecar = child("sidecar", unit_id, unit_id, ["--unit-id", unit_id, *follower_args])
         sidecar.args += given_flags(settings, TO_SIDECARS)
+        sidecar.env = given_secrets(settings, TO_SIDECARS)
         for f in followers:
             f.args += given_flags(settings, TO_FOLLOWERS)
         units.append(Unit(unit_id, sidecar, followers))
@@ -147,9 +149,32 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
     return Cell(gateway, units)
 
 
+# Passed in the environment: a command line is visible to every user of the machine
+# (`ps`), and engine_args may carry a token.
+SECRET_KEYS = frozenset({"engine.engine_args"})
+
+
 def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
-    """The command-line flags for the values that were set (by flag, env or file)."""
+    """The command-line flags for the values that were set (by flag, env or file),
+    secrets left out (see given_secrets)."""
     argv: list[str] = []
+    for f, value in _given(settings, flags):
+        if not _secret(f, value):
+            assert not f.many, f"{f.flag}: repeatable flags are not passed on"
+            argv += [f.flag, _flag_value(value)]
+    return argv
+
+
+def given_secrets(settings: Settings, flags: Iterable[Flag]) -> dict[str, str]:
+    """The environment variables for the secret values that were set."""
+    return {
+        "UNITPROXY_" + "__".join(f.key.split(".")).upper(): _flag_value(value)
+        for f, value in _given(settings, flags)
+        if _secret(f, value)
+    }
+
+
+def _given(settings: Settings, flags: Iterable[Flag]) -> Iterator[tuple[Flag, object]]:
     for f in flags:
         *path, name = f.key.split(".")
         section: BaseModel = settings
@@ -157,9 +182,11 @@ def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
             section = getattr(section, part)
         value = getattr(section, name)
         if name in section.model_fields_set and value is not None:
-            assert not f.many, f"{f.flag}: repeatable flags are not passed on"
-            argv += [f.flag, _flag_value(value)]
-    return argv
+            yield f, value
+
+
+def _secret(f: Flag, value: object) -> bool:
+    return isinstance(value, SecretStr) or f.key in SECRET_KEYS
 
 
 def _flag_value(value: object) -> str:
@@ -271,7 +298,7 @@ class Processes:
             child.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", *child.args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **child.env, "PYTHONUNBUFFERED": "1"},
                 preexec_fn=die_with_parent(),
                 start_new_session=True,  # Ctrl-C reaches `up` alone, which stops the cell in order
             )  # fmt: skip

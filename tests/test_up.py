@@ -246,11 +246,16 @@ async def test_a_child_that_cannot_start_fails_up_and_stops_the_rest(
 def test_table_values_reach_the_sidecars_as_json() -> None:
     from proxy.cli import ENGINE
     from proxy.settings import load
-    from proxy.up import given_flags
+    from proxy.up import given_flags, given_secrets
 
-    settings = load({"engine": {"engine_args": {"enforce_eager": True}, "kind": "sim"}})
+    settings = load({"engine": {"engine_args": {"enforce_eager": True}, "kind": "sim",
+                                "speculative_config": {"n": 2}}})  # fmt: skip
     argv = given_flags(settings, ENGINE)
-    assert argv[argv.index("--engine-args") + 1] == '{"enforce_eager": true}'
+    assert argv[argv.index("--speculative-config") + 1] == '{"n": 2}'
+    # engine_args may carry a token: the environment, not the command line, takes them.
+    assert "--engine-args" not in argv
+    env = given_secrets(settings, ENGINE)
+    assert env == {"UNITPROXY_ENGINE__ENGINE_ARGS": '{"enforce_eager": true}'}
 
 
 @pytest.mark.slow

@@ -249,7 +249,7 @@ class RedisSource(LoadSource):
         self,
         router: Router,
         settings: RedisSettings,
-        discover: Callable[[UnitTarget], Unit],
+        discover: Callable[[UnitTarget], Unit | None],
         rng: random.Random | None = None,
     ):
         super().__init__(router, rng)
@@ -345,14 +345,16 @@ class RedisSource(LoadSource):
         try:
             target = UnitTarget.parse(spec)
         except ValueError as exc:
-            if report.unit_id not in self._refused:
+            if report.unit_id not in self._refused and len(self._refused) < 1024:
                 self._refused.add(report.unit_id)
                 log.warning("unit %s registered in Redis cannot be routed to: %s",
                             report.unit_id, exc)  # fmt: skip
             return None
-        log.info("unit %s discovered in Redis: HTTP %s, gRPC %s",
-                 target.id, target.http_url, target.grpc_target)  # fmt: skip
-        return self._discover(target)
+        unit = self._discover(target)
+        if unit is not None:
+            log.info("unit %s discovered in Redis: HTTP %s, gRPC %s",
+                     target.id, target.http_url, target.grpc_target)  # fmt: skip
+        return unit
 
 
 def _text(value: bytes | str) -> str:

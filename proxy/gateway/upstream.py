@@ -17,6 +17,7 @@ Errors, mapped once here::
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import time
 from collections import deque
@@ -335,7 +336,8 @@ class Pool:
                 )
         except (OSError, TimeoutError) as exc:
             self.lost(conn)
-            raise ConnectFailed(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
+            # No address in the message: it may reach a client (units go by their id).
+            raise ConnectFailed(f"cannot connect: {_reason(exc)}") from exc
         except BaseException:
             conn.close()
             self.lost(conn)
@@ -372,3 +374,12 @@ class Pool:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a connect failed, without the address (an OSError's text names it)."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno)  # asyncio's own text names the address
+    return type(exc).__name__

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.base import TokenDelta
-from proxy import openai_api, resume
+from proxy import ingress, openai_api, resume
 from proxy.auth import ApiKeys
 from proxy.errors import UnitProxyError
 from proxy.httputil import (
@@ -57,17 +57,23 @@ def build_app(
     admin_token: str | None = None,
     api_keys: ApiKeys | None = None,
 ) -> web.Application:
-    middlewares = [error_middleware(core.unit_id)]
+    middlewares = [ingress.phase_middleware(), error_middleware(core.unit_id)]
     if api_keys is not None and api_keys.enabled:
         middlewares.append(api_keys.middleware())
+    middlewares.append(ingress.body_middleware())
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[CORE] = core
     app[WATCH] = watch
     app[REGISTRY] = registry
     app[SERVING_METRICS] = metrics
     app[MAX_PROMPT_CHARS] = max_prompt_chars
-    app.router.add_post("/v1/completions", _inference("completions"))
-    app.router.add_post("/v1/chat/completions", _inference("chat"))
+    keys = api_keys or ApiKeys()
+    app.router.add_post(
+        "/v1/completions", _inference("completions"), expect_handler=keys.expect_handler
+    )
+    app.router.add_post(
+        "/v1/chat/completions", _inference("chat"), expect_handler=keys.expect_handler
+    )
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
