@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import aiohttp
 from pydantic import BaseModel, SecretStr
 
 from proxy.cli import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
-from proxy.procutil import die_with_parent
+from proxy.procutil import die_with_parent, free_ports
 from proxy.settings import Settings, UpSettings
 
 log = logging.getLogger(__name__)
@@ -201,15 +200,10 @@ def _flag_value(value: object) -> str:
 
 
 def allocate_ports(up: UpSettings) -> Iterator[int]:
-    """Ports counted up from ``base_port``, or free ones picked by the kernel."""
+    """Ports counted up from ``base_port``, or free ones below the ephemeral range."""
     if up.base_port is not None:
         return iter(range(up.base_port, up.base_port + up.port_count))
-    with contextlib.ExitStack() as stack:
-        # All held open until each is picked, so no port comes twice.
-        sockets = [stack.enter_context(socket.socket()) for _ in range(up.port_count)]
-        for s in sockets:
-            s.bind((HOST, 0))
-        return iter([s.getsockname()[1] for s in sockets])
+    return iter(free_ports(up.port_count, HOST))
 
 
 def describe_exit(code: int) -> str:
