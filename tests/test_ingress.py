@@ -224,8 +224,12 @@ async def test_the_api_key_is_checked_from_the_head(
     writer.write(post("/v1/completions", 3 << 20, *extra))
     async with asyncio.timeout(TIMEOUT_S * 0.75):
         head = await reader.readuntil(b"\r\n\r\n")
-    writer.close()
     assert status(head) == 401, head
+    # Then the connection closes within the body timer, with nothing more said.
+    rest, _ = await closed_with(reader, time.monotonic())
+    writer.close()
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert len(rest) == length, rest
 
 
 async def unread_stream(url: str, data: bytes) -> socket.socket:

@@ -356,7 +356,9 @@ class Connection(asyncio.Protocol):
         self._timer = None
         if self.closed or self.task is not None:
             return
-        if self._phase == "idle":
+        if self._phase == "closing":
+            pass  # answered already (a refusal from the head): just close
+        elif self._phase == "idle":
             self._limits.timed_out("idle")
         else:
             self._limits.timed_out(f"{self._phase}_timeout")
@@ -431,7 +433,7 @@ class Connection(asyncio.Protocol):
                 self._discard = 0
                 self.close()
             else:
-                self._arm("body", self._limits.body_timeout_s)
+                self._arm("closing", self._limits.body_timeout_s)
             return False
         return True
 
