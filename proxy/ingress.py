@@ -14,7 +14,7 @@ the connection is aborted, which cancels the request's task, so the request ends
 its capacity slot is freed. At most max_connections are open; one more is answered
 503 and closed at once.
 
-The gateway's lean path (proxy/gateway/front.py) keeps these phases itself, since it
+The gateway's lean path (proxy/gateway/http1/front.py) keeps these phases itself, since it
 frames requests itself. A connection served by aiohttp runs under a ``Guard``: the
 transport's protocol, in front of aiohttp's request handler; ``middleware`` tells the
 guard when a request's head is parsed and reads its body under the body timer.

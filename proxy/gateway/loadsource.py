@@ -29,9 +29,9 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from proxy.gateway.http1.pool import Pool, UpstreamError
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
-from proxy.gateway.upstream import Pool, UpstreamError
 from proxy.load import LoadReport
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
 from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, connect

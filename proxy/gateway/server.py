@@ -22,15 +22,15 @@ from proxy import ingress
 from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable, UnitProxyError
-from proxy.gateway import front
 from proxy.gateway.core import GatewayCore
 from proxy.gateway.discovery import Discovery
 from proxy.gateway.forward import Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
+from proxy.gateway.http1 import front
+from proxy.gateway.http1.pool import Pool, UpstreamError
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
-from proxy.gateway.upstream import Pool, UpstreamError
 from proxy.httputil import (
     DEADLINE_HEADER,
     MIGRATE_HEADER,

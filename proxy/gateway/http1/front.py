@@ -165,7 +165,7 @@ class Response:
 
     __slots__ = ("_close", "_conn", "_pending", "ended", "started", "status")
 
-    def __init__(self, conn: Connection, close: bool):
+    def __init__(self, conn: ClientConnection, close: bool):
         self._conn = conn
         self._close = close
         self._pending = b""  # a streamed head, sent with the first chunk
@@ -223,7 +223,7 @@ class Response:
 
 
 class Front:
-    """The listener's shared parts; ``protocol()`` makes one Connection per client."""
+    """The listener's shared parts; ``protocol()`` makes one ClientConnection per client."""
 
     def __init__(
         self,
@@ -241,10 +241,10 @@ class Front:
         self.fallback = fallback
         self.max_body = max_body
         self.authorize = authorize  # raises UnitProxyError, from the head alone
-        self.connections: set[Connection] = set()
+        self.connections: set[ClientConnection] = set()
 
-    def protocol(self) -> Connection:
-        return Connection(self)
+    def protocol(self) -> ClientConnection:
+        return ClientConnection(self)
 
     async def shutdown(self, timeout_s: float) -> None:
         """Close idle connections now; requests still running get ``timeout_s``."""
@@ -260,7 +260,7 @@ class Front:
             conn.close()
 
 
-class Connection(asyncio.Protocol):
+class ClientConnection(asyncio.Protocol):
     """One client connection on the lean path (until it is handed to aiohttp).
 
     Its read timer follows the phases of proxy/ingress.py: idle (keep-alive), head
