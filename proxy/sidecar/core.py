@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
 from engine.base import Engine, EngineRequest, TokenDelta
 from proxy.broadcast import Broadcast
@@ -19,6 +20,8 @@ from proxy.errors import DeadlineExceeded, EngineError, Overloaded, Unavailable
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import ServingMetrics
 from proxy.sidecar.health import UnitHealth
+
+_T = TypeVar("_T")
 
 
 class Lease:
@@ -128,7 +131,7 @@ class SidecarCore:
             raise EngineError("the engine ended the request without output")
         return last
 
-    async def _emit(self, emit: Callable[[TokenDelta], Awaitable[None]], delta: TokenDelta) -> None:
+    async def _emit(self, emit: Callable[[_T], Awaitable[None]], delta: _T) -> None:
         # A client that stops reading blocks here (backpressure): that is no engine stall,
         # and must not make the watchdog take the unit out of service.
         self._on_client += 1
@@ -138,6 +141,48 @@ class SidecarCore:
             self._on_client -= 1
         if self.outstanding - self._on_client == 1:
             self.last_progress_at = self._clock()  # back to the engine, the only one waiting
+
+    async def relay(
+        self,
+        lease: Lease,
+        chunks: AsyncGenerator[bytes, None],
+        route: str,
+        emit: Callable[[bytes], Awaitable[None]],
+        deadline: float | None = None,
+    ) -> None:
+        """Pass an engine's own response bytes to ``emit``, as ``run`` does deltas.
+
+        For engines that serve the OpenAI routes themselves (engine/frontend.py): each
+        piece counts as progress and as a token for the latency metrics; the engine
+        counts the tokens themselves. Closing ``chunks`` aborts the request in the
+        engine. Always releases ``lease``.
+        """
+        metrics = self._metrics
+        previous, first = lease.admitted_at, True
+        timeout = asyncio.timeout_at(deadline)
+        try:
+            async with timeout, aclosing(chunks):
+                async for chunk in chunks:
+                    now = self._clock()
+                    self.last_progress_at = now
+                    if first:
+                        metrics.ttft.labels(route).observe(now - previous)
+                        first = False
+                    else:
+                        metrics.inter_token.observe(now - previous)
+                    previous = now
+                    await self._emit(emit, chunk)
+        except TimeoutError as exc:
+            if timeout.expired():
+                raise DeadlineExceeded("the request's deadline passed") from exc
+            raise
+        finally:
+            lease.release()
+            metrics.request_duration.labels(route).observe(self._clock() - lease.admitted_at)
+
+    def count_tokens(self, generated: int) -> None:
+        """Tokens an engine's own layer generated (``relay`` cannot see them)."""
+        self._metrics.generated_tokens.inc(generated)
 
     def stalled_for(self) -> float:
         """Seconds the engine has had work and produced no token; 0 when idle."""
