@@ -54,6 +54,14 @@ class OpenAIFrontend(abc.ABC):
     async def serve(self, request: FrontendRequest) -> FrontendReply:
         """Serve one request; raise proxy.errors' errors for what fails before a reply."""
 
+    def steps(self) -> int | None:
+        """A count that grows with each step the engine makes; None when it cannot tell.
+
+        A whole (non-streamed) answer shows no progress until it is done: the sidecar's
+        progress watchdog reads this instead while it waits for one.
+        """
+        return None
+
     @abc.abstractmethod
     async def models(self) -> list[dict[str, Any]]:
         """The model cards of /v1/models, as the engine's layer shows them."""

@@ -31,6 +31,7 @@ class Flag:
     metavar: str | None = None
     choices: Sequence[str] | None = None
     many: bool = False  # repeatable: each use adds one value
+    bare: bool = False  # a switch without a value: sets the key to true
 
 
 COMMON = (
@@ -76,6 +77,12 @@ ENGINE = (
     Flag("--speculative-config", "engine.speculative_config", "JSON"),
     Flag("--additional-config", "engine.additional_config", "JSON"),
     Flag("--engine-args", "engine.engine_args", "JSON"),
+    Flag("--vllm-serving", "engine.vllm_serving", "{true,false}"),
+    Flag("--chat-template", "engine.chat_template", "TEMPLATE"),
+    Flag("--enable-auto-tool-choice", "engine.enable_auto_tool_choice", bare=True),
+    Flag("--tool-call-parser", "engine.tool_call_parser", "NAME"),
+    Flag("--reasoning-parser", "engine.reasoning_parser", "NAME"),
+    Flag("--serve-args", "engine.serve_args", "JSON"),
     Flag("--upstream-api-key", "engine.upstream_api_key", "KEY"),
     Flag("--upstream-metrics-interval", "engine.upstream_metrics_interval_s", "SECONDS"),
     Flag("--upstream-timeout", "engine.upstream_timeout_s", "SECONDS"),
@@ -144,6 +151,16 @@ def _describe(key: str) -> str:
 
 def _add(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
     for f in flags:
+        if f.bare:
+            parser.add_argument(
+                f.flag,
+                dest=f.key,
+                action="store_const",
+                const="true",
+                default=argparse.SUPPRESS,
+                help=f"{_describe(f.key)} [{f.key}]".replace("%", "%%"),
+            )
+            continue
         parser.add_argument(
             f.flag,
             dest=f.key,

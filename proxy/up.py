@@ -153,7 +153,10 @@ def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
         value = getattr(section, name)
         if name in section.model_fields_set and value is not None:
             assert not f.many, f"{f.flag}: repeatable flags are not passed on"
-            argv += [f.flag, _flag_value(value)]
+            if f.bare:
+                argv += [f.flag] if value else []
+            else:
+                argv += [f.flag, _flag_value(value)]
     return argv
 
 

@@ -22,6 +22,8 @@ from proxy.metrics import ServingMetrics
 from proxy.sidecar.health import UnitHealth
 
 _T = TypeVar("_T")
+# How often a request awaiting a whole answer looks at the engine's step count.
+_PROGRESS_POLL_S = 1.0
 
 
 class Lease:
@@ -177,8 +179,41 @@ class SidecarCore:
                 raise DeadlineExceeded("the request's deadline passed") from exc
             raise
         finally:
+            self.finish(lease, route)
+
+    def finish(self, lease: Lease, route: str) -> None:
+        """Release ``lease`` and observe its duration, once."""
+        if not lease.released:
             lease.release()
-            metrics.request_duration.labels(route).observe(self._clock() - lease.admitted_at)
+            self._metrics.request_duration.labels(route).observe(self._clock() - lease.admitted_at)
+
+    async def wait_whole(self, answer: Awaitable[_T], steps: Callable[[], int | None]) -> _T:
+        """Await a whole (non-streamed) answer, feeding the progress watchdog meanwhile.
+
+        ``steps`` is the engine's step count: each change counts as progress. An engine
+        that cannot tell (None) is trusted while it works: the request is left out of
+        the watchdog, as one waiting on its client is.
+        """
+        first = steps()
+        if first is None:
+            self._on_client += 1
+            try:
+                return await answer
+            finally:
+                self._on_client -= 1
+        task = asyncio.ensure_future(answer)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_PROGRESS_POLL_S)
+                if done:
+                    return task.result()
+                now = steps()
+                if now != first:
+                    first, self.last_progress_at = now, self._clock()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
 
     def count_tokens(self, generated: int) -> None:
         """Tokens an engine's own layer generated (``relay`` cannot see them)."""

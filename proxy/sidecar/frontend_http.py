@@ -17,8 +17,9 @@ from aiohttp import web
 
 from engine.frontend import FrontendReply, FrontendRequest, FrontendRoute, OpenAIFrontend
 from proxy import openai_api
-from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.errors import DeadlineExceeded, InvalidRequest, UnitProxyError
 from proxy.httputil import REQUEST_ID_HEADER, UNIT_HEADER, ClientGone
+from proxy.sidecar import frontend_resume
 from proxy.sidecar.core import Lease, SidecarCore
 
 log = logging.getLogger(__name__)
@@ -50,23 +51,54 @@ async def serve(
 ) -> web.StreamResponse:
     """One OpenAI request through the engine's own layer; errors raise UnitProxyError."""
     fields = json_object(await request.read())
+    hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
     lease = core.admit()
     try:
         async with asyncio.timeout_at(deadline):
-            reply = await frontend.serve(
-                FrontendRequest(route, fields, request_id, request.headers)
-            )
+            resumed = None
+            if hint is not None and route in ("chat", "completions"):
+                fields, resumed = await _resume(frontend, route, fields, hint, request_id)
+            fr = FrontendRequest(route, fields, request_id, request.headers)
+            if fields.get("stream") is True:
+                reply = await frontend.serve(fr)  # returns at once: progress is in the chunks
+            else:
+                reply = await core.wait_whole(frontend.serve(fr), frontend.steps)
+            if resumed is not None:
+                reply = frontend_resume.wrap(reply, resumed)
+    except TimeoutError as exc:
+        core.finish(lease, route)
+        raise DeadlineExceeded("the request's deadline passed") from exc
     except BaseException:
-        lease.release()
+        core.finish(lease, route)
         raise
     headers = {UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id}
     if reply.chunks is None:
-        lease.release()
+        core.finish(lease, route)
         core.count_tokens(reply.tokens.completion_tokens)
         return web.Response(
             body=reply.body, status=reply.status, content_type="application/json", headers=headers
         )
     return await _stream(request, route, core, lease, reply, headers, deadline)
+
+
+async def _resume(
+    frontend: OpenAIFrontend,
+    route: FrontendRoute,
+    fields: dict[str, Any],
+    hint: frontend_resume.Resume,
+    request_id: str,
+) -> tuple[dict[str, Any], frontend_resume.ResumedAnswer]:
+    text = frontend_resume.delivered_text(route, fields, hint.delivered_chars)
+    delivered = await frontend_resume.count_tokens(frontend, text, request_id)
+    reduced = frontend_resume.reduce_limits(fields, delivered)
+    if reduced is None:
+        # Open: end at once with finish_reason "length" (needs the prompt's count).
+        raise InvalidRequest(
+            f"header {frontend_resume.RESUME_HEADER}: the delivered output already "
+            "reaches max_tokens",
+            param=frontend_resume.RESUME_HEADER,
+        )
+    return reduced, frontend_resume.ResumedAnswer(route, hint, delivered)
 
 
 async def _stream(

@@ -71,10 +71,9 @@ def build_app(
     app.router.add_post("/v1/chat/completions", _inference("chat"))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
-    frontend = core.engine.frontend
-    for route in ("tokenize", "detokenize"):
-        if frontend is not None and route in frontend.routes:
-            app.router.add_post(f"/{route}", _inference(route))
+    # Served where the engine's own layer has them (engines vllm and openai), else 404.
+    app.router.add_post("/tokenize", _inference("tokenize"))
+    app.router.add_post("/detokenize", _inference("detokenize"))
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
@@ -116,10 +115,11 @@ async def _serve(
     request: web.Request, route: FrontendRoute, request_id: str, core: SidecarCore
 ) -> web.StreamResponse:
     frontend = core.engine.frontend
-    if frontend is not None:
+    if frontend is not None and route in frontend.routes:
         deadline = _deadline(request)
         return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
-    assert route in ("completions", "chat")
+    if route not in ("completions", "chat"):
+        raise NotFound(f"/{route} is not served by this engine", code="not_found")
     body = await request.read()
     parsed = openai_api.parse(
         route,
