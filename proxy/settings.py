@@ -244,6 +244,31 @@ class EngineSettings(_Section):
         default_factory=dict,
         description='Any other vLLM engine arguments as a JSON object (e.g. {"enforce_eager": true}); they win over the fields above. Default none.',
     )
+    # -- engine vllm: vLLM's own OpenAI layer ------------------------------------------
+    vllm_serving: bool = Field(
+        True,
+        description="Serve the HTTP OpenAI routes through vLLM's own serving layer (tools, structured outputs, logprobs, n, /tokenize), for engine vllm; false: unitproxy's own parser. Default true.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template (a file or the template itself), as vllm serve's --chat-template, for engine vllm. Default: the model's.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description='Let the model call tools on its own (tool_choice "auto"), as vllm serve\'s flag; needs tool_call_parser, for engine vllm. Default false.',
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's parser of the model's tool calls (hermes, llama3_json, mistral, ...), for engine vllm. Default none.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="vLLM's reasoning parser (deepseek_r1, qwen3, ...), for engine vllm. Default none.",
+    )
+    serve_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Any other flag of vllm serve\'s OpenAI layer as a JSON object of flag name to value (e.g. {"chat-template-content-format": "openai"}; true: a bare flag), for engine vllm. Default none.',
+    )
     # -- engine openai ---------------------------------------------------------------
     upstream_api_key: SecretStr | None = Field(
         None,
@@ -265,7 +290,9 @@ class EngineSettings(_Section):
     )
     sim: SimSettings = Field(default_factory=SimSettings)  # type: ignore[arg-type]
 
-    @field_validator("speculative_config", "additional_config", "engine_args", mode="before")
+    @field_validator(
+        "speculative_config", "additional_config", "engine_args", "serve_args", mode="before"
+    )
     @classmethod
     def _json_object(cls, value: Any) -> Any:
         # Flags and TOML strings carry these as JSON text; env values arrive parsed.

@@ -160,7 +160,10 @@ def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
     for f, value in _given(settings, flags):
         if not _secret(f, value):
             assert not f.many, f"{f.flag}: repeatable flags are not passed on"
-            argv += [f.flag, _flag_value(value)]
+            if f.switch:
+                argv += [f.flag] if value else []
+            else:
+                argv += [f.flag, _flag_value(value)]
     return argv
 
 

@@ -12,9 +12,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.base import TokenDelta
+from engine.frontend import FrontendRoute
 from proxy import ingress, openai_api, resume
 from proxy.auth import ApiKeys
-from proxy.errors import UnitProxyError
+from proxy.errors import NotFound, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
@@ -29,7 +30,9 @@ from proxy.httputil import (
 )
 from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
+from proxy.sidecar import frontend_http
 from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.frontend_http import OUTCOME
 from proxy.sidecar.watch import ReportWatch
 
 log = logging.getLogger(__name__)
@@ -39,8 +42,6 @@ WATCH = web.AppKey("watch", ReportWatch)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
-# The status that the requests metric counts, when it differs from the response's.
-OUTCOME = web.RequestKey("outcome", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -75,6 +76,10 @@ def build_app(
         "/v1/chat/completions", _inference("chat"), expect_handler=keys.expect_handler
     )
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
+    # Served where the engine's own layer has them (engines vllm and openai), else 404.
+    app.router.add_post("/tokenize", _inference("tokenize"))
+    app.router.add_post("/detokenize", _inference("detokenize"))
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
@@ -84,7 +89,7 @@ def build_app(
     return app
 
 
-def _inference(route: openai_api.Route) -> Handler:
+def _inference(route: FrontendRoute) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         core = request.app[CORE]
         metrics = request.app[SERVING_METRICS]
@@ -113,8 +118,14 @@ def _inference(route: openai_api.Route) -> Handler:
 
 
 async def _serve(
-    request: web.Request, route: openai_api.Route, request_id: str, core: SidecarCore
+    request: web.Request, route: FrontendRoute, request_id: str, core: SidecarCore
 ) -> web.StreamResponse:
+    frontend = core.engine.frontend
+    if frontend is not None and route in frontend.routes:
+        deadline = _deadline(request)
+        return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
+    if route not in ("completions", "chat"):
+        raise NotFound(f"/{route} is not served by this engine", code="not_found")
     body = await request.read()
     parsed = openai_api.parse(
         route,
@@ -204,8 +215,21 @@ def _headers(core: SidecarCore, request_id: str) -> dict[str, str]:
 
 
 async def _models(request: web.Request) -> web.Response:
-    core = request.app[CORE]
+    return json_response({"object": "list", "data": await _model_cards(request.app[CORE])})
+
+
+async def _model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    for card in await _model_cards(request.app[CORE]):
+        if card.get("id") == model_id:
+            return json_response(card)
+    raise NotFound(f"model '{model_id}' is not served here", param="model", code="model_not_found")
+
+
+async def _model_cards(core: SidecarCore) -> list[dict[str, Any]]:
     engine = core.engine
+    if engine.frontend is not None:
+        return await engine.frontend.models()
     model: dict[str, Any] = {
         "id": engine.model_name,
         "object": "model",
@@ -215,7 +239,7 @@ async def _models(request: web.Request) -> web.Response:
     if engine.is_simulator:
         model["simulator"] = True
         model["description"] = "unitproxy's simulated engine: generates synthetic text, no model"
-    return json_response({"object": "list", "data": [model]})
+    return [model]
 
 
 async def _health(request: web.Request) -> web.Response:
