@@ -50,6 +50,7 @@ BENCHES = (
     Bench("routing", ("-m", "bench.routing.run")),
     Bench("failover_detect", ("bench/failover/detect.py",)),
     Bench("failover_under_load", ("bench/failover/under_load.py",)),
+    Bench("ingress", ("bench/ingress/run.py",)),
     Bench("vllm_side_by_side", ("bench/vllm_side_by_side.py",), VLLM_PYTHON),
 )
 

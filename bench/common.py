@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.metadata
 import platform
-import random
 import signal
-import socket
 import subprocess
 from collections.abc import Awaitable, Coroutine
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
+
+from proxy import procutil
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("proxy", "engine", "protos")
@@ -50,35 +49,7 @@ def no_plot() -> str | None:
 
 # -- ports -----------------------------------------------------------------------------
 
-LOW_PORT = 10_000  # ports are picked from here up to the kernel's ephemeral range
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports below the kernel's ephemeral range, held together while
-    chosen. A port picked with bind(0) comes from the ephemeral range: until the server
-    meant for it binds, any outgoing connection (a gateway already dialling that very
-    unit, another program) may take it as its source port, and the server fails with
-    "address in use". Below that range only a bind on purpose can take it."""
-    low = _ephemeral_low() - 1
-    picked: list[int] = []
-    with contextlib.ExitStack() as stack:
-        for port in random.sample(range(LOW_PORT, low), min(low - LOW_PORT, 50 * n)):
-            s = stack.enter_context(socket.socket())
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            picked.append(port)
-            if len(picked) == n:
-                return picked
-    raise OSError(f"no {n} free ports between {LOW_PORT} and {low}")
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
+free_ports = procutil.free_ports  # below the ephemeral range: see its docstring
 
 
 # -- running a bench: the loop, signals, what it ran on -------------------------------

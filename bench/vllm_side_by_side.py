@@ -3,14 +3,21 @@
 Targets, started one after another on 127.0.0.1 (never together: they would share
 the cores), each with the same engine arguments and ``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 
-    sidecar+vllm       python -m proxy sidecar --engine vllm (AsyncLLM in the sidecar)
+    sidecar+vllm       python -m proxy sidecar --engine vllm (AsyncLLM in the sidecar;
+                       HTTP served by vLLM's own OpenAI layer)
+    sidecar+vllm/own   the same with --vllm-serving false (unitproxy's own parser and
+                       chunk encoder over the AsyncLLM: the path before vLLM's layer)
     vllm serve         vLLM's own OpenAI server (python -m vllm.entrypoints.openai.api_server)
     sidecar->vllm      python -m proxy sidecar --engine openai in front of that vllm serve
 
 The load is a closed loop of C workers, each streaming POST /v1/completions with
 ``ignore_eos`` and ``max_tokens`` T, after a short warm-up. Reported per target:
 output tokens/s over the window (tokens from each stream's usage), TTFT p50/p99
-(send to first text chunk) and end-to-end p50, errors. Prints a table and writes JSON.
+(send to first text chunk) and end-to-end p50, errors, and the CPU time of the target's
+own process over the window (utime + stime from /proc; vLLM's engine core runs in a
+child process and is not in it) per request and per streamed token: for the sidecar
+that is its own work plus vLLM's front end (tokenizing, detokenizing, output
+processing), which runs in its process. Prints a table and writes JSON.
 Needs the vLLM venv:
 
     .venv-vllm/bin/python bench/vllm_side_by_side.py                # ~4 min on 2 cores
@@ -60,6 +67,7 @@ class Result:
     ttft_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
     start_s: float = 0.0  # the target's time from launch to ready
+    cpu_s: float = 0.0  # the target process's own CPU time over the window
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -71,7 +79,15 @@ class Result:
             "ttft_p99_ms": 1000 * percentile(self.ttft_s, 99),
             "e2e_p50_ms": 1000 * percentile(self.e2e_s, 50),
             "start_s": self.start_s,
+            "cpu_ms_per_request": 1000 * self.cpu_s / self.requests if self.requests else 0.0,
+            "cpu_us_per_token": 1e6 * self.cpu_s / self.tokens if self.tokens else 0.0,
         }
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (not its children), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -119,9 +135,15 @@ def vllm_serve_argv(args: argparse.Namespace, port: int) -> list[str]:
             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]  # fmt: skip
 
 
+@dataclass
+class Running:
+    start_s: float  # launch to ready
+    pid: int
+
+
 @contextlib.asynccontextmanager
-async def server(argv: list[str], ready_url: str, log: Path) -> AsyncIterator[float]:
-    """Run ``argv`` until the block ends; yields its launch-to-ready seconds."""
+async def server(argv: list[str], ready_url: str, log: Path) -> AsyncIterator[Running]:
+    """Run ``argv`` until the block ends; yields its launch-to-ready seconds and pid."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     started = now()
     with log.open("wb") as out:
@@ -130,7 +152,7 @@ async def server(argv: list[str], ready_url: str, log: Path) -> AsyncIterator[fl
         )
     try:
         await wait_ready(proc, ready_url)
-        yield now() - started
+        yield Running(now() - started, proc.pid)
     finally:
         await stop(proc)
 
@@ -192,7 +214,7 @@ async def one_request(
     return first - sent, now() - sent, tokens
 
 
-async def drive(url: str, args: argparse.Namespace, result: Result) -> None:
+async def drive(url: str, args: argparse.Namespace, result: Result, running: Running) -> None:
     """A closed loop of ``concurrency`` workers over ``requests`` requests."""
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=args.concurrency)
@@ -214,9 +236,11 @@ async def drive(url: str, args: argparse.Namespace, result: Result) -> None:
                 result.ttft_s.append(ttft)
                 result.e2e_s.append(e2e)
 
-        began = now()
+        began, cpu = now(), cpu_seconds(running.pid)
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         result.window_s = now() - began
+        result.cpu_s = cpu_seconds(running.pid) - cpu
+        result.start_s = running.start_s
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -227,37 +251,41 @@ async def run(args: argparse.Namespace) -> list[Result]:
     logs.mkdir(parents=True, exist_ok=True)
     results = []
 
-    http, grpc = free_port(), free_port()
-    embedded = Result("sidecar+vllm")
-    async with server(embedded_argv(args, http, grpc), f"http://{HOST}:{http}/ready",
-                      logs / "sidecar-vllm.log") as embedded.start_s:  # fmt: skip
-        await drive(f"http://{HOST}:{http}", args, embedded)
-    results.append(embedded)
+    for name, own in (("sidecar+vllm", False), ("sidecar+vllm/own", True)):
+        http, grpc = free_port(), free_port()
+        embedded = Result(name)
+        argv = embedded_argv(args, http, grpc) + (["--vllm-serving", "false"] if own else [])
+        async with server(argv, f"http://{HOST}:{http}/ready",
+                          logs / f"{name.replace('/', '-')}.log") as running:  # fmt: skip
+            await drive(f"http://{HOST}:{http}", args, embedded, running)
+        results.append(embedded)
 
     port = free_port()
     upstream = f"http://{HOST}:{port}"
     serve = Result("vllm serve")
     async with server(vllm_serve_argv(args, port), f"{upstream}/health",
-                      logs / "vllm-serve.log") as serve.start_s:  # fmt: skip
-        await drive(upstream, args, serve)
+                      logs / "vllm-serve.log") as running:  # fmt: skip
+        await drive(upstream, args, serve, running)
         results.append(serve)
         http, grpc = free_port(), free_port()
         proxied = Result("sidecar->vllm serve")
         argv = sidecar_argv(args, http, grpc, "--engine", "openai", "--upstream-url", upstream)
         async with server(argv, f"http://{HOST}:{http}/ready",
-                          logs / "sidecar-openai.log") as proxied.start_s:  # fmt: skip
-            await drive(f"http://{HOST}:{http}", args, proxied)
+                          logs / "sidecar-openai.log") as running:  # fmt: skip
+            await drive(f"http://{HOST}:{http}", args, proxied, running)
         results.append(proxied)
     return results
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = ("target", "ok", "err", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms", "start s")
+    head = ("target", "ok", "err", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms", "start s",
+            "CPU ms/req", "CPU us/tok")  # fmt: skip
     print(" | ".join(f"{h:>20}" if i == 0 else f"{h:>12}" for i, h in enumerate(head)))
     for r in rows:
         cells = (r["target"], r["requests"], r["errors"], f"{r['output_tokens_per_s']:.1f}",
                  f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p99_ms']:.1f}", f"{r['e2e_p50_ms']:.1f}",
-                 f"{r['start_s']:.1f}")  # fmt: skip
+                 f"{r['start_s']:.1f}", f"{r['cpu_ms_per_request']:.1f}",
+                 f"{r['cpu_us_per_token']:.0f}")  # fmt: skip
         print(" | ".join(f"{c:>20}" if i == 0 else f"{c:>12}" for i, c in enumerate(cells)))
 
 

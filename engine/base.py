@@ -13,7 +13,10 @@ import abc
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from engine.frontend import OpenAIFrontend
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,8 @@ class Engine(abc.ABC):
     model_name: str
     #: true for the simulator, so it can say so everywhere it shows up
     is_simulator: bool = False
+    #: the engine's own OpenAI layer, when it has one: the HTTP routes go there whole
+    frontend: OpenAIFrontend | None = None
 
     def served_models(self) -> tuple[str, ...]:
         """Every model name a request may give: ``model_name`` first, then what else

@@ -1,7 +1,8 @@
 """Engine kind ``openai``: forwards to an existing OpenAI-compatible server.
 
 For a ``vllm serve`` (or Triton's OpenAI frontend, or another unitproxy sidecar) that
-runs by itself: each request is one streaming POST to ``/v1/completions`` (prompt or
+runs by itself. The HTTP routes pass the client's body through unchanged
+(engine/upstream_frontend.py). A gRPC Generate is one streaming POST to ``/v1/completions`` (prompt or
 prompt token ids) or ``/v1/chat/completions`` (messages), its SSE chunks become token
 deltas, and closing the iterator closes the upstream connection, which is how an
 OpenAI server learns that its client left (vLLM aborts the request then).
@@ -32,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineUnavailable, tokens
 from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, TokenDelta
+from engine.upstream_frontend import UpstreamFrontend
 from proxy.errors import (
     EngineDeadError,
     EngineError,
@@ -98,9 +100,13 @@ def request_body(request: EngineRequest, model: str, extras: bool) -> tuple[str,
 
 
 def _sampling_fields(s: SamplingParams) -> dict[str, Any]:
-    fields: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p}
-    # vLLM's extras only when set, so plain OpenAI servers see plain requests.
+    # Only what differs from OpenAI's defaults: a field left out lets the upstream
+    # apply its model's own generation defaults (vLLM does), and plain OpenAI servers
+    # see plain requests.
+    fields: dict[str, Any] = {}
     optional = {
+        "temperature": s.temperature if s.temperature != 1.0 else None,
+        "top_p": s.top_p if s.top_p != 1.0 else None,
         "max_tokens": s.max_tokens,
         "top_k": s.top_k if s.top_k > 0 else None,
         "min_tokens": s.min_tokens or None,
@@ -229,6 +235,7 @@ class OpenAIUpstreamEngine(Engine):
         self._stats = UNKNOWN
         self._metrics_ok: bool | None = None  # for logging transitions only
         self._models: tuple[str, ...] = ()  # the upstream's /v1/models, as last read
+        self.frontend = UpstreamFrontend(self._post, self._get_json, lambda: self.model_name)
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -236,7 +243,8 @@ class OpenAIUpstreamEngine(Engine):
         if self._session is not None:
             return
         s = self._settings
-        headers = {"Authorization": f"Bearer {s.upstream_api_key}"} if s.upstream_api_key else {}
+        key = s.upstream_api_key
+        headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
             connector=aiohttp.TCPConnector(limit=_CONNECTIONS),

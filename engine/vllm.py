@@ -37,6 +37,7 @@ from typing import Any
 
 from engine import EngineUnavailable
 from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, TokenDelta
+from engine.frontend import OpenAIFrontend
 from proxy.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
 from proxy.settings import EngineSettings
 
@@ -90,6 +91,53 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
     return kwargs
 
 
+def loggable_kwargs(kwargs: dict[str, Any], settings: EngineSettings) -> str:
+    """The engine arguments for a log line: ``engine_args`` may carry a token (a hub
+    token, say), so their values are hidden; the named settings are shown."""
+    shown = (
+        f"{k}=<hidden>" if k in settings.engine_args else f"{k}={v!r}" for k, v in kwargs.items()
+    )
+    return ", ".join(shown)
+
+
+def platform_device(platform: Any) -> str:
+    """The device of a vLLM platform object, as ``--device`` names it.
+
+    vllm-neuron's platform (an out-of-tree plugin, module ``vllm_neuron.platform``)
+    declares ``device_type = "cpu"`` (torch tensors live on the host; the Neuron
+    runtime owns the devices), so the device type alone calls a Trainium host "cpu".
+    Neuron is recognised by what identifies it: the plugin's module, the platform's
+    class name, its Ray resource ("neuron_cores"); vLLM's own in-tree Neuron platform
+    (before 0.10) by ``is_neuron``. (``get_device_name()`` is not asked: on CUDA it
+    initialises the driver in this process.)
+    """
+    cls = type(platform)
+    is_neuron = getattr(platform, "is_neuron", None)
+    if (
+        cls.__module__.split(".")[0] == "vllm_neuron"
+        or cls.__name__ == "NeuronPlatform"
+        or getattr(platform, "ray_device_key", None) == "neuron_cores"
+        or (callable(is_neuron) and is_neuron() is True)
+    ):
+        return "neuron"
+    return str(getattr(platform, "device_type", "") or "")
+
+
+def serving_argv(settings: EngineSettings) -> list[str]:
+    """vllm serve's flags for its OpenAI layer: the named settings, then ``serve_args``."""
+    from engine.vllm_frontend import serve_argv
+
+    flags: dict[str, Any] = {
+        "chat-template": settings.chat_template,
+        "enable-auto-tool-choice": settings.enable_auto_tool_choice,
+        "tool-call-parser": settings.tool_call_parser,
+        "reasoning-parser": settings.reasoning_parser,
+        **settings.serve_args,
+    }
+    name = settings.served_model_name or str(settings.model)
+    return serve_argv(str(settings.model), name, flags)
+
+
 # -- load -------------------------------------------------------------------------------
 
 
@@ -100,12 +148,14 @@ class SchedulerView:
     running: dict[int, int]
     waiting: dict[int, int]
     kv_cache_usage: dict[int, float]
+    steps: int = 0  # reports received: one per engine step (per data parallel rank)
 
     @classmethod
     def empty(cls) -> SchedulerView:
         return cls({}, {}, {})
 
     def update(self, engine_idx: int, stats: Any) -> None:
+        self.steps += 1
         self.running[engine_idx] = int(stats.num_running_reqs)
         self.waiting[engine_idx] = int(stats.num_waiting_reqs)
         # kv_cache_usage since vLLM 0.10; gpu_cache_usage before
@@ -222,6 +272,8 @@ class VllmEngine(Engine):
     def __init__(self, settings: EngineSettings) -> None:
         require_vllm()
         self._kwargs = engine_kwargs(settings)
+        self._shown_kwargs = loggable_kwargs(self._kwargs, settings)
+        self._serve_argv = serving_argv(settings) if settings.vllm_serving else None
         self._device = settings.device
         self.model_name = settings.served_model_name or str(settings.model)
         self._vllm: _Vllm | None = None
@@ -248,7 +300,7 @@ class VllmEngine(Engine):
     async def start(self) -> None:
         if self._vllm is not None:
             return
-        logger.info("engine vllm: starting, engine arguments %s", self._kwargs)
+        logger.info("engine vllm: starting, engine arguments %s", self._shown_kwargs)
         loop = asyncio.get_running_loop()
         started = loop.time()
         # Importing vLLM and building the engine block for seconds (torch import, model
@@ -264,12 +316,42 @@ class VllmEngine(Engine):
         if inspect.isawaitable(tokenizer):  # async in vLLM 0.11, sync in 0.32
             tokenizer = await tokenizer
         built.tokenizer = tokenizer
+        try:
+            self.frontend = await self._frontend(built)
+        except BaseException:
+            await _shutdown(built)
+            raise
         self._vllm = built
         self._chat_thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-chat-template")
         self._dead = None
         logger.info(
             "engine vllm: ready in %.1f s, model %r", loop.time() - started, self.model_name
         )
+
+    async def _frontend(self, built: _Vllm) -> OpenAIFrontend | None:
+        """vLLM's own OpenAI layer on the engine; None where it cannot be built."""
+        if self._serve_argv is None:
+            return None
+        from engine.vllm_frontend import CountingClient, FrontendUnavailable, VllmFrontend
+
+        client = CountingClient(built.engine, self._in_flight)
+        try:
+            frontend = await VllmFrontend.build(
+                client, built.engine, self._serve_argv, request_error, self._view
+            )
+        except FrontendUnavailable as exc:
+            logger.warning(
+                "engine vllm: vLLM's OpenAI serving layer is not available here (%s); "
+                "HTTP requests go through unitproxy's own parser",
+                exc,
+            )
+            return None
+        except Exception as exc:
+            raise EngineUnavailable(
+                f"engine vllm: vLLM's OpenAI layer refused its settings: {one_line(exc)}"
+            ) from exc
+        logger.info("engine vllm: HTTP routes served by vLLM's OpenAI layer")
+        return frontend
 
     def _build(self) -> _Vllm:
         """Import vLLM and build the AsyncLLM; runs in a worker thread."""
@@ -292,7 +374,7 @@ class VllmEngine(Engine):
             )
         except Exception as exc:
             raise EngineUnavailable(f"engine vllm: vLLM does not import: {one_line(exc)}") from exc
-        self._check_device(str(current_platform.device_type))
+        self._check_device(platform_device(current_platform))
         try:
             args = AsyncEngineArgs(**self._kwargs)
         except (TypeError, ValueError) as exc:
@@ -317,14 +399,8 @@ class VllmEngine(Engine):
             return
         if self._chat_thread is not None:
             self._chat_thread.shutdown(wait=False, cancel_futures=True)
-        handler = getattr(built.engine, "output_handler", None)
-        if isinstance(handler, asyncio.Task):
-            # Cancelled here, on its loop: vLLM 0.11's shutdown cancels it from the
-            # calling thread, which is not safe from the worker thread used below.
-            handler.cancel()
-            await asyncio.wait([handler])
-        # shutdown() joins the engine core process (seconds): not on the loop.
-        await asyncio.to_thread(built.engine.shutdown)
+        self.frontend = None
+        await _shutdown(built)
         logger.info("engine vllm: stopped")
 
     async def count_tokens(self, text: str) -> int:
@@ -431,6 +507,17 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise InvalidRequest(f"messages: the chat template failed: {one_line(exc)}") from exc
         return {"prompt_token_ids": ids}
+
+
+async def _shutdown(built: _Vllm) -> None:
+    handler = getattr(built.engine, "output_handler", None)
+    if isinstance(handler, asyncio.Task):
+        # Cancelled here, on its loop: vLLM 0.11's shutdown cancels it from the
+        # calling thread, which is not safe from the worker thread used below.
+        handler.cancel()
+        await asyncio.wait([handler])
+    # shutdown() joins the engine core process (seconds): not on the loop.
+    await asyncio.to_thread(built.engine.shutdown)
 
 
 def _check_local_paths(kwargs: dict[str, Any]) -> None:

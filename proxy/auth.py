@@ -14,7 +14,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy.errors import Unauthenticated
-from proxy.httputil import Handler
+from proxy.httputil import Handler, error_response
+from proxy.ingress import guard_of
 from proxy.settings import ServerSettings
 
 BEARER = "Bearer "
@@ -51,6 +52,25 @@ class ApiKeys:
     def check_metadata(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
         value = next((v for k, v in metadata or () if k == "authorization"), None)
         self.check(value.decode(errors="replace") if isinstance(value, bytes) else value)
+
+    async def expect_handler(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: check the key from the head before inviting the body."""
+        try:
+            self.check(request.headers.get("Authorization"))
+        except Unauthenticated as exc:
+            guard = guard_of(request)
+            if guard is not None:
+                guard.refused()
+            response = error_response(exc, None)
+            response.force_close()
+            return response
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # as aiohttp's own handler does
+        return None
 
     def middleware(self, prefix: str = "/v1/") -> Middleware:
         """Require a key on paths under ``prefix``; health, readiness and metrics stay open."""

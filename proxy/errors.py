@@ -6,6 +6,7 @@
     ├── Unauthenticated            401  UNAUTHENTICATED    missing or bad API key
     ├── Forbidden                  403  PERMISSION_DENIED  a token that does not allow this
     ├── NotFound                   404  NOT_FOUND          unknown model or path
+    ├── RequestTimeout             408  DEADLINE_EXCEEDED  the client took too long to send its request
     ├── PayloadTooLarge            413  INVALID_ARGUMENT   body or prompt over the limit
     ├── Overloaded                 429  RESOURCE_EXHAUSTED at capacity: retry elsewhere
     ├── Unavailable                503  UNAVAILABLE        not SERVING, draining, no unit can serve
@@ -82,6 +83,12 @@ class NotFound(UnitProxyError):
     http_status = 404
     grpc_code = grpc.StatusCode.NOT_FOUND
     error_type = "not_found_error"
+
+
+class RequestTimeout(UnitProxyError):
+    http_status = 408
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    error_type = "request_timeout"
 
 
 class PayloadTooLarge(UnitProxyError):

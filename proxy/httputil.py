@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -168,8 +169,30 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> UnitPr
 
 
 def check_admin(request: web.Request, token: str | None) -> None:
-    """Allow an /admin request: 401 without a bearer token, 403 with a wrong one."""
+    """Allow an /admin request, or raise.
+
+    With a token: 401 without 'Authorization: Bearer', 403 with a wrong one (a web page
+    cannot send that header to another site without asking it first). Without: only
+    loopback clients, and nothing a web page open on that machine may send without
+    asking (a form body): 403. A request that names its Origin comes from a browser:
+    403 either way, as an admin call comes from a tool.
+    """
+    if request.headers.get("Origin") is not None:
+        raise Forbidden(
+            "admin routes refuse browser requests (Origin header)", code="browser_request"
+        )
     if token is None:
+        if request.content_type in BROWSER_TYPES:
+            raise Forbidden(
+                f"admin routes refuse a {request.content_type} body (what a web form sends): "
+                "send none",
+                code="browser_request",
+            )
+        if not is_loopback(request.remote):
+            raise Forbidden(
+                "admin routes take loopback clients only when no admin token is set",
+                code="not_loopback",
+            )
         return
     given = request.headers.get("Authorization", "")
     if not given.startswith("Bearer "):
@@ -178,6 +201,27 @@ def check_admin(request: web.Request, token: str | None) -> None:
         )
     if not hmac.compare_digest(given.removeprefix("Bearer ").encode(), token.encode()):
         raise Forbidden("the admin token is not valid", code="invalid_token")
+
+
+# What an HTML form posts (text/plain too): sent cross-site without a CORS preflight.
+BROWSER_TYPES = frozenset({*FORM_TYPES, "text/plain"})
+
+
+def is_loopback(remote: str | None) -> bool:
+    try:
+        address = ipaddress.ip_address((remote or "").split("%", 1)[0])
+    except ValueError:
+        return False  # a Unix socket or an unknown peer: not known to be local
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def describe_admin(token: str | None) -> str:
+    """For the start-up log: who may call /admin routes."""
+    if token is None:
+        return "admin routes: loopback clients only (no server.admin_token)"
+    return "admin routes: need server.admin_token"
 
 
 def admin_drain(

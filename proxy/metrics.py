@@ -101,6 +101,31 @@ class ServingMetrics:
                 self.requests.labels(route, code)
 
 
+# Why the server closed a client connection (see proxy/ingress.py).
+CLOSE_REASONS = ("head_timeout", "body_timeout", "write_timeout", "idle", "max_connections")
+
+
+class IngressMetrics:
+    """Client connections on an HTTP port, and those the ingress limits closed."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.connections = Gauge(
+            "client_connections",
+            "Client connections open on the HTTP port.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.closed = Counter(
+            "client_connections_closed",
+            "Client connections the server closed by a limit (timeouts, max_connections).",
+            ["reason"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        for reason in CLOSE_REASONS:
+            self.closed.labels(reason)
+
+
 class HealthMetrics:
     """Node health as seen by whoever checks it (sidecar for its unit, follower for itself)."""
 
@@ -206,6 +231,10 @@ class _PrefixCacheCounters(Collector):
         )
 
 
+# Why a unit registered in Redis was refused (see proxy/gateway/discovery.py).
+DISCOVERY_REFUSALS = ("not_allowed", "max_units", "bad_id", "tls")
+
+
 class GatewayMetrics:
     """Routing, retries and the gateway's view of each unit's load."""
 
@@ -270,6 +299,15 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self.discovery_refused = Counter(
+            "discovery_refused",
+            "Load reports of units in Redis that this gateway refused to route to, by reason.",
+            ["reason"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        for reason in DISCOVERY_REFUSALS:
+            self.discovery_refused.labels(reason)
         self.queue_waiting = Gauge(
             "queue_waiting_requests",
             "Requests waiting because every SERVING unit is full.",

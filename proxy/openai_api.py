@@ -43,9 +43,54 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
-class _SamplingFields(_Strict):
+# Fields of OpenAI's API and vLLM's that this layer cannot honour (engine sim, and the
+# gRPC wire of every engine): a request that sets one is refused, 400 naming the field,
+# never served without what it asked for. Engines vllm and openai serve them over
+# HTTP through their own layer (engine/frontend.py).
+UNSERVED = "not supported by this engine (engines vllm and openai serve it)"
+ONLY_ONE = "only 1 is supported by this engine (engines vllm and openai serve more)"
+UNSERVED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "top_logprobs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+class _Unserved(_Strict):
+    """The UNSERVED_FIELDS, each refused when set to anything but its "off" value."""
+
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    top_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator(*UNSERVED_FIELDS)
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        if value in (None, [], "none", 0) or value == {"type": "text"}:
+            return value
+        raise ValueError(UNSERVED)
+
+
+class _SamplingFields(_Unserved):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_UINT32)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -55,7 +100,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -95,9 +140,21 @@ class _SamplingFields(_Strict):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
 
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(ONLY_ONE)
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        o = self.stream_options
+        return o is not None and o.include_usage and o.continuous_usage_stats
 
 
 class CompletionBody(_SamplingFields):
@@ -127,21 +184,21 @@ class CompletionBody(_SamplingFields):
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
         if value:
-            raise ValueError("not supported")
+            raise ValueError(UNSERVED)
         return value
 
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value: int | None) -> int | None:
         if value is not None:
-            raise ValueError("not supported")
+            raise ValueError(UNSERVED)
         return value
 
     @field_validator("best_of")
     @classmethod
     def _one_best(cls, value: int | None) -> int | None:
         if value not in (None, 1):
-            raise ValueError("only 1 is supported")
+            raise ValueError(ONLY_ONE)
         return value
 
 
@@ -190,7 +247,7 @@ class ChatBody(_SamplingFields):
     @classmethod
     def _unsupported(cls, value: bool) -> bool:
         if value:
-            raise ValueError("not supported")
+            raise ValueError(UNSERVED)
         return value
 
 
@@ -227,6 +284,7 @@ class ParsedRequest:
     # the output tokens another unit delivered (None: not resumed).
     created: int | None = None
     delivered_tokens: int | None = None
+    continuous_usage: bool = False  # usage in every chunk (vLLM's continuous_usage_stats)
 
 
 def parse(
@@ -302,7 +360,9 @@ def _parsed(
         model=None if model == served[0] else model,
         **template,
     )
-    return ParsedRequest(route, engine_request, model, req.stream, req.include_usage)
+    return ParsedRequest(
+        route, engine_request, model, req.stream, req.include_usage, req.continuous_usage
+    )
 
 
 def _completion_input(
@@ -415,6 +475,7 @@ class StreamEncoder:
         model = _dumps(parsed.model)
         self._chat = parsed.route == "chat"
         self._include_usage = parsed.include_usage
+        self._continuous = parsed.continuous_usage
         if self._chat:
             head = f'{{"id":{_dumps("chatcmpl-" + rid)},"object":"chat.completion.chunk","created":{created},"model":{model},'
             self._prefix = f'data: {head}"choices":[{{"index":0,"delta":{{"content":'.encode()
@@ -442,7 +503,10 @@ class StreamEncoder:
 
     def chunk(self, delta: TokenDelta) -> bytes:
         reason = b"null" if delta.finish_reason is None else f'"{delta.finish_reason}"'.encode()
-        return b"".join((self._prefix, _dumps(delta.text).encode(), self._mid, reason, self._tail))
+        tail = self._tail
+        if self._continuous:
+            tail = b'}],"usage":' + _dumps(usage(delta)).encode() + b"}\n\n"
+        return b"".join((self._prefix, _dumps(delta.text).encode(), self._mid, reason, tail))
 
     def end(self, last: TokenDelta | None) -> bytes:
         """The usage chunk when asked for, then [DONE]."""

@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 from proxy.broadcast import Broadcast
 from proxy.errors import Unavailable
 from proxy.httputil import quiet_bad_requests
+from proxy.ingress import LISTEN_BACKLOG, Guard, Limits
 from proxy.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,13 @@ async def start_http(
     port: int,
     shutdown_timeout_s: float = 1.0,
     tls: ServerTLS | None = None,
+    limits: Limits | None = None,
 ) -> int:
     """Serve ``app``; return the bound port. Cleanup is pushed onto ``stack``.
 
     At cleanup, requests still running get ``shutdown_timeout_s`` before they are
-    cancelled (a graceful drain waits for them before that).
+    cancelled (a graceful drain waits for them before that). With ``limits``, every
+    connection runs under an ingress Guard (the app needs ingress.phase_middleware).
     """
     # handler_cancellation: a client that goes away cancels its handler, so the
     # engine request is aborted and the outstanding count drops.
@@ -64,12 +67,28 @@ async def start_http(
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     ssl_context = None if tls is None else tls.ssl_context
-    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
+    if limits is None:
+        site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {host}:{port} (HTTP): {os_error(exc)}") from exc
+        return int(runner.addresses[0][1])
+    handler = runner.server
+    assert handler is not None
     try:
-        await site.start()
+        server = await asyncio.get_running_loop().create_server(
+            lambda: Guard(limits, handler()),
+            host,
+            port,
+            ssl=ssl_context,
+            reuse_address=True,
+            backlog=LISTEN_BACKLOG,
+        )
     except OSError as exc:
         raise ListenError(f"cannot listen on {host}:{port} (HTTP): {os_error(exc)}") from exc
-    return int(runner.addresses[0][1])
+    stack.callback(server.close)  # runs before runner.cleanup, which ends the connections
+    return int(server.sockets[0].getsockname()[1])
 
 
 async def start_grpc(

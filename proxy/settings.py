@@ -92,7 +92,32 @@ class ServerSettings(_Section):
     )
     admin_token: SecretStr | None = Field(
         None,
-        description="Token that /admin routes require as 'Authorization: Bearer TOKEN'. Default none (admin routes open).",
+        description="Token that /admin routes require as 'Authorization: Bearer TOKEN'. Default none: only loopback clients may call them.",
+    )
+    head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest time a request head may take, from its first byte to its end, in s; past it the client gets 408 and the connection closes. Default 10.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest time a request body may take, from the end of the head to its last byte, in s; past it the client gets 408 and the connection closes. Default 30.",
+    )
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="An idle keep-alive connection (between requests) is closed after this, in s. Default 75.",
+    )
+    write_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest time a client may leave its response unread while the server has more to send, in s; past it the connection closes, the request ends and its capacity slot is freed. Default 60.",
+    )
+    max_connections: int = Field(
+        4096,
+        gt=0,
+        description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
     )
     max_prompt_chars: int = Field(
         1_000_000,
@@ -227,9 +252,35 @@ class EngineSettings(_Section):
         default_factory=dict,
         description='Any other vLLM engine arguments as a JSON object (e.g. {"enforce_eager": true}); they win over the fields above. Default none.',
     )
+    # -- engine vllm: vLLM's own OpenAI layer ------------------------------------------
+    vllm_serving: bool = Field(
+        True,
+        description="Serve the HTTP OpenAI routes through vLLM's own serving layer (tools, structured outputs, logprobs, n, /tokenize), for engine vllm; false: unitproxy's own parser. Default true.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template (a file or the template itself), as vllm serve's --chat-template, for engine vllm. Default: the model's.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description='Let the model call tools on its own (tool_choice "auto"), as vllm serve\'s flag; needs tool_call_parser, for engine vllm. Default false.',
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's parser of the model's tool calls (hermes, llama3_json, mistral, ...), for engine vllm. Default none.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="vLLM's reasoning parser (deepseek_r1, qwen3, ...), for engine vllm. Default none.",
+    )
+    serve_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Any other flag of vllm serve\'s OpenAI layer as a JSON object of flag name to value (e.g. {"chat-template-content-format": "openai"}; true: a bare flag), for engine vllm. Default none.',
+    )
     # -- engine openai ---------------------------------------------------------------
-    upstream_api_key: str | None = Field(
-        None, description="Bearer token sent to the upstream, for engine openai. Default none."
+    upstream_api_key: SecretStr | None = Field(
+        None,
+        description="Bearer token sent to the upstream, for engine openai; a secret: give it in the environment (UNITPROXY_ENGINE__UPSTREAM_API_KEY) or the config file rather than on a command line. Default none.",
     )
     upstream_metrics_interval_s: float = Field(
         1.0,
@@ -247,7 +298,9 @@ class EngineSettings(_Section):
     )
     sim: SimSettings = Field(default_factory=SimSettings)  # type: ignore[arg-type]
 
-    @field_validator("speculative_config", "additional_config", "engine_args", mode="before")
+    @field_validator(
+        "speculative_config", "additional_config", "engine_args", "serve_args", mode="before"
+    )
     @classmethod
     def _json_object(cls, value: Any) -> Any:
         # Flags and TOML strings carry these as JSON text; env values arrive parsed.
@@ -503,6 +556,12 @@ class GatewaySettings(_Section):
     eject_s: float = Field(
         5.0, gt=0, description="How long an ejected unit gets no requests, in s. Default 5."
     )
+    max_ejection_percent: int = Field(
+        50,
+        ge=0,
+        le=100,
+        description="Passive health never ejects more than this share of the SERVING units, in percent, rounded down (at 50: one of 2 or 3 units, none of 1); a unit past it keeps taking requests. Default 50.",
+    )
     connections_per_unit: int = Field(
         512,
         gt=0,
@@ -534,16 +593,44 @@ class GatewaySettings(_Section):
     )
     tls_ca_file: Path | None = Field(
         None,
-        description="CA bundle to verify units by, when their URLs are https:// and their gRPC uses TLS. Default: the system's CAs for https://, plain gRPC.",
+        description="CA bundle to verify units by. A unit given as https:// is reached over TLS for HTTP and gRPC alike (plain http:// means plain for both); with this set, every unit must be https://. Default: the system's CAs.",
     )
     unit_api_key: SecretStr | None = Field(
         None,
         description="API key this gateway presents to units. Default: the client's own Authorization is passed on.",
     )
+    discover_allow: list[str] = Field(
+        default_factory=list,
+        description="With load_source redis: the units registered in Redis that this gateway routes to, as shell-style patterns of their HTTP URL (e.g. 'http://10.0.*:8080'); a unit's gRPC target must be on its URL's host. Units given in gateway.units need none. Default none: only configured units.",
+    )
+    max_units: int = Field(
+        256,
+        ge=1,
+        description="Most units this gateway knows (configured and discovered in Redis); more registered in Redis are refused. Default 256.",
+    )
     correct_load: bool = Field(
         True,
         description="Correct each unit's last report by this gateway's own starts and finishes since. Off only in benchmarks. Default true.",
     )
+
+    @model_validator(mode="after")
+    def _units_fit(self) -> GatewaySettings:
+        if len(self.units) > self.max_units:
+            raise ValueError(
+                f"{len(self.units)} units are configured, over max_units {self.max_units}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tls_everywhere(self) -> GatewaySettings:
+        if self.tls_ca_file is not None:
+            plain = [u.id for u in self.units if not u.http_url.startswith("https://")]
+            if plain:
+                raise ValueError(
+                    f"units {', '.join(plain)} are http:// while tls_ca_file is set: units "
+                    "are then reached over TLS only; give https:// URLs (or drop tls_ca_file)"
+                )
+        return self
 
     @field_validator("units", mode="before")
     @classmethod
@@ -742,11 +829,21 @@ class ConfigError(Exception):
 def check_role(role: str, settings: Settings) -> None:
     """What one role needs beyond valid values; raises ConfigError."""
     problems = []
+    if role == "follower" and settings.redis.url is not None:
+        problems.append(
+            "redis.url: the follower does not use Redis (its node's health reaches Redis in "
+            "its sidecar's load reports); drop --redis-url / UNITPROXY_REDIS__URL here"
+        )
     if role == "gateway":
         redis_source = settings.gateway.load_source == "redis"
         if redis_source and settings.redis.url is None:
             problems.append(
                 "gateway.load_source: redis needs redis.url; give --redis-url redis://HOST:PORT/DB"
+            )
+        if redis_source and not settings.gateway.units and not settings.gateway.discover_allow:
+            problems.append(
+                "gateway.discover_allow: with load_source redis and no units configured, give "
+                "the URL patterns of the units to accept from Redis (e.g. http://10.0.*:8080)"
             )
         # With Redis, units register themselves; otherwise they must be listed.
         if not settings.gateway.units and not redis_source:

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import aiohttp
 from pydantic import BaseModel, SecretStr
 
 from proxy.cli import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
-from proxy.procutil import die_with_parent
+from proxy.procutil import die_with_parent, free_ports
 from proxy.settings import Settings, UpSettings
 
 log = logging.getLogger(__name__)
@@ -55,6 +54,7 @@ class Child:
     grpc_port: int
     args: list[str]  # after ``python -m proxy``
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # secrets: never on a command line
     proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -140,6 +140,7 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
         sidecar.args += given_flags(settings, TO_SIDECARS)
         if up.unit_models:  # after the engine flags: it wins over --served-model-name
             sidecar.args += ["--served-model-name", up.unit_models[i % len(up.unit_models)]]
+        sidecar.env = given_secrets(settings, TO_SIDECARS)
         for f in followers:
             f.args += given_flags(settings, TO_FOLLOWERS)
         units.append(Unit(unit_id, sidecar, followers))
@@ -149,9 +150,35 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
     return Cell(gateway, units)
 
 
+# Passed in the environment: a command line is visible to every user of the machine
+# (`ps`), and engine_args may carry a token.
+SECRET_KEYS = frozenset({"engine.engine_args"})
+
+
 def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
-    """The command-line flags for the values that were set (by flag, env or file)."""
+    """The command-line flags for the values that were set (by flag, env or file),
+    secrets left out (see given_secrets)."""
     argv: list[str] = []
+    for f, value in _given(settings, flags):
+        if not _secret(f, value):
+            assert not f.many, f"{f.flag}: repeatable flags are not passed on"
+            if f.switch:
+                argv += [f.flag] if value else []
+            else:
+                argv += [f.flag, _flag_value(value)]
+    return argv
+
+
+def given_secrets(settings: Settings, flags: Iterable[Flag]) -> dict[str, str]:
+    """The environment variables for the secret values that were set."""
+    return {
+        "UNITPROXY_" + "__".join(f.key.split(".")).upper(): _flag_value(value)
+        for f, value in _given(settings, flags)
+        if _secret(f, value)
+    }
+
+
+def _given(settings: Settings, flags: Iterable[Flag]) -> Iterator[tuple[Flag, object]]:
     for f in flags:
         *path, name = f.key.split(".")
         section: BaseModel = settings
@@ -159,9 +186,11 @@ def given_flags(settings: Settings, flags: Iterable[Flag]) -> list[str]:
             section = getattr(section, part)
         value = getattr(section, name)
         if name in section.model_fields_set and value is not None:
-            assert not f.many, f"{f.flag}: repeatable flags are not passed on"
-            argv += [f.flag, _flag_value(value)]
-    return argv
+            yield f, value
+
+
+def _secret(f: Flag, value: object) -> bool:
+    return isinstance(value, SecretStr) or f.key in SECRET_KEYS
 
 
 def _flag_value(value: object) -> str:
@@ -176,15 +205,10 @@ def _flag_value(value: object) -> str:
 
 
 def allocate_ports(up: UpSettings) -> Iterator[int]:
-    """Ports counted up from ``base_port``, or free ones picked by the kernel."""
+    """Ports counted up from ``base_port``, or free ones below the ephemeral range."""
     if up.base_port is not None:
         return iter(range(up.base_port, up.base_port + up.port_count))
-    with contextlib.ExitStack() as stack:
-        # All held open until each is picked, so no port comes twice.
-        sockets = [stack.enter_context(socket.socket()) for _ in range(up.port_count)]
-        for s in sockets:
-            s.bind((HOST, 0))
-        return iter([s.getsockname()[1] for s in sockets])
+    return iter(free_ports(up.port_count, HOST))
 
 
 def describe_exit(code: int) -> str:
@@ -273,7 +297,7 @@ class Processes:
             child.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", *child.args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **child.env, "PYTHONUNBUFFERED": "1"},
                 preexec_fn=die_with_parent(),
                 start_new_session=True,  # Ctrl-C reaches `up` alone, which stops the cell in order
             )  # fmt: skip

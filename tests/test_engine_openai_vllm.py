@@ -54,32 +54,55 @@ async def wait_healthy(url: str, proc: asyncio.subprocess.Process, timeout_s: fl
             await asyncio.sleep(0.2)
 
 
+@contextlib.asynccontextmanager
+async def started_vllm_serve(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str
+) -> AsyncIterator[str]:
+    """``vllm serve`` on a free port, stopped on exit; its base URL. Its log is in a
+    tmp dir. It binds its port only after a minute of imports, so the port picked for
+    it may be taken meanwhile (an outgoing connection's ephemeral port): then again."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for _ in range(3):
+        (port,) = free_ports(1)
+        log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
+        with log.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *vllm_serve_argv(model, port), *extra, stdin=asyncio.subprocess.DEVNULL,
+                stdout=out, stderr=out, env=env,
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await wait_healthy(url, proc, VLLM_TEST_TIMEOUT_S)
+        except AssertionError:
+            if "Address already in use" in log.read_text():
+                continue
+            pytest.fail(f"vllm serve did not start: {log.read_text()[-2000:]}")
+        except BaseException:
+            proc.kill()  # still starting at the time limit
+            await proc.wait()
+            raise
+        try:
+            yield url
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    async with asyncio.timeout(30):
+                        await proc.wait()
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+        return
+    pytest.fail("vllm serve found its port taken three times")
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def vllm_serve(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[str]:
-    """``vllm serve`` on a free port; its base URL. Its log is in the test's tmp dir."""
-    (port,) = free_ports(1)
-    log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *vllm_serve_argv(tiny_model, port), stdin=asyncio.subprocess.DEVNULL,
-            stdout=out, stderr=out, env=env,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_healthy(url, proc, VLLM_TEST_TIMEOUT_S)
+    """``vllm serve`` on a free port; its base URL."""
+    async with started_vllm_serve(tiny_model, tmp_path_factory) as url:
         yield url
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(30):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -393,7 +393,8 @@ async def test_a_unit_that_never_answers_gets_504_and_is_ejected(
         # Reports over gRPC: the HTTP port (and so /load/watch) is the wedged one.
         "gateway": {"units": [f"a=http://127.0.0.1:{port},{reports.grpc_target}"],
                     "load_source": "watch",
-                    "response_timeout_s": 0.3, "eject_after": 2, "eject_s": 30},
+                    "response_timeout_s": 0.3, "eject_after": 2, "eject_s": 30,
+                    "max_ejection_percent": 100},  # its only unit
     })  # fmt: skip
     async with Gateway(settings) as gw:
         await wait_until(lambda: bool(gw.router.serving()), what="a reports SERVING")

@@ -1,10 +1,10 @@
 """The gateway's HTTP/1.1 listener, spoken to byte for byte on loopback.
 
 Inference POSTs with a Content-Length body are served on the lean path (proxy/gateway/
-front.py); anything else hands the connection to aiohttp. A raw client shows what a
+http1/front.py); anything else hands the connection to aiohttp. A raw client shows what a
 client sees: keep-alive, pipelining, the handoff in the middle of a connection, framing
 that must go to aiohttp, ``Connection: close``, and a client that leaves mid-stream.
-Behind the gateway: the pool of keep-alive connections to a unit (upstream.py), shown
+Behind the gateway: the pool of keep-alive connections to a unit (http1/pool.py), shown
 reusing its connections and recovering when a unit closes them; a fake unit (GET /load
 for ``--load-source poll``) breaks keep-alive in each way a server may, or streams as fast
 as it is read. Two tests drive ``upstream.Pool`` on its own, at races a client cannot
@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
+from proxy.gateway.http1.pool import Pool
 from proxy.gateway.server import Gateway
-from proxy.gateway.upstream import Pool
 from proxy.settings import load
 from proxy.sidecar.server import Sidecar
 from tests.conftest import Cell, SidecarFactory, wait_until
@@ -829,7 +829,7 @@ async def test_a_connection_paused_by_its_receiver_is_not_reused_paused() -> Non
             got = []
 
             def sink(data: bytes) -> None:
-                # What front.Connection.pause_writing does when this write fills the
+                # What front.ClientConnection.pause_writing does when this write fills the
                 # client's buffer; the whole answer came in this one read.
                 got.append(data)
                 conn.pause_reading()

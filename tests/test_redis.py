@@ -96,7 +96,11 @@ async def start_gateway_on_redis() -> AsyncIterator[GatewayStarter]:
             settings = load(
                 {
                     "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
-                    "gateway": {"load_source": "redis", **gateway},
+                    "gateway": {
+                        "load_source": "redis",
+                        "discover_allow": ["http://127.0.0.1:*"],
+                        **gateway,
+                    },
                     "redis": redis_section(url, cluster),
                 }
             )
@@ -145,7 +149,20 @@ def test_redis_flags_and_bad_url(capsys: pytest.CaptureFixture[str]) -> None:
     for command in ("sidecar", "follower"):  # every role takes it
         args = parser.parse_args([command, "--redis-url", "redis://h:1/2"])
         assert load(cli.cli_values(args)).redis.url == "redis://h:1/2"
-    assert cli.main(["gateway", "--load-source", "redis", "--redis-url", "http://h:1"]) == 2
+    assert (
+        cli.main(
+            [
+                "gateway",
+                "--load-source",
+                "redis",
+                "--redis-url",
+                "http://h:1",
+                "--discover-allow",
+                "http://h:*",
+            ]
+        )
+        == 2
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "redis.url" in lines[0] and "redis://" in lines[0]
 

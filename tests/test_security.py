@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 import subprocess
@@ -182,3 +183,28 @@ def test_tls_needs_both_files() -> None:
     with pytest.raises(ConfigError) as info:
         load({"server": {"tls_cert_file": "/some/cert.pem"}})
     assert "tls_key_file" in info.value.problems[0]
+
+
+async def test_an_https_unit_never_gets_plaintext_grpc(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, certs: dict[str, Path]
+) -> None:
+    # A unit given as https:// but whose gRPC is plain: the gateway speaks TLS to it and
+    # fails, so the unit never reports SERVING (load reports, Generate and the client's
+    # key would otherwise go in clear). And one whose TLS the system's CAs do not trust.
+    plain = await start_sidecar(sidecar={"unit_id": "plain"})
+    tls = {"tls_cert_file": str(certs["cert"]), "tls_key_file": str(certs["key"])}
+    untrusted = await start_sidecar(sidecar={"unit_id": "untrusted"}, server=tls)
+    plain.http_url = plain.http_url.replace("http://", "https://")
+    gateway = await start_gateway([plain, untrusted], wait=False)
+    await asyncio.sleep(1.5)  # reports come within 0.1 s when the channel works
+    assert gateway.router.units["plain"].report is None
+    assert gateway.router.units["untrusted"].report is None
+
+
+def test_tls_ca_file_with_a_plain_unit_is_a_startup_error(certs: dict[str, Path]) -> None:
+    from proxy.settings import ConfigError, load
+
+    with pytest.raises(ConfigError) as info:
+        load({"gateway": {"units": ["a=http://127.0.0.1:1,127.0.0.1:2"],
+                          "tls_ca_file": str(certs["ca"])}})  # fmt: skip
+    assert "https://" in str(info.value)

@@ -247,12 +247,18 @@ def test_gateway_role_needs_units_or_redis() -> None:
     with pytest.raises(config.ConfigError) as info:
         config.check_role("gateway", config.load({}))
     assert len(info.value.problems) == 1 and "gateway.units" in info.value.problems[0]
+    allow = {"load_source": "redis", "discover_allow": ["http://10.0.*"]}
     with pytest.raises(config.ConfigError) as info:
-        config.check_role("gateway", config.load({"gateway": {"load_source": "redis"}}))
+        config.check_role("gateway", config.load({"gateway": allow}))
     assert len(info.value.problems) == 1 and "redis.url" in info.value.problems[0]
-    # With Redis, units register themselves: none need be configured.
+    # With Redis, units register themselves: none need be configured, but which are
+    # accepted must be.
     redis = {"url": "redis://127.0.0.1:6379/0"}
-    config.check_role("gateway", config.load({"gateway": {"load_source": "redis"}, "redis": redis}))
+    config.check_role("gateway", config.load({"gateway": allow, "redis": redis}))
+    with pytest.raises(config.ConfigError) as info:
+        config.check_role("gateway", config.load({"gateway": {"load_source": "redis"},
+                                                  "redis": redis}))  # fmt: skip
+    assert len(info.value.problems) == 1 and "discover_allow" in info.value.problems[0]
     config.check_role("sidecar", config.load({}))  # a sidecar needs no units
     units = {"units": ["a=http://127.0.0.1:1,127.0.0.1:2"]}
     config.check_role("gateway", config.load({"gateway": units}))
@@ -298,3 +304,11 @@ def test_an_unknown_flag_shows_its_subcommands_usage(capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert err.startswith("usage: unitproxy gateway ")
     assert "unitproxy gateway: error: unrecognized arguments: --bogus 1" in err
+
+
+def test_the_follower_refuses_a_redis_url() -> None:
+    redis = {"url": "redis://127.0.0.1:6379/0"}
+    with pytest.raises(config.ConfigError) as info:
+        config.check_role("follower", config.load({"redis": redis}))
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith("redis.url:")
+    config.check_role("follower", config.load({}))

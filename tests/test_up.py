@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy import procutil
 from proxy import settings as config
 from proxy.up import Cell, allocate_ports, plan
 from tests.procs import Proc, Procs
@@ -140,6 +141,9 @@ def test_free_ports_are_distinct() -> None:
     cell = _plan(up={"units": 3, "followers": 2})
     ports = [p for c in cell.children for p in (c.http_port, c.grpc_port)]
     assert len(set(ports)) == len(ports) == 2 * (1 + 3 * 3)
+    # Below the ephemeral range: no outgoing connection can take one before it is bound.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(procutil.LOW_PORT <= p < low for p in ports), ports
 
 
 def test_base_port_must_leave_room() -> None:
@@ -259,11 +263,16 @@ async def test_a_child_that_cannot_start_fails_up_and_stops_the_rest(
 def test_table_values_reach_the_sidecars_as_json() -> None:
     from proxy.cli import ENGINE
     from proxy.settings import load
-    from proxy.up import given_flags
+    from proxy.up import given_flags, given_secrets
 
-    settings = load({"engine": {"engine_args": {"enforce_eager": True}, "kind": "sim"}})
+    settings = load({"engine": {"engine_args": {"enforce_eager": True}, "kind": "sim",
+                                "speculative_config": {"n": 2}}})  # fmt: skip
     argv = given_flags(settings, ENGINE)
-    assert argv[argv.index("--engine-args") + 1] == '{"enforce_eager": true}'
+    assert argv[argv.index("--speculative-config") + 1] == '{"n": 2}'
+    # engine_args may carry a token: the environment, not the command line, takes them.
+    assert "--engine-args" not in argv
+    env = given_secrets(settings, ENGINE)
+    assert env == {"UNITPROXY_ENGINE__ENGINE_ARGS": '{"enforce_eager": true}'}
 
 
 @pytest.mark.slow
@@ -309,15 +318,31 @@ async def test_restart_brings_a_dead_child_back_and_ctrl_c_stops_it_too(
         assert not any(_alive(pid) for pid in _pids(old).values())
 
 
+@contextlib.contextmanager
+def _taken_base(count: int) -> Any:
+    """A port held by a listener whose next ``count - 1`` ports are free."""
+    for base in procutil.free_ports(20):
+        with contextlib.ExitStack() as stack:
+            taken = stack.enter_context(socket.socket())
+            try:
+                taken.bind(("127.0.0.1", base))
+                for port in range(base + 1, base + count):
+                    with socket.socket() as probe:
+                        probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            taken.listen()
+            yield base
+            return
+    pytest.fail(f"no port with {count - 1} free ports after it")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 async def test_a_child_whose_port_is_taken_says_so_in_ups_output(
     procs: Procs, tmp_path: Path
 ) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        base = taken.getsockname()[1]
+    with _taken_base(4) as base:
         state_file = tmp_path / "cell" / "cell.json"
         # --base-port: the gateway's HTTP port comes first, and it is taken.
         up = await procs.start("up", "--state-file", str(state_file), "--units", "1",

@@ -20,14 +20,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy import probes
+from proxy import ingress, probes
 from proxy.broadcast import Broadcast
 from proxy.checks import Checker, CheckPolicy, Probe
 from proxy.httputil import json_response
-from proxy.metrics import HealthMetrics
+from proxy.ingress import Limits
+from proxy.metrics import HealthMetrics, IngressMetrics
 from proxy.procutil import die_with_parent
 from proxy.serving import Service, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import CheckSpec, Settings
+from proxy.timers import Wheel
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class FollowerAgent(Service):
         self.node = settings.follower.node_name
         self.registry = CollectorRegistry()
         self.metrics = HealthMetrics(self.registry)
+        self.ingress_metrics = IngressMetrics(self.registry)
         self.state = NodeState(self.node, self.metrics)
         self.health_service = HealthServicer()
         self.worker_command = worker_command
@@ -93,7 +96,12 @@ class FollowerAgent(Service):
         await self.health_service.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         http_port, grpc_port = s.ports("follower")
         _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, self._register)
-        bound_http = await start_http(stack, self._http_app(), s.server.host, http_port)
+        wheel = Wheel(asyncio.get_running_loop())
+        stack.callback(wheel.close)
+        limits = Limits(s.server, wheel, self.ingress_metrics)
+        bound_http = await start_http(
+            stack, self._http_app(), s.server.host, http_port, limits=limits
+        )
         host = advertised_host(s.server.host, s.server.advertise_host)
         self.http_url, self.grpc_target = f"http://{host}:{bound_http}", f"{host}:{bound_grpc}"
         stack.push_async_callback(cancel_tasks, self._tasks)
@@ -166,7 +174,7 @@ class FollowerAgent(Service):
             await self.state.changes.wait(seen)
 
     def _http_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[ingress.phase_middleware()])
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics_page)

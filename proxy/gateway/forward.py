@@ -41,11 +41,11 @@ from proxy.gateway.core import (
     deadline_passed,
     shutting_down,
 )
-from proxy.gateway.front import Producer
+from proxy.gateway.http1.front import Producer
+from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
-from proxy.gateway.upstream import Broken, ConnectFailed, Connection, Pool
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
@@ -174,7 +174,7 @@ class HttpJob:
         self.status = 0  # set when the requests metric must not count down.status
         self._next: tuple[bytes, str | None] | None = (req.body, None)  # body, resume hint
         self._transcript: SseTranscript | None = None
-        self._conn: Connection | None = None
+        self._conn: UnitConnection | None = None
         self._tail = b""  # the start of an event whose end has not come yet
         self._unit_error: bytes | None = None  # an error event the unit ended with
         self._failed_at: float | None = None  # a unit failed; the next one's byte not yet out
@@ -221,7 +221,7 @@ class HttpJob:
             end = now + left
         limit = self._fw.settings.response_timeout_s
         head_by = now + limit
-        conn: Connection | None = None
+        conn: UnitConnection | None = None
         try:
             async with Deadline(
                 self._fw.wheel, head_by if end is None else min(head_by, end)
@@ -250,7 +250,7 @@ class HttpJob:
 
     # -- one unit's answer -----------------------------------------------------------------
 
-    async def _answer(self, unit: Unit, conn: Connection) -> Tried:
+    async def _answer(self, unit: Unit, conn: UnitConnection) -> Tried:
         status = conn.status
         if status in (429, 503):
             return self._refused(unit, conn, status, await conn.read())
@@ -263,7 +263,7 @@ class HttpJob:
         self._down.respond(status, self._headers(conn, unit), data)
         return Tried(Next.DONE, health)
 
-    def _refused(self, unit: Unit, conn: Connection, status: int, data: bytes) -> Tried:
+    def _refused(self, unit: Unit, conn: UnitConnection, status: int, data: bytes) -> Tried:
         code = _error_code(data)
         reply = (status, self._headers(conn, unit), data)
         error = _error_in(status, data, unit)
@@ -306,7 +306,7 @@ class HttpJob:
             return None
         return body, resume_hint(transcript.created, len(text))
 
-    def _headers(self, conn: Connection, unit: Unit) -> dict[str, str]:
+    def _headers(self, conn: UnitConnection, unit: Unit) -> dict[str, str]:
         headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}
         headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit.id)
         headers[REQUEST_ID_HEADER] = self._req.request_id
@@ -314,7 +314,7 @@ class HttpJob:
 
     # -- streams ---------------------------------------------------------------------------
 
-    async def _stream(self, unit: Unit, conn: Connection) -> Tried:
+    async def _stream(self, unit: Unit, conn: UnitConnection) -> Tried:
         down = self._down
         if not down.started:
             headers = self._headers(conn, unit)
@@ -411,7 +411,7 @@ class HttpJob:
 
     # -- silence ---------------------------------------------------------------------------
 
-    def _watch_idle(self, conn: Connection) -> None:
+    def _watch_idle(self, conn: UnitConnection) -> None:
         self._last_byte = self._loop.time()
         self._watch = self._fw.wheel.call_at(
             self._last_byte + self._fw.settings.stream_idle_timeout_s, self._check_idle

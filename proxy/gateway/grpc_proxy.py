@@ -244,7 +244,7 @@ class GrpcJob:
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
         code = exc.code()
-        error = _error_of(exc)
+        error = _error_of(exc, unit)
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not received:
@@ -252,7 +252,7 @@ class GrpcJob:
         if code is grpc.StatusCode.UNAVAILABLE:
             why = _trailer_code(exc)
             if why in UNIT_FAILED or received:
-                return self._failed(unit, "unit_failed", f"unit {unit.id}: {exc.details()}")
+                return self._failed(unit, "unit_failed", error.message)
             health = Outcome.REFUSED if why in NOT_TAKING_WORK else Outcome.FAILED
             return Tried(Next.RETRY, health, "unavailable", error)
         return Tried(Next.DONE, Outcome.FAILED if code in FAILURES else Outcome.OK, error=error)
@@ -327,6 +327,12 @@ def _trailer_code(exc: grpc.aio.AioRpcError) -> str | None:
     return None
 
 
-def _error_of(exc: grpc.aio.AioRpcError) -> UnitProxyError:
+def _error_of(exc: grpc.aio.AioRpcError, unit: Unit) -> UnitProxyError:
+    """The unit's status as an error of ours. Its details reach the client only when the
+    unit's sidecar wrote them (they carry its code); grpc-core's own (a connection
+    refused or reset) name addresses, so the unit is named by its id instead."""
     cls = ERROR_OF_CODE.get(exc.code(), UnitProxyError)
-    return cls(exc.details() or exc.code().name, code=_trailer_code(exc))
+    code = _trailer_code(exc)
+    if code is None:
+        return cls(f"unit {unit.id} failed: {exc.code().name}")
+    return cls(exc.details() or exc.code().name, code=code)

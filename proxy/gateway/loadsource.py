@@ -29,9 +29,9 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from proxy.gateway.http1.pool import Pool, UpstreamError
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
-from proxy.gateway.upstream import Pool, UpstreamError
 from proxy.load import LoadReport
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
 from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, connect
@@ -249,7 +249,7 @@ class RedisSource(LoadSource):
         self,
         router: Router,
         settings: RedisSettings,
-        discover: Callable[[UnitTarget], Unit],
+        discover: Callable[[UnitTarget], Unit | None],
         rng: random.Random | None = None,
     ):
         super().__init__(router, rng)
@@ -345,14 +345,16 @@ class RedisSource(LoadSource):
         try:
             target = UnitTarget.parse(spec)
         except ValueError as exc:
-            if report.unit_id not in self._refused:
+            if report.unit_id not in self._refused and len(self._refused) < 1024:
                 self._refused.add(report.unit_id)
                 log.warning("unit %s registered in Redis cannot be routed to: %s",
                             report.unit_id, exc)  # fmt: skip
             return None
-        log.info("unit %s discovered in Redis: HTTP %s, gRPC %s",
-                 target.id, target.http_url, target.grpc_target)  # fmt: skip
-        return self._discover(target)
+        unit = self._discover(target)
+        if unit is not None:
+            log.info("unit %s discovered in Redis: HTTP %s, gRPC %s",
+                     target.id, target.http_url, target.grpc_target)  # fmt: skip
+        return unit
 
 
 def _text(value: bytes | str) -> str:

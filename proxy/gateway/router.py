@@ -91,6 +91,7 @@ class Router:
         # gateway reads a request's model only when the units differ.
         self._models: Counter[str] = Counter()
         self._model_sets: Counter[tuple[str, ...]] = Counter()
+        self._held_back: set[str] = set()  # units the ejection cap kept in (logged once)
         for target in targets:
             self.add(target)
 
@@ -280,15 +281,42 @@ class Router:
                 self._eject(unit)
         elif outcome is Outcome.OK:
             unit.failures = 0
+            if self._held_back:
+                self._held_back.discard(unit.id)
         self.wake()  # no _changed: a release changes no state (gauges refresh on a timer)
 
     def _eject(self, unit: Unit) -> None:
         now = self._clock()
         if now >= unit.ejected_until:
+            if not self._may_eject(unit, now):
+                unit.failures = 0
+                return
             log.warning("unit %s ejected for %g s after %d consecutive failures",
                         unit.id, self.settings.eject_s, unit.failures)  # fmt: skip
+        self._held_back.discard(unit.id)
         unit.ejected_until = now + self.settings.eject_s
         unit.failures = 0
+
+    def _may_eject(self, unit: Unit, now: float) -> bool:
+        """Within gateway.max_ejection_percent of the units SERVING by their reports
+        (ejected or not): ejecting every unit would turn every request into a 503."""
+        s, age_at = self.settings, self._age_at(now)
+        serving = [
+            u for u in self.units.values()
+            if u.state is UnitState.SERVING and age_at - u.report_at < s.stale_after_s
+        ]  # fmt: skip
+        if unit not in serving:
+            return True  # it takes no request either way
+        ejected = sum(1 for u in serving if now < u.ejected_until)
+        if ejected + 1 <= len(serving) * s.max_ejection_percent // 100:
+            return True
+        if unit.id not in self._held_back:
+            self._held_back.add(unit.id)
+            log.warning("unit %s failed %d times in a row but is not ejected: %d of %d SERVING "
+                        "units are ejected already (gateway.max_ejection_percent %d)",
+                        unit.id, unit.failures, ejected, len(serving),
+                        s.max_ejection_percent)  # fmt: skip
+        return False
 
     def apply_report(self, unit_id: str, report: LoadReport) -> None:
         unit = self.units.get(unit_id)

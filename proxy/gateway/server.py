@@ -18,18 +18,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy import openai_api
+from proxy import ingress, openai_api
 from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
-from proxy.gateway import front
 from proxy.gateway.core import GatewayCore
+from proxy.gateway.discovery import Discovery
 from proxy.gateway.forward import Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
+from proxy.gateway.http1 import front
+from proxy.gateway.http1.pool import Pool
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
-from proxy.gateway.upstream import Pool
 from proxy.httputil import (
     DEADLINE_HEADER,
     MIGRATE_HEADER,
@@ -37,14 +38,16 @@ from proxy.httputil import (
     ClientClosed,
     ClientGone,
     admin_drain,
+    describe_admin,
     error_middleware,
     error_parts,
     json_response,
     quiet_bad_requests,
     timeout_s,
 )
+from proxy.ingress import Limits
 from proxy.load import UnitState
-from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics
 from proxy.serving import (
     Drain,
     Gate,
@@ -80,6 +83,8 @@ class Gateway(Service):
         self.registry = CollectorRegistry()
         self.metrics = ServingMetrics(self.registry, tokens=False)
         self.gateway_metrics = GatewayMetrics(self.registry)
+        self.ingress_metrics = IngressMetrics(self.registry)
+        self.discovery = Discovery(settings.gateway, self.gateway_metrics.discovery_refused)
         self.router = Router(settings.gateway, settings.gateway.units, on_change=self._unit_changed)
         self.health_service = HealthServicer()
         self.http_url = ""
@@ -91,7 +96,7 @@ class Gateway(Service):
         self._served = False
         self.api_keys = ApiKeys()
         self._requests: dict[tuple[str, str], Any] = {}
-        self._client_tls: ClientTLS | None = None
+        self._client_tls: ClientTLS | None = None  # set at start
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
         self.gate = Gate("gateway", self.changes, self.metrics.outstanding)
@@ -140,6 +145,7 @@ class Gateway(Service):
         log.info("gateway: HTTP %s, gRPC %s, %d units, policy %s, load from %s",
                  self.http_url, self.grpc_target, len(self.router.units),
                  s.gateway.policy, s.gateway.load_source)  # fmt: skip
+        log.info("gateway: %s", describe_admin(self._admin_token()))
 
     # --- drain ----------------------------------------------------------------------
 
@@ -160,11 +166,10 @@ class Gateway(Service):
 
     # --- clients to units ---------------------------------------------------------
 
-    async def _load_client_tls(self) -> ClientTLS | None:
-        g = self.settings.gateway
-        if g.tls_ca_file is None and not any(u.http_url.startswith("https://") for u in g.units):
-            return None
-        return await ClientTLS.load(g.tls_ca_file)
+    async def _load_client_tls(self) -> ClientTLS:
+        """What units are verified by: the CA file, else the system's roots. Loaded even
+        when no configured unit is https://, for those discovered through Redis."""
+        return await ClientTLS.load(self.settings.gateway.tls_ca_file)
 
     def _unit_key(self) -> str | None:
         key = self.settings.gateway.unit_api_key
@@ -173,8 +178,11 @@ class Gateway(Service):
     def _connect(self, unit: Unit) -> None:
         limit = self.settings.gateway.connections_per_unit
         tls = self._client_tls
-        self._pools[unit.id] = Pool(unit.http_url, limit, tls.ssl_context if tls else None)
-        if tls is not None and self.settings.gateway.tls_ca_file is not None:
+        assert tls is not None
+        self._pools[unit.id] = Pool(unit.http_url, limit, tls.ssl_context)
+        # A unit is TLS or not as its URL says, for HTTP and gRPC alike: never plaintext
+        # gRPC (load reports, Generate, the client's key) beside an https:// URL.
+        if unit.http_url.startswith("https://"):
             channel = grpc.aio.secure_channel(
                 unit.grpc_target, tls.grpc_credentials, options=UNIT_CHANNEL_OPTIONS
             )
@@ -212,8 +220,11 @@ class Gateway(Service):
         for unit, run in zip(units, runs, strict=True):
             self._tasks.append(asyncio.create_task(run, name=f"load {unit.id}"))
 
-    def _discovered(self, target: UnitTarget) -> Unit:
-        """A unit registered in Redis but not configured here: route to it too."""
+    def _discovered(self, target: UnitTarget) -> Unit | None:
+        """A unit registered in Redis but not configured here: route to it too, if the
+        discovery rules allow it."""
+        if not self.discovery.admit(target, len(self.router.units)):
+            return None
         unit = self.router.add(target)
         if unit.id not in self._pools:
             self._connect(unit)
@@ -221,7 +232,10 @@ class Gateway(Service):
         return unit
 
     def _poll_session(self) -> aiohttp.ClientSession:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))
+        tls = self._client_tls
+        assert tls is not None
+        connector = aiohttp.TCPConnector(limit=16, ssl=tls.ssl_context)  # for https:// units
+        session = aiohttp.ClientSession(connector=connector)
         self._stack.push_async_callback(session.close)
         return session
 
@@ -285,9 +299,12 @@ class Gateway(Service):
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
+        limits = Limits(s, self.wheel, self.ingress_metrics)
+        keys = self.api_keys
         http_front = front.Front(
-            ROUTES, self._serve_front, runner.server, s.max_body_bytes, self.wheel
-        )
+            ROUTES, self._serve_front, runner.server, s.max_body_bytes, limits,
+            authorize=lambda head: keys.check(head.headers.get("authorization")),
+        )  # fmt: skip
         try:
             server = await asyncio.get_running_loop().create_server(
                 http_front.protocol,
@@ -295,6 +312,7 @@ class Gateway(Service):
                 port,
                 ssl=None if tls is None else tls.ssl_context,
                 reuse_address=True,
+                backlog=ingress.LISTEN_BACKLOG,
             )
         except OSError as exc:
             raise ListenError(f"cannot listen on {s.host}:{port} (HTTP): {os_error(exc)}") from exc
@@ -320,8 +338,7 @@ class Gateway(Service):
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
         request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
-        try:
-            self.api_keys.check(headers.get("authorization"))
+        try:  # the API key was checked from the head, before the body was read
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
                           headers.get(MIGRATE_HEADER) != "0")  # fmt: skip
@@ -344,8 +361,9 @@ class Gateway(Service):
     def _http_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.server.max_body_bytes,
-            middlewares=[error_middleware()]
-            + ([self.api_keys.middleware()] if self.api_keys.enabled else []),
+            middlewares=[ingress.phase_middleware(), error_middleware()]
+            + ([self.api_keys.middleware()] if self.api_keys.enabled else [])
+            + [ingress.body_middleware()],
         )
 
         def inference(route: str) -> Any:
@@ -366,17 +384,20 @@ class Gateway(Service):
             return handle
 
         for path, route in ROUTES.items():
-            app.router.add_post(path, inference(route))
+            app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", _health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/units", self._units)
         app.router.add_get("/metrics", self._metrics_page)
-        token = self.settings.server.admin_token
-        secret = None if token is None else token.get_secret_value()
-        app.router.add_post("/admin/drain", admin_drain(self.start_drain, secret, self._ready_body))
+        drain = admin_drain(self.start_drain, self._admin_token(), self._ready_body)
+        app.router.add_post("/admin/drain", drain)
         return app
+
+    def _admin_token(self) -> str | None:
+        token = self.settings.server.admin_token
+        return None if token is None else token.get_secret_value()
 
     async def _models(self, request: web.Request) -> web.Response:
         """Every model some unit's last load report lists, whatever its state now: the

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import TypeVar
 
 from engine.base import Engine, EngineRequest, TokenDelta
 from proxy.broadcast import Broadcast
@@ -35,6 +36,9 @@ from proxy.metrics import ServingMetrics
 from proxy.sidecar.health import UnitHealth
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+# How often a request awaiting a whole answer looks at the engine's step count.
+_PROGRESS_POLL_S = 1.0
 
 
 class Lease:
@@ -122,12 +126,26 @@ class SidecarCore:
         resumed request that another unit delivered, counted in the usage as completion
         tokens rather than prompt tokens. Always releases ``lease``.
         """
+        try:
+            async with self.tracked(lease, deadline):
+                return await self._generate(lease, request, route, emit, delivered_tokens)
+        finally:
+            self.finish(lease, route)
+
+    @asynccontextmanager
+    async def tracked(self, lease: Lease, deadline: float | None) -> AsyncIterator[None]:
+        """The request's deadline scope, which ``let_go`` can also end.
+
+        A TimeoutError inside becomes the lease's failure (``UnitFailed``, the unit let
+        go) or ``DeadlineExceeded``; a dead engine becomes ``UnitFailed``. Every way a
+        request runs (``run``, ``relay``, an engine's own layer) runs inside one.
+        """
         scope = asyncio.timeout_at(deadline)
         try:
             async with scope:
                 self._running[lease] = scope
                 try:
-                    return await self._generate(lease, request, route, emit, delivered_tokens)
+                    yield
                 finally:
                     del self._running[lease]
         except TimeoutError as exc:
@@ -138,9 +156,6 @@ class SidecarCore:
             raise
         except EngineDeadError as exc:
             raise UnitFailed(f"unit {self.unit_id}: the engine died: {exc.message}") from exc
-        finally:
-            lease.release()
-            self._metrics.request_duration.labels(route).observe(self._clock() - lease.admitted_at)
 
     async def _generate(
         self,
@@ -206,7 +221,7 @@ class SidecarCore:
                     )  # fmt: skip
             await changes.wait(seen)
 
-    async def _emit(self, emit: Callable[[TokenDelta], Awaitable[None]], delta: TokenDelta) -> None:
+    async def _emit(self, emit: Callable[[_T], Awaitable[None]], delta: _T) -> None:
         # A client that stops reading blocks here (backpressure): that is no engine stall,
         # and must not make the watchdog take the unit out of service.
         self._on_client += 1
@@ -216,6 +231,76 @@ class SidecarCore:
             self._on_client -= 1
         if self.outstanding - self._on_client == 1:
             self.last_progress_at = self._clock()  # back to the engine, the only one waiting
+
+    async def relay(
+        self,
+        lease: Lease,
+        chunks: AsyncGenerator[bytes, None],
+        route: str,
+        emit: Callable[[bytes], Awaitable[None]],
+        deadline: float | None = None,
+    ) -> None:
+        """Pass an engine's own response bytes to ``emit``, as ``run`` does deltas.
+
+        For engines that serve the OpenAI routes themselves (engine/frontend.py): each
+        piece counts as progress and as a token for the latency metrics; the engine
+        counts the tokens themselves. Closing ``chunks`` aborts the request in the
+        engine. Always releases ``lease``.
+        """
+        metrics = self._metrics
+        previous, first = lease.admitted_at, True
+        try:
+            async with self.tracked(lease, deadline), aclosing(chunks):
+                async for chunk in chunks:
+                    now = self._clock()
+                    self.last_progress_at = now
+                    if first:
+                        metrics.ttft.labels(route).observe(now - previous)
+                        first = False
+                    else:
+                        metrics.inter_token.observe(now - previous)
+                    previous = now
+                    await self._emit(emit, chunk)
+        finally:
+            self.finish(lease, route)
+
+    def finish(self, lease: Lease, route: str) -> None:
+        """Release ``lease`` and observe its duration, once."""
+        if not lease.released:
+            lease.release()
+            self._metrics.request_duration.labels(route).observe(self._clock() - lease.admitted_at)
+
+    async def wait_whole(self, answer: Awaitable[_T], steps: Callable[[], int | None]) -> _T:
+        """Await a whole (non-streamed) answer, feeding the progress watchdog meanwhile.
+
+        ``steps`` is the engine's step count: each change counts as progress. An engine
+        that cannot tell (None) is trusted while it works: the request is left out of
+        the watchdog, as one waiting on its client is.
+        """
+        first = steps()
+        if first is None:
+            self._on_client += 1
+            try:
+                return await answer
+            finally:
+                self._on_client -= 1
+        task = asyncio.ensure_future(answer)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_PROGRESS_POLL_S)
+                if done:
+                    return task.result()
+                now = steps()
+                if now != first:
+                    first, self.last_progress_at = now, self._clock()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+
+    def count_tokens(self, generated: int) -> None:
+        """Tokens an engine's own layer generated (``relay`` cannot see them)."""
+        self._metrics.generated_tokens.inc(generated)
 
     def stalled_for(self) -> float:
         """Seconds the engine has had work and produced no token; 0 when idle."""

@@ -12,9 +12,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.base import TokenDelta
-from proxy import openai_api, resume
+from engine.frontend import FrontendRoute
+from proxy import ingress, openai_api, resume
 from proxy.auth import ApiKeys
-from proxy.errors import UnitProxyError
+from proxy.errors import NotFound, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
@@ -29,7 +30,9 @@ from proxy.httputil import (
 )
 from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
+from proxy.sidecar import frontend_http
 from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.frontend_http import OUTCOME
 from proxy.sidecar.watch import ReportWatch
 
 log = logging.getLogger(__name__)
@@ -39,8 +42,6 @@ WATCH = web.AppKey("watch", ReportWatch)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
-# The status that the requests metric counts, when it differs from the response's.
-OUTCOME = web.RequestKey("outcome", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -57,19 +58,28 @@ def build_app(
     admin_token: str | None = None,
     api_keys: ApiKeys | None = None,
 ) -> web.Application:
-    middlewares = [error_middleware(core.unit_id)]
+    middlewares = [ingress.phase_middleware(), error_middleware(core.unit_id)]
     if api_keys is not None and api_keys.enabled:
         middlewares.append(api_keys.middleware())
+    middlewares.append(ingress.body_middleware())
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[CORE] = core
     app[WATCH] = watch
     app[REGISTRY] = registry
     app[SERVING_METRICS] = metrics
     app[MAX_PROMPT_CHARS] = max_prompt_chars
-    app.router.add_post("/v1/completions", _inference("completions"))
-    app.router.add_post("/v1/chat/completions", _inference("chat"))
+    keys = api_keys or ApiKeys()
+    app.router.add_post(
+        "/v1/completions", _inference("completions"), expect_handler=keys.expect_handler
+    )
+    app.router.add_post(
+        "/v1/chat/completions", _inference("chat"), expect_handler=keys.expect_handler
+    )
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model:.+}", _model)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
+    # Served where the engine's own layer has them (engines vllm and openai), else 404.
+    app.router.add_post("/tokenize", _inference("tokenize"))
+    app.router.add_post("/detokenize", _inference("detokenize"))
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
@@ -79,7 +89,7 @@ def build_app(
     return app
 
 
-def _inference(route: openai_api.Route) -> Handler:
+def _inference(route: FrontendRoute) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         core = request.app[CORE]
         metrics = request.app[SERVING_METRICS]
@@ -108,8 +118,14 @@ def _inference(route: openai_api.Route) -> Handler:
 
 
 async def _serve(
-    request: web.Request, route: openai_api.Route, request_id: str, core: SidecarCore
+    request: web.Request, route: FrontendRoute, request_id: str, core: SidecarCore
 ) -> web.StreamResponse:
+    frontend = core.engine.frontend
+    if frontend is not None and route in frontend.routes:
+        deadline = _deadline(request)
+        return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
+    if route not in ("completions", "chat"):
+        raise NotFound(f"/{route} is not served by this engine", code="not_found")
     body = await request.read()
     parsed = openai_api.parse(
         route,
@@ -199,17 +215,22 @@ def _headers(core: SidecarCore, request_id: str) -> dict[str, str]:
 
 
 async def _models(request: web.Request) -> web.Response:
-    engine = request.app[CORE].engine
-    data = [openai_api.model_card(m, engine.is_simulator) for m in engine.served_models()]
-    return json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": await _model_cards(request.app[CORE])})
 
 
 async def _model(request: web.Request) -> web.Response:
-    engine = request.app[CORE].engine
-    name = request.match_info["model"]
-    if name not in engine.served_models():
-        raise openai_api.model_not_found(name)
-    return json_response(openai_api.model_card(name, engine.is_simulator))
+    model_id = request.match_info["model_id"]
+    for card in await _model_cards(request.app[CORE]):
+        if card.get("id") == model_id:
+            return json_response(card)
+    raise NotFound(f"model '{model_id}' is not served here", param="model", code="model_not_found")
+
+
+async def _model_cards(core: SidecarCore) -> list[dict[str, Any]]:
+    engine = core.engine
+    if engine.frontend is not None:
+        return await engine.frontend.models()
+    return [openai_api.model_card(m, engine.is_simulator) for m in engine.served_models()]
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -19,8 +19,10 @@ from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.checks import Checker, CheckPolicy, ProbeFailed
 from proxy.errors import EngineError
+from proxy.httputil import describe_admin
+from proxy.ingress import Limits
 from proxy.load import UnitState
-from proxy.metrics import HealthMetrics, ServingMetrics, UnitMetrics
+from proxy.metrics import HealthMetrics, IngressMetrics, ServingMetrics, UnitMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
 from proxy.serving import Drain, Service, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import FollowerTarget, Settings
@@ -31,6 +33,7 @@ from proxy.sidecar.health import UnitHealth
 from proxy.sidecar.publisher import ReportPublisher
 from proxy.sidecar.recovery import RecoveryHook
 from proxy.sidecar.watch import ReportWatch
+from proxy.timers import Wheel
 from proxy.tls import server_tls
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class Sidecar(Service):
         self.serving_metrics = ServingMetrics(self.registry)
         self.unit_metrics = UnitMetrics(self.registry)
         self.health_metrics = HealthMetrics(self.registry)
+        self.ingress_metrics = IngressMetrics(self.registry)
         self.engine = engine or create_engine(settings.engine)
         unit_id = settings.sidecar.unit_id
         self.health = UnitHealth(unit_id, self.unit_metrics, self.health_metrics, self.changes)
@@ -138,7 +142,10 @@ class Sidecar(Service):
         _, bound_grpc = await start_grpc(
             stack, s.server.host, grpc_port, self._register_grpc, tls=tls
         )
-        bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls)
+        wheel = Wheel(asyncio.get_running_loop())
+        stack.callback(wheel.close)
+        limits = Limits(s.server, wheel, self.ingress_metrics)
+        bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls, limits=limits)
         stack.push_async_callback(self.watch.close)  # before the servers close
         host = advertised_host(s.server.host, s.server.advertise_host)
         scheme = "http" if tls is None else "https"
@@ -146,6 +153,7 @@ class Sidecar(Service):
         self.grpc_target = self.core.grpc_target = f"{host}:{bound_grpc}"
         log.info("sidecar %s: HTTP %s, gRPC %s, STARTING: loading the engine",
                  s.sidecar.unit_id, self.http_url, self.grpc_target)  # fmt: skip
+        log.info("sidecar %s: %s", s.sidecar.unit_id, describe_admin(_secret(s.server.admin_token)))
 
     async def _load_engine(self) -> None:
         """Start the engine while the ports answer; the leader node says how long the

@@ -35,7 +35,8 @@ from proxy.httputil import (
     REQUEST_ID_HEADER,
     ClientClosed,
 )
-from proxy.timers import Timer, Wheel
+from proxy.ingress import Guard, Limits, request_timeout_response
+from proxy.timers import Timer
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ MAX_HEAD = 64 * 1024  # a longer head goes to aiohttp, which answers it with its
 MAX_UNREAD = 4 * 1024 * 1024  # bytes of later requests buffered before reading pauses
 MAX_FIELD = 8190  # aiohttp's limits on a line and a header: past them it answers 400
 MAX_HEADERS = 128
-KEEPALIVE_S = 75.0  # an idle connection is closed after this (aiohttp's default)
 # The request headers the gateway reads; the others are checked, not kept.
 USED_HEADERS = frozenset(
     {b"content-length", b"content-type", b"authorization", REQUEST_ID_HEADER.encode(),
@@ -165,7 +165,7 @@ class Response:
 
     __slots__ = ("_close", "_conn", "_pending", "ended", "started", "status")
 
-    def __init__(self, conn: Connection, close: bool):
+    def __init__(self, conn: ClientConnection, close: bool):
         self._conn = conn
         self._close = close
         self._pending = b""  # a streamed head, sent with the first chunk
@@ -223,7 +223,7 @@ class Response:
 
 
 class Front:
-    """The listener's shared parts; ``protocol()`` makes one Connection per client."""
+    """The listener's shared parts; ``protocol()`` makes one ClientConnection per client."""
 
     def __init__(
         self,
@@ -231,17 +231,20 @@ class Front:
         serve: Serve,
         fallback: Callable[[], asyncio.Protocol],
         max_body: int,
-        wheel: Wheel,
+        limits: Limits,
+        authorize: Callable[[Head], None] = lambda head: None,
     ):
-        self.wheel = wheel
+        self.wheel = limits.wheel
+        self.limits = limits
         self.routes = routes
         self.serve = serve
         self.fallback = fallback
         self.max_body = max_body
-        self.connections: set[Connection] = set()
+        self.authorize = authorize  # raises UnitProxyError, from the head alone
+        self.connections: set[ClientConnection] = set()
 
-    def protocol(self) -> Connection:
-        return Connection(self)
+    def protocol(self) -> ClientConnection:
+        return ClientConnection(self)
 
     async def shutdown(self, timeout_s: float) -> None:
         """Close idle connections now; requests still running get ``timeout_s``."""
@@ -257,31 +260,53 @@ class Front:
             conn.close()
 
 
-class Connection(asyncio.Protocol):
-    """One client connection on the lean path (until it is handed to aiohttp)."""
+class ClientConnection(asyncio.Protocol):
+    """One client connection on the lean path (until it is handed to aiohttp).
+
+    Its read timer follows the phases of proxy/ingress.py: idle (keep-alive), head
+    (from a head's first byte), body (from the head's end), none while a request is
+    served; a write timer runs while the client's buffer is full.
+    """
 
     def __init__(self, front: Front):
         self._front = front
+        self._limits = front.limits
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._head: Head | None = None
         self.task: asyncio.Task[None] | None = None
-        self._idle: Timer | None = None  # closes the connection after KEEPALIVE_S idle
+        self._timer: Timer | None = None  # the read timer of the phase
+        self._phase = "idle"
+        self._head_deadline = 0.0
+        self._write_timer: Timer | None = None
+        self._discard = 0  # body bytes still to drop after a refusal from the head
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
         self.producer: Producer | None = None  # a unit's stream spliced into this client
         self.closed = False
+        self._counted = False
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self._limits.admit(transport):
+            self.closed = True
+            return
+        self._counted = True
         self._front.connections.add(self)
-        self._idle = self._front.wheel.call_at(self._loop.time() + KEEPALIVE_S, self.close)
+        self._arm("idle", self._limits.keepalive_s)
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self._discard:
+            self._discard -= min(len(data), self._discard)
+            if not self._discard:
+                self.close()
+            return
         self._buf += data
         if self.task is None:
             self._next()
@@ -292,22 +317,64 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._front.connections.discard(self)
-        if self._idle is not None:
-            self._front.wheel.cancel(self._idle)
+        self._disarm()
+        self._stop_write_timer()
+        if self._counted:
+            self._counted = False
+            self._limits.release()
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
         self._wake_writer()
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        if self._write_timer is None:
+            self._write_timer = self._limits.after(self._limits.write_timeout_s, self._stalled)
         if self.producer is not None:
             self.producer.pause_reading()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._stop_write_timer()
         if self.producer is not None:
             self.producer.resume_reading()
         self._wake_writer()
+
+    # -- timers ------------------------------------------------------------------------
+
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._disarm()
+        self._phase = phase
+        self._timer = self._limits.after(max(seconds, 0.0), self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._front.wheel.cancel(self._timer)
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.closed or self.task is not None:
+            return
+        if self._phase == "closing":
+            pass  # answered already (a refusal from the head): just close
+        elif self._phase == "idle":
+            self._limits.timed_out("idle")
+        else:
+            self._limits.timed_out(f"{self._phase}_timeout")
+            self.send(request_timeout_response(self._phase))
+        self.close()
+
+    def _stalled(self) -> None:
+        self._write_timer = None
+        if self.transport is not None and not self.closed:
+            self._limits.timed_out("write_timeout")
+            self.transport.abort()  # close() would wait for the client to read
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._front.wheel.cancel(self._write_timer)
+            self._write_timer = None
 
     # -- framing ---------------------------------------------------------------------
 
@@ -318,9 +385,9 @@ class Connection(asyncio.Protocol):
             return
         head = self._head
         if head is None:
-            if self._idle is not None:
-                self._front.wheel.cancel(self._idle)
-                self._idle = None
+            if self._phase == "idle":
+                self._head_deadline = self._loop.time() + self._limits.head_timeout_s
+                self._arm("head", self._limits.head_timeout_s)
             end = buf.find(b"\r\n\r\n")
             bare = buf.find(b"\n\n")  # a head with bare LF line ends: aiohttp's to judge
             if (end < 0 and (bare >= 0 or len(buf) > MAX_HEAD)) or 0 <= bare < end:
@@ -332,10 +399,15 @@ class Connection(asyncio.Protocol):
             if head is None:
                 self._handoff()
                 return
+            if not self._authorized(head):
+                return
             self._head = head
+            self._arm("body", self._limits.body_timeout_s)
         total = head.size + head.length
         if len(buf) < total:
             return
+        self._disarm()
+        self._phase = "serve"
         self._head = None
         if len(buf) == total:
             body = bytes(buf[head.size :])
@@ -344,6 +416,26 @@ class Connection(asyncio.Protocol):
             body = bytes(buf[head.size : total])
             del buf[:total]
         self.task = self._loop.create_task(self._serve(head, body))
+
+    def _authorized(self, head: Head) -> bool:
+        """Check the head (the API key) before the body is read; refuse and close if not."""
+        try:
+            self._front.authorize(head)
+        except UnitProxyError as exc:
+            error = json.dumps(exc.body()).encode()
+            headers = {"Content-Type": "application/json"}
+            Response(self, close=True).respond(exc.http_status, headers, error)
+            # Drop the body as it comes (a close with unread bytes would reset the
+            # connection before the client reads the answer), within the body timer.
+            self._discard = head.size + head.length - len(self._buf)
+            self._buf.clear()
+            if self._discard <= 0:
+                self._discard = 0
+                self.close()
+            else:
+                self._arm("closing", self._limits.body_timeout_s)
+            return False
+        return True
 
     async def _serve(self, head: Head, body: bytes) -> None:
         response = Response(self, close=not head.keep_alive)
@@ -370,26 +462,27 @@ class Connection(asyncio.Protocol):
         if self._read_paused and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
+        self._arm("idle", self._limits.keepalive_s)
         if self._buf:
             self._next()
-        else:
-            self._idle = self._front.wheel.call_at(self._loop.time() + KEEPALIVE_S, self.close)
 
     def _handoff(self) -> None:
         """From here on aiohttp serves this connection, starting with the buffered bytes."""
         transport = self.transport
         assert transport is not None and self.task is None
         self._front.connections.discard(self)
-        if self._idle is not None:
-            self._front.wheel.cancel(self._idle)
-        handler = self._front.fallback()
-        transport.set_protocol(handler)
-        handler.connection_made(transport)
+        self._disarm()
+        self._stop_write_timer()
+        self._counted = False  # the guard counts it from here on
+        self.closed = True  # this protocol's part is over
+        guard = Guard(self._limits, self._front.fallback())
+        transport.set_protocol(guard)
+        guard.take_over(transport, self._head_deadline)
         data, self._buf = bytes(self._buf), bytearray()
         if self._read_paused:
             transport.resume_reading()
         if data:
-            handler.data_received(data)
+            guard.data_received(data)
 
     # -- writing ---------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ Errors, mapped once here::
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import time
 from collections import deque
@@ -43,7 +44,7 @@ class Broken(UpstreamError):
     """The response broke after its head: connection lost or not valid HTTP."""
 
 
-class Connection(asyncio.Protocol):
+class UnitConnection(asyncio.Protocol):
     """One keep-alive connection; also the response it is carrying."""
 
     def __init__(self, pool: Pool):
@@ -260,8 +261,8 @@ class Pool:
         self._host_header = parts.netloc.encode("idna")
         self._limit = limit
         self._connect_timeout_s = connect_timeout_s
-        self._idle: deque[Connection] = deque()
-        self._open: set[Connection] = set()
+        self._idle: deque[UnitConnection] = deque()
+        self._open: set[UnitConnection] = set()
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
@@ -274,7 +275,7 @@ class Pool:
 
     async def request(
         self, method: bytes, path: str, headers: dict[str, str], body: bytes = b""
-    ) -> Connection:
+    ) -> UnitConnection:
         """Send the request and wait for the response head; the caller reads the body
         and then calls ``done()`` (or ``close()``) on the connection it gets.
 
@@ -296,7 +297,7 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _get(self) -> Connection:
+    async def _get(self) -> UnitConnection:
         while True:
             if self._closed:
                 raise ConnectFailed("the gateway is closing")
@@ -321,8 +322,8 @@ class Pool:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
 
-    async def _connect(self) -> Connection:
-        conn = Connection(self)
+    async def _connect(self) -> UnitConnection:
+        conn = UnitConnection(self)
         self._open.add(conn)
         try:
             async with asyncio.timeout(self._connect_timeout_s):
@@ -335,14 +336,15 @@ class Pool:
                 )
         except (OSError, TimeoutError) as exc:
             self.lost(conn)
-            raise ConnectFailed(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
+            # No address in the message: it may reach a client (units go by their id).
+            raise ConnectFailed(f"cannot connect: {_reason(exc)}") from exc
         except BaseException:
             conn.close()
             self.lost(conn)
             raise
         return conn
 
-    def put(self, conn: Connection) -> None:
+    def put(self, conn: UnitConnection) -> None:
         """A connection whose response was read to its end: keep it for the next."""
         if self._closed:
             conn.close()
@@ -351,7 +353,7 @@ class Pool:
         self._idle.append(conn)
         self._wake_one()
 
-    def lost(self, conn: Connection) -> None:
+    def lost(self, conn: UnitConnection) -> None:
         if conn in self._open:
             self._open.discard(conn)
             self._wake_one()
@@ -372,3 +374,12 @@ class Pool:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a connect failed, without the address (an OSError's text names it)."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno)  # asyncio's own text names the address
+    return type(exc).__name__

@@ -1,0 +1,487 @@
+"""Hostile and careless clients against the gateway, while a normal client streams.
+
+Starts a sidecar (engine sim) and a gateway (API keys on) as child processes on
+127.0.0.1, then:
+
+    baseline   the normal client streams completions at --concurrency for --duration s:
+               TTFT of each stream, errors
+    attack     --hostile connections (no API key, as an attacker has none), spread over
+               five kinds, all open at once, then the normal client again, while the
+               gateway's RSS is sampled
+
+Hostile kinds (each records when the gateway closed it, from the start of its timer):
+
+    slow-head      a head sent one byte every 0.5 s          head_timeout_s from byte 1
+    slow-body      a whole head, then a body byte every 0.5 s body_timeout_s from the head
+    one-short      a whole head and its body less one byte   body_timeout_s from the head
+    expect         a head with Expect: 100-continue, no body  body_timeout_s from the head
+    idle           GET /health, then nothing                  keepalive_timeout_s after it
+
+Goals: gateway RSS at most 200 MB with every hostile connection open; each closed
+within its timeout (plus one second of slack); the normal client's TTFT p99 under
+attack within 2x of the baseline, and no error.
+
+    .venv/bin/python bench/ingress/run.py            # 1,000 connections, default limits (~2 min)
+    .venv/bin/python bench/ingress/run.py --quick    # 200 connections, 1-3 s limits (~20 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the bench package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import aiohttp
+
+from bench.common import code_version, cpu_model, loop_name, run_loop, until_signal
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "bench" / "results" / "ingress.json"
+HOST = "127.0.0.1"
+KEY = "sk-bench-ingress"
+KINDS = ("slow-head", "slow-body", "one-short", "expect", "idle")
+SLACK_S = 1.0  # a close may come this much after its timeout (timer grain, a busy loop)
+RSS_GOAL_MB = 200.0
+TTFT_GOAL_RATIO = 2.0
+START_TIMEOUT_S = 30.0
+BATCH = 100  # hostile connections opened at once
+BODY = json.dumps({"prompt": "x" * 64, "max_tokens": 16, "stream": True}).encode()
+BIG = 4 * 1024 * 1024 - 1  # the one-short body announces this many bytes
+ALMOST = b"x" * (BIG - 1)
+
+
+@dataclass
+class Limits:
+    head_s: float
+    body_s: float
+    keepalive_s: float
+
+    def flags(self) -> list[str]:
+        return ["--head-timeout", str(self.head_s), "--body-timeout", str(self.body_s),
+                "--keepalive-timeout", str(self.keepalive_s)]  # fmt: skip
+
+    def timeout(self, kind: str) -> float:
+        if kind == "slow-head":
+            return self.head_s
+        return self.keepalive_s if kind == "idle" else self.body_s
+
+
+@dataclass
+class Hostile:
+    kind: str
+    timer_started: float = 0.0
+    closed_after_s: float | None = None  # from timer_started; None: still open at the end
+    answer: int = 0  # the HTTP status the gateway sent, 0 if none
+    failed: str = ""  # why the connection could not be opened and played
+
+
+@dataclass
+class Streams:
+    ttft_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def p(self, q: float) -> float:
+        if not self.ttft_ms:
+            return float("nan")
+        ordered = sorted(self.ttft_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- processes -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
+    async with aiohttp.ClientSession() as http, asyncio.timeout(START_TIMEOUT_S):
+        while True:
+            if proc.returncode is not None:
+                raise RuntimeError(f"{url}: exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"{url}/ready") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+
+
+@asynccontextmanager
+async def child(
+    args: list[str], log: Path, env: dict[str, str]
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", *args, stdin=asyncio.subprocess.DEVNULL,
+            stdout=out, stderr=out, env={**os.environ, **env}, cwd=REPO,
+        )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(5):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+@asynccontextmanager
+async def cell(limits: Limits, workdir: Path) -> AsyncIterator[tuple[str, int]]:
+    """A sidecar and a gateway; yields the gateway's URL and pid."""
+    s_http, s_grpc, g_http, g_grpc = (free_port() for _ in range(4))
+    sidecar = ["sidecar", "--host", HOST, "--http-port", str(s_http), "--grpc-port", str(s_grpc),
+               "--unit-id", "u0", "--capacity", "256", "--sim-max-num-seqs", "256",
+               "--sim-decode-step-ms", "5", "--sim-prefill-ms-per-token", "0",
+               "--log-level", "warning"]  # fmt: skip
+    gateway = ["gateway", "--host", HOST, "--http-port", str(g_http), "--grpc-port", str(g_grpc),
+               "--unit", f"u0=http://{HOST}:{s_http},{HOST}:{s_grpc}", "--log-level", "warning",
+               "--max-connections", "4096", *limits.flags()]  # fmt: skip
+    keys = {"UNITPROXY_SERVER__API_KEYS": json.dumps([KEY])}
+    async with child(sidecar, workdir / "sidecar.log", {}) as unit:
+        await wait_ready(f"http://{HOST}:{s_http}", unit)
+        async with child(gateway, workdir / "gateway.log", keys) as gw:
+            url = f"http://{HOST}:{g_http}"
+            await wait_ready(url, gw)
+            yield url, gw.pid
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# -- the normal client -------------------------------------------------------------------
+
+
+async def stream_once(http: aiohttp.ClientSession, url: str, streams: Streams) -> None:
+    started = time.perf_counter()
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    try:
+        async with http.post(f"{url}/v1/completions", data=BODY, headers=headers) as resp:
+            if resp.status != 200:
+                streams.errors += 1
+                await resp.read()
+                return
+            first = True
+            async for line in resp.content:
+                if first and line.startswith(b"data: "):
+                    streams.ttft_ms.append((time.perf_counter() - started) * 1000)
+                    first = False
+                if line.startswith(b"data: [DONE]"):
+                    return
+                if line.startswith(b'data: {"error"'):
+                    streams.errors += 1
+                    return
+            streams.errors += 1  # ended without [DONE]
+    except (aiohttp.ClientError, TimeoutError):
+        streams.errors += 1
+
+
+async def normal_client(url: str, concurrency: int, duration_s: float) -> Streams:
+    streams = Streams()
+    stop_at = time.monotonic() + duration_s
+    timeout = aiohttp.ClientTimeout(total=30)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+
+        async def worker() -> None:
+            while time.monotonic() < stop_at:
+                await stream_once(http, url, streams)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return streams
+
+
+# -- hostile clients ---------------------------------------------------------------------
+
+
+# --with-key: the hostile clients hold a valid API key (a careless client, not an attacker).
+HOSTILE_AUTH: list[str] = []
+
+
+def head(length: int, *extra: str) -> bytes:
+    lines = ["POST /v1/completions HTTP/1.1", f"Host: {HOST}", "Content-Type: application/json",
+             f"Content-Length: {length}", *HOSTILE_AUTH, *extra]  # fmt: skip
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def hostile(url: str, h: Hostile, opened: asyncio.Event, stop: asyncio.Event) -> None:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+    except OSError as exc:
+        h.failed = f"connect: {exc.strerror or exc}"
+        opened.set()
+        return
+    try:
+        await _play(h, reader, writer, opened)
+        got = b""
+        read = asyncio.ensure_future(reader.read())  # until the gateway closes
+        trickle = asyncio.ensure_future(_trickle(h, writer, stop))
+        try:
+            done, _ = await asyncio.wait({read, asyncio.ensure_future(stop.wait())},
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if read in done:
+                with contextlib.suppress(ConnectionError):
+                    got = read.result()
+                h.closed_after_s = time.monotonic() - h.timer_started
+        finally:
+            for task in (read, trickle):
+                task.cancel()
+        if h.kind != "idle" and got.startswith(b"HTTP/1.1 "):
+            h.answer = int(got[9:12])
+    except ConnectionError as exc:
+        if opened.is_set():
+            h.closed_after_s = time.monotonic() - h.timer_started
+        else:
+            h.failed = f"while opening: {exc}"
+    finally:
+        opened.set()
+        writer.close()
+
+
+async def _play(
+    h: Hostile, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, opened: asyncio.Event
+) -> None:
+    if h.kind == "idle":
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        response = await reader.readuntil(b"\r\n\r\n")
+        length = int(response.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+    elif h.kind == "slow-head":
+        writer.write(b"P")
+    elif h.kind == "slow-body":
+        writer.write(head(len(BODY)) + BODY[:1])
+    elif h.kind == "one-short":
+        writer.write(head(BIG))
+        writer.write(ALMOST)
+        await writer.drain()
+    elif h.kind == "expect":
+        writer.write(head(len(BODY), "Expect: 100-continue"))
+    h.timer_started = time.monotonic()
+    opened.set()
+
+
+async def _trickle(h: Hostile, writer: asyncio.StreamWriter, stop: asyncio.Event) -> None:
+    """Slow kinds keep sending, one byte every 0.5 s."""
+    if h.kind not in ("slow-head", "slow-body"):
+        return
+    rest = (head(len(BODY))[1:] if h.kind == "slow-head" else BODY[1:]) * 100
+    for byte in rest:
+        await asyncio.sleep(0.5)
+        writer.write(bytes([byte]))
+    await stop.wait()
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+async def hostile_worker(url: str, n: int, kinds: list[str], limits: Limits) -> None:
+    """The hostile side, in a process of its own (so its thousands of timers do not
+    slow the normal client it is measured against): prints OPEN once every connection
+    is open, then, once each is closed or its timeout has long passed, the results."""
+    stop = asyncio.Event()
+    hostiles = [Hostile(kinds[i % len(kinds)]) for i in range(n)]
+    opened = [asyncio.Event() for _ in hostiles]
+    tasks = []
+    async with asyncio.timeout(START_TIMEOUT_S):
+        for i in range(0, n, BATCH):  # in batches, as a listen backlog holds only so many
+            batch = list(zip(hostiles[i : i + BATCH], opened[i : i + BATCH], strict=True))
+            tasks += [asyncio.ensure_future(hostile(url, h, o, stop)) for h, o in batch]
+            await asyncio.gather(*(o.wait() for _, o in batch))
+    all_open_at = time.monotonic()
+    open_s = all_open_at - min(h.timer_started or all_open_at for h in hostiles)
+    print("OPEN", flush=True)
+    longest = max(limits.timeout(kind) for kind in kinds)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(longest + 2 * SLACK_S):
+            await asyncio.gather(*tasks, return_exceptions=True)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    print(json.dumps({"open_s": open_s, "hostiles": [asdict(h) for h in hostiles]}), flush=True)
+
+
+async def attack(url: str, pid: int, args: argparse.Namespace, n: int, duration_s: float,
+                 limits: Limits) -> dict[str, Any]:  # fmt: skip
+    stop = asyncio.Event()
+    rss_samples = [rss_mb(pid)]
+
+    async def sample() -> None:
+        with contextlib.suppress(OSError):  # the gateway gone: the run fails elsewhere
+            while not stop.is_set():
+                rss_samples.append(rss_mb(pid))
+                await asyncio.sleep(0.25)
+
+    sampler = asyncio.ensure_future(sample())
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--hostile-worker", url, "--hostile", str(n),
+        "--kinds", *args.kinds, *(["--quick"] if args.quick else []),
+        *(["--with-key"] if args.with_key else []),
+        stdout=asyncio.subprocess.PIPE, limit=64 << 20,
+    )  # fmt: skip
+    assert worker.stdout is not None
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            line = await worker.stdout.readline()
+        if line.strip() != b"OPEN":
+            raise RuntimeError(f"the hostile worker failed: {line[:300]!r}")
+        streams = await normal_client(url, args.concurrency, duration_s)
+        async with asyncio.timeout(max(limits.timeout(k) for k in args.kinds) + 30):
+            found = json.loads(await worker.stdout.readline())
+            await worker.wait()
+    finally:
+        if worker.returncode is None:
+            worker.kill()
+            await worker.wait()
+        stop.set()
+        await sampler
+    hostiles = [Hostile(**h) for h in found["hostiles"]]
+    return {"hostiles": hostiles, "streams": streams, "rss_before_mb": rss_samples[0],
+            "rss_max_mb": max(rss_samples), "open_s": found["open_s"]}  # fmt: skip
+
+
+def summarize(hostiles: list[Hostile], limits: Limits) -> dict[str, dict[str, Any]]:
+    out = {}
+    for kind in sorted({h.kind for h in hostiles}, key=KINDS.index):
+        mine = [h for h in hostiles if h.kind == kind]
+        closed = [h.closed_after_s for h in mine if h.closed_after_s is not None]
+        limit = limits.timeout(kind)
+        out[kind] = {
+            "connections": len(mine),
+            "timeout_s": limit,
+            "closed_in_time": sum(1 for c in closed if c <= limit + SLACK_S),
+            "still_open": len(mine) - len(closed),
+            "close_s_min": round(min(closed), 3) if closed else None,
+            "close_s_max": round(max(closed), 3) if closed else None,
+            "answers": sorted({h.answer for h in mine}),
+            "failed": [h.failed for h in mine if h.failed][:3],
+        }
+    return out
+
+
+def limits_of(args: argparse.Namespace) -> Limits:
+    return Limits(1.0, 2.0, 3.0) if args.quick else Limits(10.0, 30.0, 75.0)
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    limits = limits_of(args)
+    n = args.hostile or (200 if args.quick else 1000)
+    duration_s = args.duration or (3.0 if args.quick else 10.0)
+    with tempfile.TemporaryDirectory(prefix="bench-ingress-") as tmp:
+        async with cell(limits, Path(tmp)) as (url, pid):
+            await normal_client(url, args.concurrency, 1.0)  # warm up
+            baseline = await normal_client(url, args.concurrency, duration_s)
+            result = await attack(url, pid, args, n, duration_s, limits)
+    streams: Streams = result["streams"]
+    kinds = summarize(result["hostiles"], limits)
+    ratio = streams.p(0.99) / baseline.p(0.99) if baseline.ttft_ms else float("nan")
+    closed_in_time = sum(k["closed_in_time"] for k in kinds.values())
+    return {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "code": code_version(),
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "loop": loop_name()},
+        "quick": args.quick,
+        "limits": asdict(limits),
+        "hostile_connections": n,
+        "kinds_played": args.kinds,
+        "hostile_with_key": args.with_key,
+        "concurrency": args.concurrency,
+        "duration_s": duration_s,
+        "baseline": {"streams": len(baseline.ttft_ms), "errors": baseline.errors,
+                     "ttft_p50_ms": baseline.p(0.5), "ttft_p99_ms": baseline.p(0.99)},
+        "under_attack": {"streams": len(streams.ttft_ms), "errors": streams.errors,
+                         "ttft_p50_ms": streams.p(0.5), "ttft_p99_ms": streams.p(0.99)},
+        "ttft_p99_ratio": ratio,
+        "rss_before_mb": round(result["rss_before_mb"], 1),
+        "rss_max_mb": round(result["rss_max_mb"], 1),
+        "all_open_after_s": round(result["open_s"], 2),
+        "kinds": kinds,
+        "goals": {
+            "rss_max_mb <= 200": result["rss_max_mb"] <= RSS_GOAL_MB,
+            "every hostile connection closed in time": closed_in_time == n,
+            "ttft p99 within 2x": ratio <= TTFT_GOAL_RATIO,
+            "no error": streams.errors == 0 and baseline.errors == 0,
+        },
+    }  # fmt: skip
+
+
+def table(r: dict[str, Any]) -> str:
+    b, a = r["baseline"], r["under_attack"]
+    lines = [
+        f"gateway under {r['hostile_connections']} hostile connections "
+        f"(limits {r['limits']}), normal client at concurrency {r['concurrency']}",
+        f"{'':14} {'streams':>8} {'errors':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}",
+        f"{'baseline':14} {b['streams']:>8} {b['errors']:>7} {b['ttft_p50_ms']:>12.1f} "
+        f"{b['ttft_p99_ms']:>12.1f}",
+        f"{'under attack':14} {a['streams']:>8} {a['errors']:>7} {a['ttft_p50_ms']:>12.1f} "
+        f"{a['ttft_p99_ms']:>12.1f}",
+        f"TTFT p99 ratio {r['ttft_p99_ratio']:.2f}; gateway RSS {r['rss_before_mb']} MB before, "
+        f"{r['rss_max_mb']} MB at most under attack",
+        "",
+        f"{'kind':10} {'conns':>6} {'timeout s':>9} {'in time':>8} {'open':>5} "
+        f"{'close s min':>11} {'max':>7}  answers",
+    ]
+    for kind, k in r["kinds"].items():
+        lines.append(
+            f"{kind:10} {k['connections']:>6} {k['timeout_s']:>9g} {k['closed_in_time']:>8} "
+            f"{k['still_open']:>5} {k['close_s_min']!s:>11} {k['close_s_max']!s:>7}  {k['answers']}"
+        )
+    lines.append("")
+    lines += [f"{'met' if ok else 'MISSED'}: {goal}" for goal, ok in r["goals"].items()]
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="200 connections, 1-3 s limits")
+    parser.add_argument("--hostile", type=int, default=0, help="hostile connections")
+    parser.add_argument("--concurrency", type=int, default=16, help="normal client streams")
+    parser.add_argument("--duration", type=float, default=0.0, help="normal client, s per phase")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="hostile kinds, spread evenly (default: all)")  # fmt: skip
+    parser.add_argument("--with-key", action="store_true",
+                        help="hostile clients send a valid API key")  # fmt: skip
+    parser.add_argument("--hostile-worker", metavar="URL", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def run() -> int:
+    args = parse_args()
+    if args.with_key:
+        HOSTILE_AUTH.append(f"Authorization: Bearer {KEY}")
+    if args.hostile_worker:
+        run_loop(hostile_worker(args.hostile_worker, args.hostile, args.kinds, limits_of(args)))
+        return 0
+    result = run_loop(until_signal(main(args)))
+    print(table(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if all(result["goals"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run())

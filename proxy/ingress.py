@@ -1,0 +1,291 @@
+"""Limits on client connections, for every HTTP port (gateway and sidecar).
+
+A client connection is always in one phase, and each phase has its own timer,
+armed when the phase begins and dropped when it ends:
+
+    idle   between requests (and before the first)   keepalive_timeout_s, then closed
+    head   from the first byte of a head to its end  head_timeout_s, then 408 and closed
+    body   from the end of the head to its last byte body_timeout_s, then 408 and closed
+    serve  the request runs; no read timer
+
+and, in any phase, a write timer that runs while the client's socket buffer is full
+(the transport paused our writes) and stops when it drains: after write_timeout_s
+the connection is aborted, which cancels the request's task, so the request ends and
+its capacity slot is freed. At most max_connections are open; one more is answered
+503 and closed at once.
+
+The gateway's lean path (proxy/gateway/http1/front.py) keeps these phases itself, since it
+frames requests itself. A connection served by aiohttp runs under a ``Guard``: the
+transport's protocol, in front of aiohttp's request handler; ``middleware`` tells the
+guard when a request's head is parsed and reads its body under the body timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import cast
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from proxy.errors import RequestTimeout, Unavailable
+from proxy.httputil import Handler
+from proxy.metrics import IngressMetrics
+from proxy.settings import ServerSettings
+from proxy.timers import Timer, Wheel
+
+log = logging.getLogger(__name__)
+
+
+def _refusal() -> bytes:
+    body = json.dumps(
+        Unavailable("too many client connections", code="max_connections").body()
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+REFUSAL = _refusal()
+# Connections the kernel queues before they are accepted (asyncio's default is 100, which
+# a burst of clients overflows into SYN retries); capped by net.core.somaxconn.
+LISTEN_BACKLOG = 1024
+
+
+class Limits:
+    """The limits of one HTTP port, its count of open connections, and its timers."""
+
+    def __init__(self, server: ServerSettings, wheel: Wheel, metrics: IngressMetrics):
+        self.head_timeout_s = server.head_timeout_s
+        self.body_timeout_s = server.body_timeout_s
+        self.keepalive_s = server.keepalive_timeout_s
+        self.write_timeout_s = server.write_timeout_s
+        self.max_connections = server.max_connections
+        self.wheel = wheel
+        self.metrics = metrics
+        self.open = 0
+        self._refusing = 0  # connections refused since the cap was reached; 0: not at it
+        self._loop = asyncio.get_running_loop()
+
+    def admit(self, transport: asyncio.BaseTransport) -> bool:
+        """Count a new connection in; at the cap, answer it 503, close it, False."""
+        if self.open >= self.max_connections:
+            if not self._refusing:
+                log.warning("%d client connections open (server.max_connections): refusing "
+                            "new ones until some close", self.open)  # fmt: skip
+            self._refusing += 1
+            self.metrics.closed.labels("max_connections").inc()
+            cast(asyncio.WriteTransport, transport).write(REFUSAL)
+            transport.close()
+            return False
+        self.open += 1
+        self.metrics.connections.inc()
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+        self.metrics.connections.dec()
+        if self._refusing and self.open < self.max_connections:
+            log.warning("client connections below server.max_connections again; "
+                        "%d were refused", self._refusing)  # fmt: skip
+            self._refusing = 0
+
+    def after(self, seconds: float, callback: object) -> Timer:
+        return self.wheel.call_at(self._loop.time() + seconds, callback)  # type: ignore[arg-type]
+
+    def timed_out(self, reason: str) -> None:
+        self.metrics.closed.labels(reason).inc()
+
+
+class Guard(asyncio.Protocol):
+    """A client connection served by aiohttp, under the limits (see the module doc)."""
+
+    def __init__(self, limits: Limits, handler: asyncio.Protocol):
+        self._limits = limits
+        self._handler = handler
+        self._counted = False
+        self.transport: asyncio.Transport | None = None
+        self._phase = "idle"  # idle, head, body, serve
+        self._next_head_at = 0.0  # bytes of the next head came while a request was served
+        self._read_timer: Timer | None = None
+        self._write_timer: Timer | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._limits.admit(transport):
+            self.take_over(transport)
+
+    def take_over(
+        self, transport: asyncio.BaseTransport, head_deadline: float | None = None
+    ) -> None:
+        """Serve ``transport``, counted in the limits already; ``head_deadline``: the loop
+        time by which the head under way must be whole (it began before a handoff)."""
+        self._counted = True
+        self.transport = cast(asyncio.Transport, transport)
+        self._handler.connection_made(transport)
+        if head_deadline is None:
+            self._set_read_timer(self._limits.keepalive_s, self._idle_expired)
+        else:
+            self._phase = "head"
+            left = head_deadline - asyncio.get_running_loop().time()
+            self._set_read_timer(max(left, 0.0), self._head_expired)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._counted:
+            return
+        if self._phase == "idle":
+            self._phase = "head"
+            self._set_read_timer(self._limits.head_timeout_s, self._head_expired)
+        elif self._phase == "serve" and not self._next_head_at:
+            self._next_head_at = asyncio.get_running_loop().time()
+        self._handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._handler.eof_received() if self._counted else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._counted:
+            return
+        self._counted = False
+        self._limits.release()
+        self._set_read_timer(0, None)
+        self._stop_write_timer()
+        self._handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._write_timer is None and self._counted:
+            self._write_timer = self._limits.after(self._limits.write_timeout_s, self._stalled)
+        self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._stop_write_timer()
+        self._handler.resume_writing()
+
+    # -- phases, told by the middlewares -----------------------------------------------
+
+    def head_done(self, has_body: bool) -> None:
+        if has_body:
+            self._phase = "body"
+            self._set_read_timer(self._limits.body_timeout_s, self._body_expired)
+        else:
+            self._phase = "serve"
+            self._set_read_timer(0, None)
+
+    def body_done(self) -> None:
+        self._phase = "serve"
+        self._set_read_timer(0, None)
+
+    def refused(self) -> None:
+        """Answered without reading the body (a bad API key): aiohttp reads and drops
+        what comes; the connection closes when the body timer runs out."""
+        self._phase = "closing"
+        self._set_read_timer(self._limits.body_timeout_s, self._close_quietly)
+
+    def request_done(self) -> None:
+        if self._phase in ("body", "closing"):
+            self.refused()
+        elif self._next_head_at:
+            self._phase = "head"
+            left = self._next_head_at + self._limits.head_timeout_s
+            self._set_read_timer(left - asyncio.get_running_loop().time(), self._head_expired)
+        else:
+            self._phase = "idle"
+            self._set_read_timer(self._limits.keepalive_s, self._idle_expired)
+        self._next_head_at = 0.0
+
+    # -- timers ------------------------------------------------------------------------
+
+    def _set_read_timer(self, seconds: float, callback: object | None) -> None:
+        if self._read_timer is not None:
+            self._limits.wheel.cancel(self._read_timer)
+            self._read_timer = None
+        if callback is not None:
+            self._read_timer = self._limits.after(max(seconds, 0.0), callback)
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._limits.wheel.cancel(self._write_timer)
+            self._write_timer = None
+
+    def _idle_expired(self) -> None:
+        self._read_timer = None
+        if self._phase == "idle" and self.transport is not None:
+            self._limits.timed_out("idle")
+            self.transport.close()
+
+    def _head_expired(self) -> None:
+        self._read_timer = None
+        if self._phase == "head" and self.transport is not None:
+            self._limits.timed_out("head_timeout")
+            self.transport.write(request_timeout_response("head"))
+            self.transport.close()
+
+    def _body_expired(self) -> None:
+        self._read_timer = None
+        if self._phase == "body" and self.transport is not None:
+            self._limits.timed_out("body_timeout")
+            self.transport.write(request_timeout_response("body"))
+            self.transport.close()  # aiohttp would linger, reading the rest
+
+    def _close_quietly(self) -> None:
+        self._read_timer = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def _stalled(self) -> None:
+        self._write_timer = None
+        if self.transport is not None:
+            self._limits.timed_out("write_timeout")
+            self.transport.abort()  # close() would wait for the client to read
+
+
+def request_timeout_response(phase: str) -> bytes:
+    body = json.dumps(RequestTimeout(f"the request {phase} took too long").body()).encode()
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def guard_of(request: web.BaseRequest) -> Guard | None:
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    return protocol if isinstance(protocol, Guard) else None
+
+
+def phase_middleware() -> Middleware:
+    """Outermost: tells the connection's guard that a request's head is parsed (its
+    timer stops) and when the request is done (the keep-alive timer starts)."""
+
+    @web.middleware
+    async def phases(request: web.Request, handler: Handler) -> web.StreamResponse:
+        guard = guard_of(request)
+        if guard is None:
+            return await handler(request)
+        guard.head_done(request.can_read_body)
+        try:
+            return await handler(request)
+        finally:
+            guard.request_done()
+
+    return phases
+
+
+def body_middleware() -> Middleware:
+    """After the API key check: read the whole body (the handler's ``request.read()``
+    then returns it at once) under the guard's body timer."""
+
+    @web.middleware
+    async def body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.can_read_body:
+            await request.read()
+            guard = guard_of(request)
+            if guard is not None:
+                guard.body_done()
+        return await handler(request)
+
+    return body

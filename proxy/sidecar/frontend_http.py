@@ -1,0 +1,139 @@
+"""The OpenAI routes of an engine that serves them itself (engine/frontend.py).
+
+The body goes to the engine's own layer as the client sent it; the sidecar adds what
+is its own around it: admission (429/503 before any engine work), the outstanding
+count, the deadline, cancellation (a client gone closes the engine's stream, which
+aborts the request), the unit and request-id headers, metrics and error bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from engine.frontend import FrontendReply, FrontendRequest, FrontendRoute, OpenAIFrontend
+from proxy import openai_api
+from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.httputil import REQUEST_ID_HEADER, UNIT_HEADER, ClientGone
+from proxy.sidecar import frontend_resume
+from proxy.sidecar.core import Lease, SidecarCore
+
+log = logging.getLogger(__name__)
+
+# The status that the requests metric counts, when it differs from the response's.
+OUTCOME = web.RequestKey("outcome", str)
+# Response headers of a stream, as vLLM's server sends them.
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or the 400 that the parser would give."""
+    try:
+        fields = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return fields
+
+
+async def serve(
+    request: web.Request,
+    route: FrontendRoute,
+    request_id: str,
+    core: SidecarCore,
+    frontend: OpenAIFrontend,
+    deadline: float | None,
+) -> web.StreamResponse:
+    """One OpenAI request through the engine's own layer; errors raise UnitProxyError."""
+    fields = json_object(await request.read())
+    hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
+    lease = core.admit()
+    try:
+        async with core.tracked(lease, deadline):  # the deadline, and a unit that lets go
+            resumed = None
+            if hint is not None and route in ("chat", "completions"):
+                fields, resumed = await _resume(frontend, route, fields, hint, request_id)
+            fr = FrontendRequest(route, fields, request_id, request.headers)
+            if fields.get("stream") is True:
+                reply = await frontend.serve(fr)  # returns at once: progress is in the chunks
+            else:
+                reply = await core.wait_whole(frontend.serve(fr), frontend.steps)
+            if resumed is not None:
+                reply = frontend_resume.wrap(reply, resumed)
+    except BaseException:
+        core.finish(lease, route)
+        raise
+    headers = {UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id}
+    if reply.chunks is None:
+        core.finish(lease, route)
+        core.count_tokens(reply.tokens.completion_tokens)
+        return web.Response(
+            body=reply.body, status=reply.status, content_type="application/json", headers=headers
+        )
+    return await _stream(request, route, core, lease, reply, headers, deadline)
+
+
+async def _resume(
+    frontend: OpenAIFrontend,
+    route: FrontendRoute,
+    fields: dict[str, Any],
+    hint: frontend_resume.ResumeHint,
+    request_id: str,
+) -> tuple[dict[str, Any], frontend_resume.ResumedAnswer]:
+    if hint.delivered_chars is None:  # token ids are a gRPC input; this layer has text
+        raise InvalidRequest(
+            f"header {frontend_resume.RESUME_HEADER}: delivered_chars is required here",
+            param=frontend_resume.RESUME_HEADER,
+        )
+    text = frontend_resume.delivered_text(route, fields, hint.delivered_chars)
+    delivered = await frontend_resume.count_tokens(frontend, text, request_id)
+    reduced = frontend_resume.reduce_limits(fields, delivered)
+    if reduced is None:
+        # Open: end at once with finish_reason "length" (needs the prompt's count).
+        raise InvalidRequest(
+            f"header {frontend_resume.RESUME_HEADER}: the delivered output already "
+            "reaches max_tokens",
+            param=frontend_resume.RESUME_HEADER,
+        )
+    return reduced, frontend_resume.ResumedAnswer(route, hint, delivered)
+
+
+async def _stream(
+    request: web.Request,
+    route: str,
+    core: SidecarCore,
+    lease: Lease,
+    reply: FrontendReply,
+    headers: dict[str, str],
+    deadline: float | None,
+) -> web.StreamResponse:
+    assert reply.chunks is not None
+    response = web.StreamResponse(status=reply.status, headers={**headers, **_SSE_HEADERS})
+
+    async def send(chunk: bytes) -> None:
+        # Headers go out with the first chunk: an error before it is still a status.
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write(chunk)
+
+    try:
+        try:
+            await core.relay(lease, reply.chunks, route, send, deadline)
+        except UnitProxyError as exc:
+            if not response.prepared:
+                raise
+            log.warning("request %s failed mid-stream: %s", headers[REQUEST_ID_HEADER], exc)
+            request[OUTCOME] = str(exc.http_status)
+            await response.write(openai_api.sse_error(exc.body()))
+        finally:
+            core.count_tokens(reply.tokens.completion_tokens)
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError as exc:
+        raise ClientGone(response) from exc
+    return response

