@@ -361,7 +361,12 @@ def _parsed(
         **template,
     )
     return ParsedRequest(
-        route, engine_request, model, req.stream, req.include_usage, req.continuous_usage
+        route,
+        engine_request,
+        model,
+        req.stream,
+        req.include_usage,
+        continuous_usage=req.continuous_usage,
     )
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from proxy.errors import InvalidRequest
 from proxy.sidecar.frontend_resume import (
-    Resume,
     ResumedAnswer,
+    ResumeHint,
     delivered_text,
     parse_hint,
     reduce_limits,
@@ -28,7 +28,7 @@ def test_a_bad_hint_is_a_400_naming_the_header(raw: str) -> None:
 
 
 def test_the_delivered_text_and_the_limits() -> None:
-    assert parse_hint('{"created":5,"delivered_chars":3}') == Resume(5, 3)
+    assert parse_hint('{"created":5,"delivered_chars":3}') == ResumeHint(5, 3)
     body = {
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "abcdef"}]
     }
@@ -63,7 +63,7 @@ async def test_a_resumed_stream_reads_as_the_rest_of_the_first() -> None:
         "choices": [],
         "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11},
     }
-    answer = ResumedAnswer("chat", Resume(created=5, delivered_chars=1), delivered=3)
+    answer = ResumedAnswer("chat", ResumeHint(created=5, delivered_chars=1), delivered=3)
     out = b"".join([p async for p in answer.chunks(_pieces(role, token, usage))])
     events = [e for e in out.split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
