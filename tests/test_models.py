@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import grpc
 import openai
@@ -63,13 +65,16 @@ async def test_the_gateway_routes_by_model_and_404s_an_unknown_one(
     c = await start_sidecar(sidecar={"unit_id": "c"}, engine={"served_model_name": "llama-a"})
     gw = await start_gateway([a, b, c])
     await wait_until(lambda: gw.router.reads_requests, what="the gateway sees two models")
+
+    async def unit_of(model: str) -> str:
+        body = {"model": model, "prompt": "hi", "max_tokens": 20}
+        async with http.post(f"{gw.http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            return resp.headers["x-unitproxy-unit"]
+
     for model, units in (("llama-a", {"a", "c"}), ("qwen-b", {"b"})):
-        seen = set()
-        for _ in range(8):
-            body = {"model": model, "prompt": "hi", "max_tokens": 1}
-            async with http.post(f"{gw.http_url}/v1/completions", json=body) as resp:
-                assert resp.status == 200
-                seen.add(resp.headers["x-unitproxy-unit"])
+        # at once: lor spreads them over every unit serving the model, and no other
+        seen = set(await asyncio.gather(*(unit_of(model) for _ in range(6))))
         assert seen == units
     body = {"model": "mistral", "prompt": "hi", "max_tokens": 1}
     async with http.post(f"{gw.http_url}/v1/completions", json=body) as resp:
