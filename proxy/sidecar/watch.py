@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from proxy.broadcast import Broadcast
 from proxy.load import LoadReport
-from proxy.sidecar.core import SidecarCore
+
+
+class _Health(Protocol):
+    @property
+    def state_changes(self) -> Broadcast: ...
+
+
+class Reporter(Protocol):
+    """What a watch needs of a unit (``SidecarCore``; bench/scale's emulated units)."""
+
+    @property
+    def health(self) -> _Health: ...
+
+    def report(self) -> LoadReport: ...
 
 
 class ReportWatch:
     def __init__(
-        self, core: SidecarCore, changes: Broadcast, interval_s: float, coalesce_s: float = 0.0
+        self, core: Reporter, changes: Broadcast, interval_s: float, coalesce_s: float = 0.0
     ):
         self._core = core
         self._changes = changes
