@@ -142,7 +142,8 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
         ax.set_xscale("log")
         ax.set_xlabel("units")
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(f"bench/scale at {result['code']['commit']}, {result['started']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
