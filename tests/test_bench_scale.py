@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,9 @@ def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "bench.scale.run", "--quick", "--sizes", "30",
             "--sources", "watch,watch-http,poll,redis", "--policies", "lor,p2c,no-such-policy",
             "--window", "1.5", "--request-window", "1", "--out", str(out)]  # fmt: skip
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+    # 30 units on a budget of 60 reports/s: each asked for one every 0.5 s.
+    env = {**os.environ, "UNITPROXY_GATEWAY__REPORT_BUDGET_PER_S": "60"}
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     cells = result["cells"]
@@ -31,6 +34,8 @@ def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
         assert cell["reports_per_s"] > 0 and cell["us_per_report"] > 0, cell
         assert cell["report_age_p99_s"] < 5, cell  # every unit's view stayed fresh
         assert not cell["gateway_problems"], cell
+        if cell["source"] != "redis":  # the gateway's budget held (Redis: units decide)
+            assert cell["reports_per_s"] < 60 * 1.3, cell
     watch = [c for c in cells if c["source"] == "watch"]
     for cell in watch:
         assert cell["through"]["requests"] > 0 and cell["through"]["errors"] == 0, cell

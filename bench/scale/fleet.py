@@ -120,7 +120,7 @@ class Fleet:
         self.finish_rate = [1 / (args.duration_s * rng.uniform(0.75, 1.5)) for _ in range(n)]
         self.arrival_rate = [args.utilization * self.capacity * mu for mu in self.finish_rate]
         self.outstanding = [
-            min(self.capacity, round(rng.gauss(args.utilization * self.capacity, 4)))
+            min(self.capacity, max(0, round(rng.gauss(args.utilization * self.capacity, 4))))
             for _ in range(n)
         ]
         # Thinning: events at a bound on any unit's rate, each kept with its real odds.
@@ -203,7 +203,8 @@ class LoadService(load_pb2_grpc.LoadReportingServicer):
         self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[load_pb2.LoadReport]:
         stats = self._unit.fleet.stats
-        async for report in self._watch.reports():
+        asked = request.min_interval_ms / 1000, request.heartbeat_ms / 1000
+        async for report in self._watch.reports(*asked):
             stats["reports"] += 1
             yield report.to_pb()
 
@@ -247,8 +248,10 @@ async def load_watch(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     stats = unit.fleet.stats
+    q = request.query
+    asked = int(q.get("min_interval_ms", 0)) / 1000, int(q.get("heartbeat_ms", 0)) / 1000
     with contextlib.suppress(ConnectionResetError):
-        async for report in watch_of(unit.fleet, unit).reports():
+        async for report in watch_of(unit.fleet, unit).reports(*asked):
             stats["reports"] += 1
             await response.write(b"data: " + report.to_json().encode() + b"\n\n")
     return response

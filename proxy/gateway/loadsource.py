@@ -29,6 +29,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from proxy.gateway.rates import report_rates
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Pool, UpstreamError
@@ -48,6 +49,8 @@ class LoadSource:
         self._router = router
         self._rng = rng or random.Random()
         self._delay_s = router.settings.report_delay_s
+        # How often to ask each unit for reports (proxy.gateway.rates).
+        self._rates = report_rates(router.settings, len(router.units))
 
     def _deliver(self, unit: Unit, report: LoadReport) -> None:
         if self._delay_s > 0:
@@ -90,7 +93,11 @@ class WatchSource(LoadSource):
             await self._backoff(attempt)
 
     async def _hold(self, unit: Unit, stub: load_pb2_grpc.LoadReportingStub) -> bool:
-        call = stub.WatchLoad(load_pb2.WatchLoadRequest())
+        rates = self._rates
+        asked = load_pb2.WatchLoadRequest(
+            min_interval_ms=rates.min_interval_ms, heartbeat_ms=rates.heartbeat_ms
+        )
+        call = stub.WatchLoad(asked)
         received = False
         try:
             async for msg in call:
@@ -115,6 +122,12 @@ class HttpWatchSource(LoadSource):
         super().__init__(router, rng)
         self._pool_for = pool_for
         self._quiet_s = quiet_s  # no report (heartbeats included) for this long: reconnect
+        rates = self._rates
+        self._path = (
+            f"/load/watch?min_interval_ms={rates.min_interval_ms}&heartbeat_ms={rates.heartbeat_ms}"
+            if rates.min_interval_s or rates.heartbeat_s
+            else "/load/watch"
+        )
 
     async def run(self, unit: Unit) -> None:
         attempt = 0
@@ -136,7 +149,7 @@ class HttpWatchSource(LoadSource):
 
     async def _hold(self, unit: Unit, received: _Received) -> None:
         async with asyncio.timeout(self._quiet_s):
-            conn = await self._pool_for(unit).request(b"GET", "/load/watch", {})
+            conn = await self._pool_for(unit).request(b"GET", self._path, {})
         try:
             if conn.status != 200:
                 raise ValueError(f"GET /load/watch answered {conn.status}")

@@ -25,6 +25,7 @@ from proxy.gateway.core import GatewayCore
 from proxy.gateway.forward import Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
+from proxy.gateway.rates import scaled
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Pool
@@ -76,7 +77,10 @@ class Gateway(Service):
         self.registry = CollectorRegistry()
         self.metrics = ServingMetrics(self.registry)
         self.gateway_metrics = GatewayMetrics(self.registry)
-        self.router = Router(settings.gateway, settings.gateway.units, on_change=self._unit_changed)
+        # The router gets the staleness bound and poll interval the report budget needs.
+        self.router = Router(
+            scaled(settings.gateway), settings.gateway.units, on_change=self._unit_changed
+        )
         self.health_service = HealthServicer()
         self.http_url = ""
         self.grpc_target = ""
@@ -197,7 +201,8 @@ class Gateway(Service):
             watch = WatchSource(self.router, lambda u: self._channels[u.id])
             runs = [watch.run(u) for u in units]
         elif s.load_source == "watch-http":
-            http_watch = HttpWatchSource(self.router, lambda u: self._pools[u.id], s.stale_after_s)
+            quiet_s = self.router.settings.stale_after_s
+            http_watch = HttpWatchSource(self.router, lambda u: self._pools[u.id], quiet_s)
             runs = [http_watch.run(u) for u in units]
         else:
             poll = PollSource(self.router, self._poll_session())

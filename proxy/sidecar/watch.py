@@ -2,7 +2,8 @@
 
 The current report at once, then one per change, and a heartbeat at least every
 ``interval_s``. Changes that arrive while a report is sent, or within ``coalesce_s``
-after it, fold into the next report; a change of unit state goes out at once.
+after it, fold into the next report; a change of unit state goes out at once. A
+watcher may ask for fewer reports (a longer coalescing and heartbeat, for itself only).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Protocol
 
 from proxy.broadcast import Broadcast
 from proxy.load import LoadReport
+
+MAX_ASKED_S = 60.0  # the longest interval a watcher may ask for
 
 
 class _Health(Protocol):
@@ -39,16 +42,25 @@ class ReportWatch:
         self._coalesce_s = coalesce_s
         self.closed = False
 
-    async def reports(self) -> AsyncIterator[LoadReport]:
-        """Reports until ``close()``: the sidecar is stopping."""
+    async def reports(
+        self, min_interval_s: float = 0.0, heartbeat_s: float = 0.0
+    ) -> AsyncIterator[LoadReport]:
+        """Reports until ``close()``: the sidecar is stopping.
+
+        A watcher may ask for fewer reports: changes no more often than
+        ``min_interval_s`` (never more often than this unit coalesces), a heartbeat every
+        ``heartbeat_s``; each at most ``MAX_ASKED_S``. Zero keeps the unit's own.
+        """
         loop = asyncio.get_running_loop()
         states = self._core.health.state_changes
+        coalesce_s = max(self._coalesce_s, min(min_interval_s, MAX_ASKED_S))
+        interval_s = min(heartbeat_s, MAX_ASKED_S) if heartbeat_s > 0 else self._interval_s
         while not self.closed:
             seen, state_seen = self._changes.version, states.version
             yield self._core.report()
             sent_at = loop.time()
-            await self._changes.wait(seen, self._interval_s)
-            hold = sent_at + self._coalesce_s - loop.time()
+            await self._changes.wait(seen, interval_s)
+            hold = sent_at + coalesce_s - loop.time()
             if hold > 0 and states.version == state_seen and not self.closed:
                 await states.wait(state_seen, hold)
 
