@@ -52,7 +52,7 @@ from bench.common import Interrupted, run_loop, until_signal
 from proxy.broadcast import Broadcast
 from proxy.load import LoadReport, NodeStatus, UnitState
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
-from proxy.redis_reports import Keys
+from proxy.redis_reports import Keys, asked_s
 from proxy.sidecar.watch import ReportWatch
 
 HOST = "127.0.0.1"
@@ -319,7 +319,8 @@ async def open_site(runner: web.AppRunner) -> int:
 
 
 async def publish_redis(fleet: Fleet, url: str, cluster: str) -> None:
-    """Every tick: one report for each unit that changed or whose heartbeat is due."""
+    """Every tick: one report for each unit that changed or whose heartbeat is due, at
+    the interval gateways ask for in Redis, as sidecars publish."""
     from redis.asyncio import Redis
 
     keys = Keys(cluster)
@@ -332,12 +333,14 @@ async def publish_redis(fleet: Fleet, url: str, cluster: str) -> None:
     try:
         while True:
             seen = fleet.any_change.version
+            asked = asked_s(await redis.get(keys.asked))  # as a sidecar's MULTI reads it
+            heartbeat_s = max(fleet.interval_s, asked)
             now = loop.time()
             due = [
                 u
                 for u in fleet.units
-                if u.changes.version != sent_seen[u.index]
-                or now - sent_at[u.index] >= fleet.interval_s
+                if (u.changes.version != sent_seen[u.index] and now - sent_at[u.index] >= asked)
+                or now - sent_at[u.index] >= heartbeat_s
             ]
             for start in range(0, len(due), REDIS_BATCH):
                 async with redis.pipeline(transaction=False) as pipe:

@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from proxy.gateway.rates import report_rates
+from proxy.gateway.rates import STALE_HEARTBEATS, report_rates
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Pool, UpstreamError
@@ -41,6 +41,8 @@ from proxy.settings import RedisSettings, UnitTarget
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.05, 2.0)  # first and longest wait before reconnecting
+ASK_EVERY_S = 10.0  # a Redis gateway renews the report interval it asks for this often
+ASK_TTL_MS = 30_000  # ... which lapses this long after the last gateway asked
 MAX_REPORT_BYTES = 1 << 20  # an SSE event longer than this is not a load report
 
 
@@ -302,7 +304,20 @@ class RedisSource(LoadSource):
             self.connects += 1
             self._outage.recovered()
             self._router.resume_aging()
-            await self._listen(pubsub)
+            await self._listen(pubsub, redis)
+
+    async def _ask(self, redis: Redis) -> None:
+        """Ask every sidecar for a report at most (and a heartbeat at least) every
+        N / report_budget_per_s s, N the units known; no longer than a third of
+        stale_after_s, so that a heartbeat always comes before a report goes stale."""
+        s = self._router.settings
+        rates = report_rates(s, len(self._router.units))
+        each_s = min(
+            max(rates.min_interval_s, rates.heartbeat_s), s.stale_after_s / STALE_HEARTBEATS
+        )
+        if each_s > 0:
+            async with asyncio.timeout(self._settings.timeout_s):
+                await redis.set(self._keys.asked, round(each_s * 1000), px=ASK_TTL_MS)
 
     async def _reread(self, redis: Redis) -> None:
         keys = self._keys
@@ -321,13 +336,18 @@ class RedisSource(LoadSource):
             async with asyncio.timeout(self._settings.timeout_s):
                 await redis.srem(keys.units, *gone)
 
-    async def _listen(self, pubsub: PubSub) -> None:
+    async def _listen(self, pubsub: PubSub, redis: Redis) -> None:
         # Quiet for one timeout: PING; quiet for another: the connection is dead
         # (a closed one raises at once; this catches one that hangs). Any message is a
         # sign of life, the answer to PING included, whatever form the client gives it.
         timeout = self._settings.timeout_s
         pinged = False
+        loop = asyncio.get_running_loop()
+        ask_at = loop.time()
         while True:
+            if loop.time() >= ask_at:
+                await self._ask(redis)
+                ask_at = loop.time() + ASK_EVERY_S
             message: dict[str, Any] | None = await pubsub.get_message(timeout=timeout)
             if message is None:
                 if pinged:
