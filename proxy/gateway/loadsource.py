@@ -23,7 +23,6 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import grpc
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
@@ -219,30 +218,42 @@ class _Events:
 
 
 class PollSource(LoadSource):
+    """GET /load every poll interval, on the gateway's own HTTP client: one kept-alive
+    connection per unit, apart from the requests' (``new_pool`` makes it)."""
+
     def __init__(
-        self, router: Router, session: aiohttp.ClientSession, rng: random.Random | None = None
+        self, router: Router, new_pool: Callable[[Unit], Pool], rng: random.Random | None = None
     ):
         super().__init__(router, rng)
-        self._session = session
+        self._new_pool = new_pool
         self._interval_s = router.settings.poll_interval_s
 
     async def run(self, unit: Unit) -> None:
-        while True:
-            try:
-                await self._poll(unit)
-            except asyncio.CancelledError:
-                raise
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-                log.debug("polling unit %s failed: %s", unit.id, exc)
-            except Exception:
-                log.exception("polling unit %s failed unexpectedly", unit.id)
-            await asyncio.sleep(self._interval_s * self._rng.uniform(0.9, 1.1))
+        pool = self._new_pool(unit)
+        try:
+            while True:
+                try:
+                    await self._poll(unit, pool)
+                except asyncio.CancelledError:
+                    raise
+                except (UpstreamError, TimeoutError, ValueError, TypeError, KeyError) as exc:
+                    log.debug("polling unit %s failed: %s", unit.id, exc)
+                except Exception:
+                    log.exception("polling unit %s failed unexpectedly", unit.id)
+                await asyncio.sleep(self._interval_s * self._rng.uniform(0.9, 1.1))
+        finally:
+            await pool.close()
 
-    async def _poll(self, unit: Unit) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._interval_s)
-        async with self._session.get(f"{unit.http_url}/load", timeout=timeout) as resp:
-            resp.raise_for_status()
-            self._deliver(unit, LoadReport.from_dict(await resp.json()))
+    async def _poll(self, unit: Unit, pool: Pool) -> None:
+        async with asyncio.timeout(self._interval_s):
+            conn = await pool.request(b"GET", "/load", {})
+            try:
+                body = await conn.read()
+            finally:
+                conn.done()
+        if conn.status != 200:
+            raise ValueError(f"GET /load answered {conn.status}")
+        self._deliver(unit, LoadReport.from_dict(json.loads(body)))
 
 
 class RedisSource(LoadSource):

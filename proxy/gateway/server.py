@@ -213,10 +213,14 @@ class Gateway(Service):
             http_watch = HttpWatchSource(self.router, lambda u: self._pools[u.id], quiet_s)
             runs = [http_watch.run(u) for u in units]
         else:
-            poll = PollSource(self.router, self._poll_session())
+            poll = PollSource(self.router, self._poll_pool)
             runs = [poll.run(u) for u in units]
         for unit, run in zip(units, runs, strict=True):
             self._tasks.append(asyncio.create_task(run, name=f"load {unit.id}"))
+
+    def _poll_pool(self, unit: Unit) -> Pool:
+        tls = self._client_tls
+        return Pool(unit.http_url, 1, tls.ssl_context if tls else None)
 
     def _discovered(self, target: UnitTarget) -> Unit:
         """A unit registered in Redis but not configured here: route to it too."""
@@ -224,11 +228,6 @@ class Gateway(Service):
         if unit.id not in self._pools:
             self._connect(unit)
         return unit
-
-    def _poll_session(self) -> aiohttp.ClientSession:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))
-        self._stack.push_async_callback(session.close)
-        return session
 
     # --- health -------------------------------------------------------------------
 
