@@ -89,9 +89,14 @@ def goals(result: dict[str, Any]) -> list[str]:
     kb = kb_per_unit(result)
     for c in (c for c in cells if c["units"] == 5000):
         if "added_ttft_p50_ms" in c:
-            ok = c["added_ttft_p50_ms"] <= GOAL_ADDED_TTFT_MS
-            out.append(f"  5,000 units, {c['source']}: added TTFT p50 {c['added_ttft_p50_ms']:.2f} ms "
-                       f"(goal <= {GOAL_ADDED_TTFT_MS:g}) {'MET' if ok else 'NOT MET'}")  # fmt: skip
+            added = c["added_ttft_p50_ms"]
+            # Straight to the units slower than through the gateway: the machine was too
+            # busy for this difference to mean anything.
+            verdict = (
+                "UNMEASURED" if added < 0 else "MET" if added <= GOAL_ADDED_TTFT_MS else "NOT MET"
+            )
+            out.append(f"  5,000 units, {c['source']}: added TTFT p50 {added:.2f} ms "
+                       f"(goal <= {GOAL_ADDED_TTFT_MS:g}) {verdict}")  # fmt: skip
         per = kb.get((5000, c["source"]))
         if per is not None:
             ok = per <= GOAL_KB_PER_UNIT

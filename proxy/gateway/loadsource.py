@@ -28,7 +28,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from proxy.gateway.rates import STALE_HEARTBEATS, report_rates
+from proxy.gateway.rates import report_rates, scaled
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.gateway.upstream import Pool, UpstreamError
@@ -281,6 +281,7 @@ class RedisSource(LoadSource):
         self._keys = Keys(settings.cluster)
         self._discover = discover
         self._outage = Outage("gateway load source", settings, self._rng)
+        self._configured = router.settings  # before any stretching by fleet size
         self._refused: set[str] = set()  # unit ids whose addresses could not be used
         self._unreadable = 0  # reports that could not be parsed (the first is logged)
         self.connects = 0  # successful (re)connects, each with a full re-read
@@ -319,13 +320,12 @@ class RedisSource(LoadSource):
 
     async def _ask(self, redis: Redis) -> None:
         """Ask every sidecar for a report at most (and a heartbeat at least) every
-        N / report_budget_per_s s, N the units known; no longer than a third of
-        stale_after_s, so that a heartbeat always comes before a report goes stale."""
-        s = self._router.settings
-        rates = report_rates(s, len(self._router.units))
-        each_s = min(
-            max(rates.min_interval_s, rates.heartbeat_s), s.stale_after_s / STALE_HEARTBEATS
-        )
+        N / report_budget_per_s s, N the units known (discovered ones too), and stretch
+        the router's staleness bound to match, as ``scaled`` does for configured units."""
+        units = len(self._router.units)
+        rates = report_rates(self._configured, units)
+        each_s = max(rates.min_interval_s, rates.heartbeat_s)
+        self._router.settings = scaled(self._configured, units)
         if each_s > 0:
             async with asyncio.timeout(self._settings.timeout_s):
                 await redis.set(self._keys.asked, round(each_s * 1000), px=ASK_TTL_MS)

@@ -55,10 +55,10 @@ def report_rates(settings: GatewaySettings, units: int) -> ReportRates:
     )
 
 
-def scaled(settings: GatewaySettings) -> GatewaySettings:
+def scaled(settings: GatewaySettings, units: int | None = None) -> GatewaySettings:
     """The gateway's settings with the poll interval and staleness bound its report
-    budget needs for its configured units."""
-    rates = report_rates(settings, len(settings.units))
+    budget needs for ``units`` units (default: those configured)."""
+    rates = report_rates(settings, len(settings.units) if units is None else units)
     each_s = max(rates.min_interval_s, rates.heartbeat_s)
     if each_s == 0:
         return settings
