@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import aiohttp
 import grpc
 import pytest
 
+from proxy.broadcast import Broadcast
 from proxy.gateway.rates import ReportRates, report_rates, scaled
+from proxy.load import LoadReport, UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
 from proxy.settings import GatewaySettings, UnitTarget
+from proxy.sidecar.watch import ReportWatch
 from tests.conftest import SidecarFactory
 
 pytestmark = pytest.mark.timeout(20)
@@ -62,7 +66,8 @@ async def test_changes_come_no_more_often_than_the_watcher_asked(
         await held.read()  # admitted at once; its report waits for the interval
         admitted = await asyncio.wait_for(watch.read(), 5)
         assert admitted.outstanding == 1 and admitted.seq > initial.seq
-        assert loop.time() - sent_at >= 0.35
+        # The first interval is a random part of the asked one (streams out of step).
+        assert loop.time() - sent_at <= 0.45
         sent_at = loop.time()
         held.cancel()
         released = await asyncio.wait_for(watch.read(), 5)
@@ -71,12 +76,48 @@ async def test_changes_come_no_more_often_than_the_watcher_asked(
         watch.cancel()
 
 
+class _Health:
+    def __init__(self) -> None:
+        self.state_changes = Broadcast()
+
+
+class Idle:
+    """A unit whose load never moves: it reports heartbeats only."""
+
+    def __init__(self) -> None:
+        self.health = _Health()
+
+    def report(self) -> LoadReport:
+        return LoadReport("u", UnitState.SERVING, 0, 8)
+
+
+async def test_streams_opened_together_do_not_report_in_step() -> None:
+    watch = ReportWatch(Idle(), Broadcast(), interval_s=30.0, rng=random.Random(5))
+    loop = asyncio.get_running_loop()
+    second_at: list[float] = []
+
+    async def follow() -> None:
+        reports = watch.reports(heartbeat_ms / 1000, heartbeat_ms / 1000)
+        await anext(reports)
+        await anext(reports)
+        second_at.append(loop.time())
+
+    heartbeat_ms = 600
+    started = loop.time()
+    async with asyncio.timeout(5):
+        await asyncio.gather(*(follow() for _ in range(20)))
+    offsets = sorted(t - started for t in second_at)
+    assert offsets[-1] <= 0.7  # within one asked heartbeat
+    assert offsets[-1] - offsets[0] >= 0.3  # spread over it, not in step
+
+
 async def test_a_watcher_may_ask_for_a_longer_heartbeat(start_sidecar: SidecarFactory) -> None:
     sidecar = await start_sidecar(sidecar={"report_interval_s": 0.1})
     async with grpc.aio.insecure_channel(sidecar.grpc_target) as channel:
         load = load_pb2_grpc.LoadReportingStub(channel)
         watch = load.WatchLoad(load_pb2.WatchLoadRequest(heartbeat_ms=1000), timeout=10)
-        first = await asyncio.wait_for(watch.read(), 5)
+        await asyncio.wait_for(watch.read(), 5)
+        first = await asyncio.wait_for(watch.read(), 2)  # after a random part of 1 s
         next_read = asyncio.ensure_future(watch.read())
         done, _ = await asyncio.wait({next_read}, timeout=0.5)
         assert not done  # the unit's own 0.1 s heartbeat would have sent 5 by now
@@ -94,5 +135,6 @@ async def test_load_watch_over_http_takes_the_same_request(start_sidecar: Sideca
             assert resp.status == 200
             first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
             assert first.startswith(b"data: {")
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 2)  # a random part of 1 s
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 0.5)

@@ -9,6 +9,7 @@ watcher may ask for fewer reports (a longer coalescing and heartbeat, for itself
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -34,12 +35,18 @@ class Reporter(Protocol):
 
 class ReportWatch:
     def __init__(
-        self, core: Reporter, changes: Broadcast, interval_s: float, coalesce_s: float = 0.0
+        self,
+        core: Reporter,
+        changes: Broadcast,
+        interval_s: float,
+        coalesce_s: float = 0.0,
+        rng: random.Random | None = None,
     ):
         self._core = core
         self._changes = changes
         self._interval_s = interval_s
         self._coalesce_s = coalesce_s
+        self._rng = rng or random.Random()
         self.closed = False
 
     async def reports(
@@ -49,18 +56,23 @@ class ReportWatch:
 
         A watcher may ask for fewer reports: changes no more often than
         ``min_interval_s`` (never more often than this unit coalesces), a heartbeat every
-        ``heartbeat_s``; each at most ``MAX_ASKED_S``. Zero keeps the unit's own.
+        ``heartbeat_s``; each at most ``MAX_ASKED_S``. Zero keeps the unit's own. The
+        first interval after the first report is a random part of the asked one: a
+        gateway that opens thousands of streams at once then does not get their reports
+        in bursts of thousands, in step, for as long as the streams last.
         """
         loop = asyncio.get_running_loop()
         states = self._core.health.state_changes
         coalesce_s = max(self._coalesce_s, min(min_interval_s, MAX_ASKED_S))
         interval_s = min(heartbeat_s, MAX_ASKED_S) if heartbeat_s > 0 else self._interval_s
+        phase = self._rng.random() if min_interval_s > 0 or heartbeat_s > 0 else 1.0
         while not self.closed:
             seen, state_seen = self._changes.version, states.version
             yield self._core.report()
             sent_at = loop.time()
-            await self._changes.wait(seen, interval_s)
-            hold = sent_at + coalesce_s - loop.time()
+            await self._changes.wait(seen, interval_s * phase)
+            hold = sent_at + coalesce_s * phase - loop.time()
+            phase = 1.0
             if hold > 0 and states.version == state_seen and not self.closed:
                 await states.wait(state_seen, hold)
 
