@@ -141,6 +141,7 @@ GATEWAY = (
     Flag("--stream-idle-timeout", "gateway.stream_idle_timeout_s", "SECONDS"),
     Flag("--report-delay", "gateway.report_delay_s", "SECONDS"),
     Flag("--correct-load", "gateway.correct_load", choices=("true", "false")),
+    Flag("--report-budget", "gateway.report_budget_per_s", "PER_S"),
 )
 UP = (
     Flag("--units", "up.units", "N"),

@@ -2,7 +2,9 @@
 
 Keys under ``unitproxy:{cluster}:``: ``unit:{id}`` holds a unit's latest report as JSON
 with a TTL of 3 report intervals; the set ``units`` lists unit ids; the channel
-``load`` carries each report as it changes. Sidecars write them
+``load`` carries each report as it changes. ``report_interval_ms``, set by gateways in
+front of a large fleet (with a TTL), asks every sidecar for fewer reports: load
+changes at most, and a heartbeat at least, that often. Sidecars write them
 (``proxy.sidecar.publisher``), gateways read them (``RedisSource`` in
 ``proxy.gateway.loadsource``).
 
@@ -47,8 +49,23 @@ class Keys:
     def channel(self) -> str:
         return f"unitproxy:{self.cluster}:load"
 
+    @property
+    def asked(self) -> str:
+        """How often gateways want reports, in ms (``proxy.gateway.rates``)."""
+        return f"unitproxy:{self.cluster}:report_interval_ms"
+
     def unit(self, unit_id: str) -> str:
         return f"unitproxy:{self.cluster}:unit:{unit_id}"
+
+
+MAX_ASKED_MS = 60_000  # the longest report interval gateways may ask of sidecars
+
+
+def asked_s(value: str | None) -> float:
+    """The interval in ``Keys.asked``, in s; 0 when unset or unreadable."""
+    if value is None or not value.isdigit():
+        return 0.0
+    return min(int(value), MAX_ASKED_MS) / 1000
 
 
 def connect(settings: RedisSettings) -> Redis:

@@ -16,7 +16,9 @@ slots, so queues form inside the engines and TTFT grows instead of 429s), then:
 
 Policies: lor, p2c, round_robin, random, and lor-delayed (lor with every load report
 applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
-on stale load) and lor-delayed-corrected (the same delay, correction on). Beside them the
+on stale load) and lor-delayed-corrected (the same delay, correction on); lor-unbudgeted
+(every unit reports at its own rate: no report budget) and lor-as-at-1000 (each unit
+asked for one report every 4 s, as a gateway asks of 1,000 units). Beside them the
 peer routers' load-aware policies over the same fleet, each run started fresh like the
 gateway (``peers.py`` says what each does, how it measures load and why it was chosen):
 vllm-router:power_of_two, vllm-router:cache_aware, sglang-router:power_of_two,
@@ -70,16 +72,8 @@ from bench.routing import client, fleet, peers, report, workload
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
-OWN_POLICIES = (
-    "lor",
-    "prefix",
-    "prefix-strict",
-    "p2c",
-    "round_robin",
-    "random",
-    "lor-delayed",
-    "lor-delayed-corrected",
-)
+OWN_POLICIES = ("lor", "prefix", "prefix-strict", "p2c", "round_robin", "random", "lor-delayed",
+                "lor-delayed-corrected", "lor-unbudgeted", "lor-as-at-1000")  # fmt: skip
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
 RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected requests (+100)
@@ -129,6 +123,10 @@ class BenchSettings:
             "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
             # bounded load with no slack: at most 1.2 x the least loaded, however few
             "prefix-strict": ["--policy", "prefix", "--prefix-slack", "0"],
+            # Every unit at its own report rate (no report budget), and every unit asked
+            # for a report every 4 s, as the default budget asks of a fleet of 1,000.
+            "lor-unbudgeted": ["--policy", "lor", "--report-budget", "0"],
+            "lor-as-at-1000": ["--policy", "lor", "--report-budget", f"{self.units / 4:g}"],
         }.get(policy, ["--policy", policy])
 
 

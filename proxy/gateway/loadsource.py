@@ -23,13 +23,13 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import grpc
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.gateway.http1.pool import Pool, UpstreamError
+from proxy.gateway.rates import report_rates, scaled
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.load import LoadReport
@@ -40,6 +40,8 @@ from proxy.settings import RedisSettings, UnitTarget
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.05, 2.0)  # first and longest wait before reconnecting
+ASK_EVERY_S = 10.0  # a Redis gateway renews the report interval it asks for this often
+ASK_TTL_MS = 30_000  # ... which lapses this long after the last gateway asked
 MAX_REPORT_BYTES = 1 << 20  # an SSE event longer than this is not a load report
 
 
@@ -48,6 +50,8 @@ class LoadSource:
         self._router = router
         self._rng = rng or random.Random()
         self._delay_s = router.settings.report_delay_s
+        # How often to ask each unit for reports (proxy.gateway.rates).
+        self._rates = report_rates(router.settings, len(router.units))
 
     def _deliver(self, unit: Unit, report: LoadReport) -> None:
         if self._delay_s > 0:
@@ -90,7 +94,11 @@ class WatchSource(LoadSource):
             await self._backoff(attempt)
 
     async def _hold(self, unit: Unit, stub: load_pb2_grpc.LoadReportingStub) -> bool:
-        call = stub.WatchLoad(load_pb2.WatchLoadRequest())
+        rates = self._rates
+        asked = load_pb2.WatchLoadRequest(
+            min_interval_ms=rates.min_interval_ms, heartbeat_ms=rates.heartbeat_ms
+        )
+        call = stub.WatchLoad(asked)
         received = False
         try:
             async for msg in call:
@@ -115,6 +123,12 @@ class HttpWatchSource(LoadSource):
         super().__init__(router, rng)
         self._pool_for = pool_for
         self._quiet_s = quiet_s  # no report (heartbeats included) for this long: reconnect
+        rates = self._rates
+        self._path = (
+            f"/load/watch?min_interval_ms={rates.min_interval_ms}&heartbeat_ms={rates.heartbeat_ms}"
+            if rates.min_interval_s or rates.heartbeat_s
+            else "/load/watch"
+        )
 
     async def run(self, unit: Unit) -> None:
         attempt = 0
@@ -136,7 +150,7 @@ class HttpWatchSource(LoadSource):
 
     async def _hold(self, unit: Unit, received: _Received) -> None:
         async with asyncio.timeout(self._quiet_s):
-            conn = await self._pool_for(unit).request(b"GET", "/load/watch", {})
+            conn = await self._pool_for(unit).request(b"GET", self._path, {})
         try:
             if conn.status != 200:
                 raise ValueError(f"GET /load/watch answered {conn.status}")
@@ -204,32 +218,44 @@ class _Events:
 
 
 class PollSource(LoadSource):
+    """GET /load every poll interval, on the gateway's own HTTP client: one kept-alive
+    connection per unit, apart from the requests' (``new_pool`` makes it)."""
+
     def __init__(
-        self, router: Router, session: aiohttp.ClientSession, rng: random.Random | None = None
+        self, router: Router, new_pool: Callable[[Unit], Pool], rng: random.Random | None = None
     ):
         super().__init__(router, rng)
-        self._session = session
+        self._new_pool = new_pool
         self._interval_s = router.settings.poll_interval_s
 
     async def run(self, unit: Unit) -> None:
-        while True:
-            try:
-                await self._poll(unit)
-            except asyncio.CancelledError:
-                raise
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-                # Its last report ages out; the unit shows LOST with this reason.
-                why = str(exc) or type(exc).__name__
-                self._router.unreachable(unit, f"polling /load failed: {why}")
-            except Exception:
-                log.exception("polling unit %s failed unexpectedly", unit.id)
-            await asyncio.sleep(self._interval_s * self._rng.uniform(0.9, 1.1))
+        pool = self._new_pool(unit)
+        try:
+            while True:
+                try:
+                    await self._poll(unit, pool)
+                except asyncio.CancelledError:
+                    raise
+                except (UpstreamError, TimeoutError, ValueError, TypeError, KeyError) as exc:
+                    # Its last report ages out; the unit shows LOST with this reason.
+                    why = str(exc) or type(exc).__name__
+                    self._router.unreachable(unit, f"polling /load failed: {why}")
+                except Exception:
+                    log.exception("polling unit %s failed unexpectedly", unit.id)
+                await asyncio.sleep(self._interval_s * self._rng.uniform(0.9, 1.1))
+        finally:
+            await pool.close()
 
-    async def _poll(self, unit: Unit) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._interval_s)
-        async with self._session.get(f"{unit.http_url}/load", timeout=timeout) as resp:
-            resp.raise_for_status()
-            self._deliver(unit, LoadReport.from_dict(await resp.json()))
+    async def _poll(self, unit: Unit, pool: Pool) -> None:
+        async with asyncio.timeout(self._interval_s):
+            conn = await pool.request(b"GET", "/load", {})
+            try:
+                body = await conn.read()
+            finally:
+                conn.done()
+        if conn.status != 200:
+            raise ValueError(f"GET /load answered {conn.status}")
+        self._deliver(unit, LoadReport.from_dict(json.loads(body)))
 
 
 class RedisSource(LoadSource):
@@ -257,6 +283,7 @@ class RedisSource(LoadSource):
         self._keys = Keys(settings.cluster)
         self._discover = discover
         self._outage = Outage("gateway load source", settings, self._rng)
+        self._configured = router.settings  # before any stretching by fleet size
         self._refused: set[str] = set()  # unit ids whose addresses could not be used
         self._unreadable = 0  # reports that could not be parsed (the first is logged)
         self.connects = 0  # successful (re)connects, each with a full re-read
@@ -291,7 +318,19 @@ class RedisSource(LoadSource):
             self.connects += 1
             self._outage.recovered()
             self._router.resume_aging()
-            await self._listen(pubsub)
+            await self._listen(pubsub, redis)
+
+    async def _ask(self, redis: Redis) -> None:
+        """Ask every sidecar for a report at most (and a heartbeat at least) every
+        N / report_budget_per_s s, N the units known (discovered ones too), and stretch
+        the router's staleness bound to match, as ``scaled`` does for configured units."""
+        units = len(self._router.units)
+        rates = report_rates(self._configured, units)
+        each_s = max(rates.min_interval_s, rates.heartbeat_s)
+        self._router.settings = scaled(self._configured, units)
+        if each_s > 0:
+            async with asyncio.timeout(self._settings.timeout_s):
+                await redis.set(self._keys.asked, round(each_s * 1000), px=ASK_TTL_MS)
 
     async def _reread(self, redis: Redis) -> None:
         keys = self._keys
@@ -310,13 +349,18 @@ class RedisSource(LoadSource):
             async with asyncio.timeout(self._settings.timeout_s):
                 await redis.srem(keys.units, *gone)
 
-    async def _listen(self, pubsub: PubSub) -> None:
+    async def _listen(self, pubsub: PubSub, redis: Redis) -> None:
         # Quiet for one timeout: PING; quiet for another: the connection is dead
         # (a closed one raises at once; this catches one that hangs). Any message is a
         # sign of life, the answer to PING included, whatever form the client gives it.
         timeout = self._settings.timeout_s
         pinged = False
+        loop = asyncio.get_running_loop()
+        ask_at = loop.time()
         while True:
+            if loop.time() >= ask_at:
+                await self._ask(redis)
+                ask_at = loop.time() + ASK_EVERY_S
             message: dict[str, Any] | None = await pubsub.get_message(timeout=timeout)
             if message is None:
                 if pinged:

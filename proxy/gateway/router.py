@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterable
 from enum import Enum
 
 from proxy.errors import NotFound, Overloaded, Unavailable
+from proxy.gateway.index import LeastLoaded, sample_available
 from proxy.gateway.prefix import PrefixIndex, Want
 from proxy.gateway.select import POLICIES, prefix_affinity
 from proxy.gateway.units import Unit, reason
@@ -25,6 +26,8 @@ from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 
 log = logging.getLogger(__name__)
+
+SAMPLED = {"p2c": 2, "random": 1}  # policies that look at this many units drawn at random
 
 
 class Outcome(Enum):
@@ -92,6 +95,17 @@ class Router:
         self._models: Counter[str] = Counter()
         self._model_sets: Counter[tuple[str, ...]] = Counter()
         self._held_back: set[str] = set()  # units the ejection cap kept in (logged once)
+        # Large fleets: lor keeps its units in a heap; p2c and random draw from all units
+        # (proxy.gateway.index); round_robin walks on from where it stopped. None passes
+        # over every unit per request.
+        self._index = (
+            LeastLoaded(self._rng, settings.correct_load)
+            if settings.policy in ("lor", "prefix")  # prefix: the least loaded bounds it
+            else None
+        )
+        self._sample_k = SAMPLED.get(settings.policy, 0)
+        self._all: list[Unit] = []
+        self._cursor = 0  # round_robin: where the next turn starts in _all
         for target in targets:
             self.add(target)
 
@@ -99,6 +113,7 @@ class Router:
         unit = self.units.get(target.id)
         if unit is None:
             unit = self.units[target.id] = Unit(target.id, target.http_url, target.grpc_target)
+            self._all.append(unit)
         return unit
 
     # --- choosing ---------------------------------------------------------------
@@ -163,11 +178,50 @@ class Router:
             unit.inflight += 1
             unit.started_since_report += 1
             unit.routed += 1
+            self._moved(unit)
         return unit
 
     def _choose(self, exclude: Collection[str], want: Want) -> Unit | None:
-        candidates = self.candidates(exclude, want.model)
-        return self._select(candidates, self._rng, self._turn, self.settings.correct_load)
+        s, correct = self.settings, self.settings.correct_load
+        if want.model is not None and len(self._model_sets) > 1:
+            # Units of different models: a pass over those serving this one (the index
+            # and the samples are over every unit).
+            candidates = self.candidates(exclude, want.model)
+            return self._select(candidates, self._rng, self._turn, correct)
+        if self._index is not None:
+            now = self._clock()
+            return self._index.least(now, s.stale_after_s, self._age_at(now), exclude)
+        if self._sample_k:
+            now = self._clock()
+            age_at = self._age_at(now)
+
+            def can_take(u: Unit) -> bool:
+                return u.id not in exclude and u.available(now, s.stale_after_s, correct, age_at)
+
+            drawn = sample_available(self._all, self._sample_k, can_take, self._rng)
+            if drawn is not None:
+                return self._select(drawn, self._rng, self._turn, correct)
+        if s.policy == "round_robin":
+            return self._next_in_turn(exclude)
+        return self._select(self.candidates(exclude), self._rng, self._turn, correct)
+
+    def _next_in_turn(self, exclude: Collection[str]) -> Unit | None:
+        """round_robin: the next unit after the last one chosen that can take a request."""
+        now, s, units = self._clock(), self.settings, self._all
+        age_at = self._age_at(now)
+        for k in range(len(units)):
+            unit = units[(self._cursor + k) % len(units)]
+            if unit.id not in exclude and unit.available(
+                now, s.stale_after_s, s.correct_load, age_at
+            ):
+                self._cursor = (self._cursor + k + 1) % len(units)
+                return unit
+        return None
+
+    def _moved(self, unit: Unit) -> None:
+        """The unit's estimated load changed."""
+        if self._index is not None:
+            self._index.update(unit)
 
     def _by_prefix(self, least: Unit, exclude: Collection[str], want: Want) -> Unit:
         """Policy prefix, given the least loaded candidate: looks only at the units that
@@ -275,6 +329,7 @@ class Router:
     def release(self, unit: Unit, outcome: Outcome) -> None:
         unit.inflight -= 1
         unit.finished_since_report += 1
+        self._moved(unit)
         if outcome is Outcome.FAILED:
             unit.failures += 1
             if unit.failures >= self.settings.eject_after:
@@ -337,6 +392,7 @@ class Router:
         self._count_models(unit.report, -1)
         self._count_models(report, +1)
         unit.apply(report, self._clock())
+        self._moved(unit)
         if report.state != before:
             log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
         self.wake()

@@ -176,5 +176,6 @@ class LoadService(load_pb2_grpc.LoadReportingServicer):
     async def WatchLoad(
         self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[load_pb2.LoadReport]:
-        async for report in self._watch.reports():
+        asked = request.min_interval_ms / 1000, request.heartbeat_ms / 1000
+        async for report in self._watch.reports(*asked):
             yield report.to_pb()

@@ -267,18 +267,27 @@ async def _load(request: web.Request) -> web.Response:
 
 
 async def _load_watch(request: web.Request) -> web.StreamResponse:
-    """The reports of WatchLoad as server-sent events: ``data: REPORT-JSON``."""
+    """The reports of WatchLoad as server-sent events: ``data: REPORT-JSON``; the query
+    may carry WatchLoadRequest's fields (``?min_interval_ms=500&heartbeat_ms=2000``)."""
+    asked = _asked_ms(request, "min_interval_ms") / 1000, _asked_ms(request, "heartbeat_ms") / 1000
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
-        async for report in request.app[WATCH].reports():
+        async for report in request.app[WATCH].reports(*asked):
             await response.write(b"data: " + report.to_json().encode() + b"\n\n")
         await response.write_eof()
     except ConnectionResetError:
         pass  # the watcher went away
     return response
+
+
+def _asked_ms(request: web.Request, name: str) -> int:
+    value = request.query.get(name, "0")
+    if not value.isdigit():
+        raise web.HTTPBadRequest(text=f"{name} must be a whole number of ms")
+    return int(value)
 
 
 async def _metrics(request: web.Request) -> web.Response:

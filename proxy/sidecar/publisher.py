@@ -2,7 +2,10 @@
 
 On every change (coalesced: changes that arrive while one report is on its way fold
 into the next) and at least every report interval, one MULTI: ``SET unit:{id}`` with
-a TTL of 3 report intervals, ``SADD units``, ``PUBLISH load``. While Redis is down
+a TTL of 3 report intervals, ``SADD units``, ``PUBLISH load``, and a ``GET`` of the
+interval gateways ask for (``report_interval_ms``): while one is set, load changes go
+out at most that often, and a heartbeat at least that often; a change of state still
+goes out at once. While Redis is down
 the sidecar serves as before; the latest report goes out as soon as Redis is back.
 On a clean stop a last report says the unit is going away, if Redis answers within
 its timeout.
@@ -21,7 +24,7 @@ from typing import Self
 
 from proxy.broadcast import Broadcast
 from proxy.load import LoadReport, UnitState
-from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, connect
+from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, asked_s, connect
 from proxy.settings import RedisSettings
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class ReportPublisher:
         self._outage = Outage("sidecar report publisher", settings, rng)
         self._task: asyncio.Task[None] | None = None
         self.published = 0
+        self.asked_s = 0.0  # the report interval gateways ask for; 0: none
 
     async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(self.run(), name="redis publisher")
@@ -84,21 +88,37 @@ class ReportPublisher:
             await self._outage.backoff()
 
     async def _publish_changes(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             seen = self._changes.version
-            await self.publish(self._report())
+            report = self._report()
+            await self.publish(report)
             self._outage.recovered()
-            await self._changes.wait(seen, self._interval_s)
+            sent_at, asked = loop.time(), self.asked_s
+            await self._changes.wait(seen, max(self._interval_s, asked))
+            await self._hold(report.state, sent_at + asked)
+
+    async def _hold(self, state: UnitState, until: float) -> None:
+        """Gateways asked for fewer reports: changes fold in until ``until``, unless the
+        unit's state changes."""
+        loop = asyncio.get_running_loop()
+        while (left := until - loop.time()) > 0:
+            if self._report().state is not state:
+                return
+            await self._changes.wait(self._changes.version, left)
 
     async def publish(self, report: LoadReport) -> None:
         data = report.to_json()
+        ttl_ms = max(self._ttl_ms, round(TTL_INTERVALS * self.asked_s * 1000))
         async with asyncio.timeout(self._settings.timeout_s):
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(self._keys.unit(report.unit_id), data, px=self._ttl_ms)
+                pipe.set(self._keys.unit(report.unit_id), data, px=ttl_ms)
                 pipe.sadd(self._keys.units, report.unit_id)
                 pipe.publish(self._keys.channel, data)
-                await pipe.execute()
+                pipe.get(self._keys.asked)
+                *_, asked = await pipe.execute()
         self.published += 1
+        self.asked_s = asked_s(asked)
 
     async def _publish_final(self) -> None:
         """The unit is stopping: say it takes no new requests, if Redis answers in time."""

@@ -25,8 +25,12 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("min_interval_ms", "heartbeat_ms")
+    MIN_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    min_interval_ms: int
+    heartbeat_ms: int
+    def __init__(self, min_interval_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("name", "role", "address", "healthy", "reason", "since_ms")

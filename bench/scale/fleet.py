@@ -1,0 +1,437 @@
+"""A fleet emulator: one process hosting hundreds to thousands of light units.
+
+Each unit speaks the real protocols a gateway reads load from, with the sidecar's own
+code where it can: a gRPC server of its own with LoadReporting (WatchLoad through
+``proxy.sidecar.watch.ReportWatch``: the current report at once, one per change
+coalesced, a heartbeat every interval), an HTTP port with ``GET /load`` and
+``GET /load/watch`` (server-sent events), or reports published to Redis as sidecars
+publish them (``SET unit:{id}`` with a TTL, ``SADD units``, ``PUBLISH load``: one
+message per report on the one channel, many units' commands in one pipeline). Its HTTP
+port also answers ``POST /v1/completions`` and ``/v1/chat/completions`` (a short
+stream of a few chunks, or one JSON body), counted in the unit's outstanding, so
+requests can be routed through a gateway to the fleet.
+
+Load moves like a loaded fleet's: each unit has a capacity and a mean request duration
+(units differ, 0.75-1.5x), requests arrive at random (Poisson) at ``utilization`` of
+what the unit can finish and each finishes at random (exponential durations, as a
+continuous batcher's mix of output lengths looks from outside); every tick (the
+sidecar's coalescing interval, 5 ms) advances the whole fleet by that much, and each
+unit whose outstanding moved notifies its watchers. The emulator cannot write as many
+reports as a real fleet would on two cores: a watch that falls behind folds changes
+into its next report, exactly as a sidecar's does, and ``GET /stats`` on the control
+port says how many reports went out and how many changes the load model made.
+
+    .venv/bin/python -m bench.scale.fleet --units 1000 --source watch --ready-file f.json
+
+The ready file (JSON) lists every unit's id, HTTP URL and gRPC target, and the control
+URL; the process runs until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import grpc
+from aiohttp import web
+
+from bench.common import Interrupted, run_loop, until_signal
+from proxy.broadcast import Broadcast
+from proxy.load import LoadReport, NodeStatus, UnitState
+from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
+from proxy.redis_reports import Keys, asked_s
+from proxy.sidecar.watch import ReportWatch
+
+HOST = "127.0.0.1"
+SOURCES = ("watch", "watch-http", "poll", "redis")
+REDIS_BATCH = 500  # units' commands per pipeline
+
+
+class _Health:
+    def __init__(self) -> None:
+        self.state_changes = Broadcast()
+
+
+class EmulatedUnit:
+    """One unit: its load as the fleet's arrays say, its reports, its watchers."""
+
+    def __init__(self, fleet: Fleet, index: int, unit_id: str):
+        self.fleet = fleet
+        self.index = index
+        self.id = unit_id
+        self.http_url = ""
+        self.grpc_target = ""
+        self.health = _Health()
+        self.changes = Broadcast()
+        self.serving_now = 0  # requests the HTTP port is answering
+        self._seq = 0
+        started = int(time.time() * 1000)
+        self.nodes = (
+            NodeStatus(f"{unit_id}-leader", "leader", "", True, "", started),
+            NodeStatus(f"{unit_id}-follower-0", "follower", "", True, "", started),
+        )
+
+    def report(self) -> LoadReport:
+        self._seq += 1
+        f, i = self.fleet, self.index
+        outstanding = int(f.outstanding[i]) + self.serving_now
+        running = min(outstanding, f.slots)
+        return LoadReport(
+            unit_id=self.id,
+            state=UnitState.SERVING,
+            outstanding=outstanding,
+            capacity=f.capacity,
+            running=running,
+            waiting=outstanding - running,
+            kv_cache_usage=round(running / f.slots, 3),
+            nodes=self.nodes,
+            seq=self._seq,
+            timestamp_ms=int(time.time() * 1000),
+            http_url=self.http_url,
+            grpc_target=self.grpc_target,
+        )
+
+
+class Fleet:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        n = args.units
+        self.capacity = args.capacity
+        self.slots = max(1, args.capacity // 4)
+        self.coalesce_s = args.coalesce_ms / 1000
+        self.interval_s = args.report_interval_s
+        self.rng = random.Random(args.seed)
+        rng = self.rng
+        # Mean request duration per unit, 0.75-1.5x the fleet's; arrivals at
+        # ``utilization`` of what the unit finishes when it holds ``capacity``.
+        self.finish_rate = [1 / (args.duration_s * rng.uniform(0.75, 1.5)) for _ in range(n)]
+        self.arrival_rate = [args.utilization * self.capacity * mu for mu in self.finish_rate]
+        self.outstanding = [
+            min(self.capacity, max(0, round(rng.gauss(args.utilization * self.capacity, 4))))
+            for _ in range(n)
+        ]
+        # Thinning: events at a bound on any unit's rate, each kept with its real odds.
+        self.rate_bound = max(self.arrival_rate) + max(self.finish_rate) * self.capacity
+        self.units = [EmulatedUnit(self, i, f"{args.prefix}{i:05d}") for i in range(n)]
+        self.by_port: dict[int, EmulatedUnit] = {}
+        self.any_change = Broadcast()
+        self.stats: dict[str, float] = {
+            "reports": 0,
+            "changes": 0,
+            "ticks": 0,
+            "late_ticks": 0,
+            "requests": 0,
+        }
+
+    # --- the load model ---------------------------------------------------------------
+
+    def tick(self, dt: float) -> None:
+        """Advance every unit by ``dt``: arrivals (refused at capacity) and finishes."""
+        rng, n = self.rng, len(self.units)
+        lam, mu, out, cap = self.arrival_rate, self.finish_rate, self.outstanding, self.capacity
+        bound = self.rate_bound
+        changed: set[int] = set()
+        for _ in range(poisson(rng, bound * n * dt)):
+            i = rng.randrange(n)
+            x = rng.random() * bound
+            if x < lam[i]:
+                if out[i] < cap:
+                    out[i] += 1
+                    changed.add(i)
+            elif x < lam[i] + mu[i] * out[i]:
+                out[i] -= 1
+                changed.add(i)
+        self.stats["changes"] += len(changed)
+        self.stats["ticks"] += 1
+        units = self.units
+        for i in changed:
+            units[i].changes.notify()
+        if changed:
+            self.any_change.notify()
+
+    async def run_ticks(self) -> None:
+        loop = asyncio.get_running_loop()
+        dt = self.coalesce_s
+        last = loop.time()
+        while True:
+            await asyncio.sleep(dt)
+            now = loop.time()
+            elapsed, last = now - last, now
+            if elapsed > 2 * dt:
+                self.stats["late_ticks"] += 1
+            self.tick(min(elapsed, 0.5))
+
+
+def poisson(rng: random.Random, mean: float) -> int:
+    """A Poisson draw: Knuth's method for small means, the normal beyond."""
+    if mean > 30:
+        return max(0, round(rng.gauss(mean, math.sqrt(mean))))
+    limit, k, p = math.exp(-mean), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k
+
+
+# --- gRPC: one server per unit ------------------------------------------------------
+
+
+class LoadService(load_pb2_grpc.LoadReportingServicer):
+    def __init__(self, unit: EmulatedUnit, watch: ReportWatch):
+        self._unit = unit
+        self._watch = watch
+
+    async def GetLoad(
+        self, request: load_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> load_pb2.LoadReport:
+        return self._unit.report().to_pb()
+
+    async def WatchLoad(
+        self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[load_pb2.LoadReport]:
+        stats = self._unit.fleet.stats
+        asked = request.min_interval_ms / 1000, request.heartbeat_ms / 1000
+        async for report in self._watch.reports(*asked):
+            stats["reports"] += 1
+            yield report.to_pb()
+
+
+def watch_of(fleet: Fleet, unit: EmulatedUnit) -> ReportWatch:
+    return ReportWatch(unit, unit.changes, fleet.interval_s, fleet.coalesce_s)
+
+
+async def start_grpc(fleet: Fleet, stack: contextlib.AsyncExitStack) -> None:
+    for unit in fleet.units:
+        server = grpc.aio.server()
+        load_pb2_grpc.add_LoadReportingServicer_to_server(
+            LoadService(unit, watch_of(fleet, unit)), server
+        )
+        port = server.add_insecure_port(f"{HOST}:0")
+        await server.start()
+        stack.push_async_callback(server.stop, 0)
+        unit.grpc_target = f"{HOST}:{port}"
+
+
+# --- HTTP: one port per unit, one app ----------------------------------------------
+
+
+UNIT = web.AppKey("fleet", Fleet)
+
+
+def unit_of(request: web.Request) -> EmulatedUnit:
+    assert request.transport is not None
+    port = request.transport.get_extra_info("sockname")[1]
+    return request.app[UNIT].by_port[port]
+
+
+async def load(request: web.Request) -> web.Response:
+    unit = unit_of(request)
+    unit.fleet.stats["reports"] += 1
+    return web.Response(text=unit.report().to_json(), content_type="application/json")
+
+
+async def load_watch(request: web.Request) -> web.StreamResponse:
+    unit = unit_of(request)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    stats = unit.fleet.stats
+    q = request.query
+    asked = int(q.get("min_interval_ms", 0)) / 1000, int(q.get("heartbeat_ms", 0)) / 1000
+    with contextlib.suppress(ConnectionResetError):
+        async for report in watch_of(unit.fleet, unit).reports(*asked):
+            stats["reports"] += 1
+            await response.write(b"data: " + report.to_json().encode() + b"\n\n")
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """A few chunks at once (or one body): the unit's share of a request's cost is not
+    what bench/scale measures; the gateway's is."""
+    unit = unit_of(request)
+    body = await request.json()
+    unit.serving_now += 1
+    unit.changes.notify()
+    unit.fleet.stats["requests"] += 1
+    chunks = unit.fleet.args.chunks
+    headers = {"x-unitproxy-unit": unit.id}
+    try:
+        if not body.get("stream"):
+            text = "x" * chunks
+            answer = {"id": "cmpl-0", "object": "text_completion", "model": "fleet-emulator",
+                      "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                      "usage": {"prompt_tokens": 1, "completion_tokens": chunks,
+                                "total_tokens": chunks + 1}}  # fmt: skip
+            return web.json_response(answer, headers=headers)
+        response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for k in range(chunks):
+            last = k == chunks - 1
+            chunk = {"id": "cmpl-0", "object": "text_completion", "model": "fleet-emulator",
+                     "choices": [{"index": 0, "text": "x",
+                                  "finish_reason": "length" if last else None}]}  # fmt: skip
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        unit.serving_now -= 1
+        unit.changes.notify()
+
+
+async def start_http(fleet: Fleet, stack: contextlib.AsyncExitStack) -> None:
+    app = web.Application()
+    app[UNIT] = fleet
+    app.router.add_get("/load", load)
+    app.router.add_get("/load/watch", load_watch)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    for unit in fleet.units:
+        port = await open_site(runner)
+        fleet.by_port[port] = unit
+        unit.http_url = f"http://{HOST}:{port}"
+
+
+async def open_site(runner: web.AppRunner) -> int:
+    """A listening socket of its own on a free port, served by ``runner``; the port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((HOST, 0))
+    await web.SockSite(runner, sock).start()
+    return int(sock.getsockname()[1])
+
+
+# --- Redis: one pipeline for many units ----------------------------------------------
+
+
+async def publish_redis(fleet: Fleet, url: str, cluster: str) -> None:
+    """Every tick: one report for each unit that changed or whose heartbeat is due, at
+    the interval gateways ask for in Redis, as sidecars publish."""
+    from redis.asyncio import Redis
+
+    keys = Keys(cluster)
+    ttl_ms = max(1, round(3 * fleet.interval_s * 1000))
+    redis = Redis.from_url(url, decode_responses=True)
+    n = len(fleet.units)
+    sent_seen = [-1] * n  # each unit's change version at its last report
+    sent_at = [-math.inf] * n
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            seen = fleet.any_change.version
+            asked = asked_s(await redis.get(keys.asked))  # as a sidecar's MULTI reads it
+            heartbeat_s = max(fleet.interval_s, asked)
+            now = loop.time()
+            due = [
+                u
+                for u in fleet.units
+                if (u.changes.version != sent_seen[u.index] and now - sent_at[u.index] >= asked)
+                or now - sent_at[u.index] >= heartbeat_s
+            ]
+            for start in range(0, len(due), REDIS_BATCH):
+                async with redis.pipeline(transaction=False) as pipe:
+                    for unit in due[start : start + REDIS_BATCH]:
+                        sent_seen[unit.index] = unit.changes.version
+                        sent_at[unit.index] = now
+                        data = unit.report().to_json()
+                        pipe.set(keys.unit(unit.id), data, px=ttl_ms)
+                        pipe.sadd(keys.units, unit.id)
+                        pipe.publish(keys.channel, data)
+                    await pipe.execute()
+                fleet.stats["reports"] += min(REDIS_BATCH, len(due) - start)
+            await fleet.any_change.wait(seen, fleet.coalesce_s)
+            await asyncio.sleep(fleet.coalesce_s)
+    finally:
+        with contextlib.suppress(Exception):
+            ids = [u.id for u in fleet.units]
+            for start in range(0, n, REDIS_BATCH):
+                await redis.delete(*[keys.unit(i) for i in ids[start : start + REDIS_BATCH]])
+            await redis.delete(keys.units)
+        await redis.aclose()
+
+
+# --- control ---------------------------------------------------------------------------
+
+
+async def serve_control(fleet: Fleet, stack: contextlib.AsyncExitStack) -> str:
+    started = time.monotonic()
+
+    async def stats(request: web.Request) -> web.Response:
+        body = {**fleet.stats, "uptime_s": time.monotonic() - started, "pid": os.getpid()}
+        return web.json_response(body)
+
+    app = web.Application()
+    app.router.add_get("/stats", stats)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    return f"http://{HOST}:{await open_site(runner)}"
+
+
+async def main(args: argparse.Namespace) -> None:
+    fleet = Fleet(args)
+    async with contextlib.AsyncExitStack() as stack:
+        control = await serve_control(fleet, stack)
+        await start_http(fleet, stack)
+        if args.source == "watch":
+            await start_grpc(fleet, stack)
+        else:
+            for unit in fleet.units:  # never dialled: load comes by HTTP or Redis
+                unit.grpc_target = f"{HOST}:1"
+        tasks = [asyncio.create_task(fleet.run_ticks(), name="ticks")]
+        if args.source == "redis":
+            publisher = publish_redis(fleet, args.redis_url, args.cluster)
+            tasks.append(asyncio.create_task(publisher, name="redis"))
+        units = [{"id": u.id, "http": u.http_url, "grpc": u.grpc_target} for u in fleet.units]
+        ready = {"control": control, "pid": os.getpid(), "source": args.source, "units": units}
+        write_ready(args.ready_file, ready)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def write_ready(path: Path, ready: dict[str, object]) -> None:
+    """Whole or not at all: the runner reads it as soon as it exists."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(ready))
+    tmp.replace(path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--units", type=int, default=100)
+    p.add_argument("--source", choices=SOURCES, default="watch")
+    p.add_argument("--ready-file", type=Path, required=True)
+    p.add_argument("--prefix", default="u", help="unit ids are PREFIX00000, PREFIX00001, ...")
+    p.add_argument("--capacity", type=int, default=64, help="max outstanding per unit")
+    p.add_argument("--utilization", type=float, default=0.7, help="of capacity, on average")
+    p.add_argument("--duration-s", type=float, default=4.0, help="mean request duration")
+    p.add_argument("--coalesce-ms", type=float, default=5.0, help="tick and coalescing")
+    p.add_argument("--report-interval-s", type=float, default=1.0, help="heartbeat")
+    p.add_argument("--chunks", type=int, default=8, help="chunks per streamed answer")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--cluster", default=f"scale-{os.getpid()}")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt, Interrupted):
+        run_loop(until_signal(main(parse_args())))

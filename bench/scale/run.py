@@ -1,0 +1,295 @@
+"""The gateway against hundreds to thousands of units: cost by fleet size and load source.
+
+For each fleet size and load source: a fleet emulator (``bench/scale/fleet.py``, its
+own process: units speaking WatchLoad, ``/load``, ``/load/watch`` or publishing to
+Redis, with load that moves) and a real ``python -m proxy gateway`` pointed at every
+unit, then:
+
+1. reports only: the gateway's CPU (utime + stime from /proc) over a window while the
+   fleet's load moves and nothing is routed: CPU per second (% of one core) and per
+   report (the emulator counts what it sent); resident memory, and per unit against
+   the smallest fleet of the run; how stale the gateway's view gets (p99 of every
+   unit's report age in ``GET /units``, sampled a few times);
+2. requests (the first load source only, unless ``--request-sources``): streamed
+   ``/v1/completions`` at concurrency 64 through the gateway, then the same straight
+   to the units: added TTFT p50 and the gateway's CPU per request (less what reports
+   cost it meanwhile).
+
+Besides, in this process: the router's selection cost per request (``Router.pick`` +
+``release`` while reports arrive) for each ``--policies`` name at each fleet size; a
+policy this build lacks is reported as missing.
+
+The machine's load average is recorded next to every window: the figures are CPU
+time of the gateway process, not wall-clock rates, so other work on the machine moves
+them less, but it still shares caches and cores.
+
+    .venv/bin/python -m bench.scale.run                 # 8, 100, 1000, 5000 units
+    .venv/bin/python -m bench.scale.run --quick         # 100 and 500 units, short windows
+    .venv/bin/python -m bench.scale.run --sizes 1000 --sources watch,redis --policies lor,p2c
+
+Writes a table to stdout, JSON to bench/results/scale.json (``scale.quick.json`` with
+--quick), a PNG beside it, and the children's logs to bench/results/scale-logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import aiohttp
+
+from bench.common import REPO, Interrupted, code_version, cpu_model, run_loop, until_signal
+from bench.overhead.procs import free_ports, running, tree_cpu_s
+from bench.scale import measure, report
+from bench.scale.fleet import SOURCES
+
+DEFAULT_OUT = REPO / "bench" / "results" / "scale.json"
+QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class Plan:
+    sizes: list[int]
+    sources: list[str]
+    request_sources: list[str]
+    policies: list[str]
+    window_s: float
+    request_s: float
+    concurrency: int
+    selection_s: float
+    out: Path
+    extra_gateway: list[str]
+
+    @property
+    def log_dir(self) -> Path:
+        return self.out.parent / "scale-logs"
+
+
+def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster: str) -> None:
+    lines = ["[gateway]", f'load_source = "{source}"', "units = ["]
+    if source != "redis":  # with Redis the units register themselves
+        lines += [f'  "{u["id"]}={u["http"]},{u["grpc"]}",' for u in units]
+    lines += ["]", "", "[redis]", f'cluster = "{cluster}"', ""]
+    path.write_text("\n".join(lines))
+
+
+async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
+    """One fleet and one gateway: reports only, then (for some sources) requests."""
+    tag = f"{size}-{source}"
+    ready = plan.log_dir / f"fleet-{tag}.json"
+    ready.unlink(missing_ok=True)
+    cluster = f"scale-{os.getpid()}-{tag}"
+    fleet_argv = [sys.executable, "-m", "bench.scale.fleet", "--units", str(size),
+                  "--source", source, "--ready-file", str(ready), "--cluster", cluster,
+                  "--redis-url", REDIS_URL]  # fmt: skip
+    cell: dict[str, Any] = {"units": size, "source": source}
+    async with running(
+        f"fleet {tag}", fleet_argv, plan.log_dir / f"fleet-{tag}.log", cwd=REPO
+    ) as fleet:
+        started = time.monotonic()
+        while not ready.exists():
+            fleet.check_alive()
+            if time.monotonic() - started > 120 + size / 20:
+                raise TimeoutError(f"the fleet of {size} did not start")
+            await asyncio.sleep(0.2)
+        spec = json.loads(ready.read_text())
+        config = plan.log_dir / f"gateway-{tag}.toml"
+        gateway_config(config, spec["units"], source, cluster)
+        http_port, grpc_port = free_ports(2)
+        gateway_argv = [sys.executable, "-m", "proxy", "gateway", "--config", str(config),
+                        "--host", "127.0.0.1", "--http-port", str(http_port),
+                        "--grpc-port", str(grpc_port), "--log-level", "warning",
+                        *(["--redis-url", REDIS_URL] if source == "redis" else []),
+                        *plan.extra_gateway]  # fmt: skip
+        log = plan.log_dir / f"gateway-{tag}.log"
+        async with running(f"gateway {tag}", gateway_argv, log, cwd=REPO) as gateway:
+            url = f"http://127.0.0.1:{http_port}"
+            async with aiohttp.ClientSession() as session:
+                cell["ready_s"] = round(
+                    await measure.wait_serving(session, url, size, 60 + size / 25), 2
+                )
+                await asyncio.sleep(1.0)  # every stream open and reporting
+                cell.update(await reports_window(plan, session, spec["control"], gateway.pid))
+                ages: list[float] = []
+                for _ in range(3):
+                    ages += await measure.report_ages(session, url)
+                    await asyncio.sleep(0.3)
+                cell["report_age_p50_s"] = round(measure.quantile(ages, 0.5), 3)
+                cell["report_age_p99_s"] = round(measure.quantile(ages, 0.99), 3)
+                if source in plan.request_sources:
+                    cell.update(await requests_window(plan, session, gateway.pid, url, spec, cell))
+            gateway.check_alive()
+        cell["gateway_problems"] = gateway.log_problems()[:5]
+    return cell
+
+
+async def fleet_stats(session: aiohttp.ClientSession, control: str) -> dict[str, float]:
+    async with session.get(f"{control}/stats") as resp:
+        data: dict[str, float] = await resp.json()
+        return data
+
+
+async def reports_window(
+    plan: Plan, session: aiohttp.ClientSession, control: str, pid: int
+) -> dict[str, Any]:
+    def stats() -> Any:
+        return fleet_stats(session, control)
+
+    before, cpu0, load0, t0 = await stats(), tree_cpu_s(pid), measure.loadavg(), time.monotonic()
+    await asyncio.sleep(plan.window_s)
+    after, cpu1, t1 = await stats(), tree_cpu_s(pid), time.monotonic()
+    reports = after["reports"] - before["reports"]
+    cpu = cpu1 - cpu0
+    return {
+        "window_s": round(t1 - t0, 2),
+        "reports_per_s": round(reports / (t1 - t0), 1),
+        "changes_per_s": round((after["changes"] - before["changes"]) / (t1 - t0), 1),
+        "report_cpu_pct": round(100 * cpu / (t1 - t0), 2),
+        "us_per_report": round(cpu / reports * 1e6, 2) if reports else None,
+        "rss_mb": round(measure.rss_bytes(pid) / 2**20, 1),
+        "loadavg": [load0, measure.loadavg()],
+    }
+
+
+async def requests_window(
+    plan: Plan,
+    session: aiohttp.ClientSession,
+    pid: int,
+    url: str,
+    spec: dict[str, Any],
+    cell: dict[str, Any],
+) -> dict[str, Any]:
+    before, cpu0, t0 = (
+        await fleet_stats(session, spec["control"]),
+        tree_cpu_s(pid),
+        time.monotonic(),
+    )
+    through = await measure.drive([url], plan.concurrency, plan.request_s)
+    cpu, elapsed = tree_cpu_s(pid) - cpu0, time.monotonic() - t0
+    after = await fleet_stats(session, spec["control"])
+    # Straight to a few units, on warm connections: what a client beside them would see.
+    direct_urls = [u["http"] for u in spec["units"][:8]]
+    direct = await measure.drive(direct_urls, plan.concurrency, plan.request_s)
+    # Reports kept coming meanwhile: take off what they cost in the reports-only window.
+    background = (after["reports"] - before["reports"]) * (cell["us_per_report"] or 0) / 1e6
+    per_request = (cpu - background) / through.count * 1e6 if through.count else None
+    return {
+        "through": through.summary(),
+        "direct": direct.summary(),
+        "added_ttft_p50_ms": round(
+            measure.quantile(through.ttft_ms, 0.5) - measure.quantile(direct.ttft_ms, 0.5), 3
+        ),
+        "cpu_us_per_request": round(per_request, 1) if per_request is not None else None,
+        "gateway_cpu_pct_requests": round(100 * cpu / elapsed, 1),
+        "loadavg_requests": measure.loadavg(),
+    }
+
+
+async def run(plan: Plan) -> dict[str, Any]:
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "code": code_version(),
+        "plan": {k: v for k, v in plan.__dict__.items() if k not in ("out",)},
+        "selection": [],
+        "cells": [],
+    }
+    for size in plan.sizes:
+        for policy in plan.policies:
+            load = measure.loadavg()
+            us = measure.selection_us(policy, size, plan.selection_s)
+            row = {
+                "units": size,
+                "policy": policy,
+                "us_per_request": None if us is None else round(us, 2),
+                "loadavg": load,
+            }
+            result["selection"].append(row)
+            print(f"selection {policy:>12} {size:>5} units: "
+                  f"{'missing' if us is None else f'{us:.2f} µs'}  (load {load})", flush=True)  # fmt: skip
+    for size in plan.sizes:
+        for source in plan.sources:
+            try:
+                cell = await one_cell(plan, size, source)
+            except (TimeoutError, OSError, aiohttp.ClientError) as exc:
+                cell = {"units": size, "source": source, "error": f"{type(exc).__name__}: {exc}"}
+            result["cells"].append(cell)
+            print(report.cell_line(cell), flush=True)
+    result["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="100 and 500 units, short windows")
+    p.add_argument("--sizes", help="fleet sizes, comma-separated (default 8,100,1000,5000)")
+    p.add_argument(
+        "--sources", help=f"load sources (default {','.join(SOURCES)}; none: selection only)"
+    )
+    p.add_argument("--request-sources", default="watch",
+                   help="sources whose cells also measure requests (default watch)")  # fmt: skip
+    p.add_argument("--policies", default="lor,p2c,round_robin,prefix",
+                   help="selection policies to time; any name (a missing one is reported)")  # fmt: skip
+    p.add_argument("--window", type=float, help="seconds of reports only (default 10; quick 3)")
+    p.add_argument("--request-window", type=float, help="seconds of requests (default 8; quick 3)")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--gateway-arg", action="append", default=[],
+                   help="extra argument for every gateway (repeatable), e.g. --gateway-arg=--policy=p2c")  # fmt: skip
+    a = p.parse_args(argv)
+    quick = a.quick
+    sizes = [int(s) for s in (a.sizes or ("100,500" if quick else "8,100,1000,5000")).split(",")]
+    sources = [] if a.sources == "none" else (a.sources or ",".join(SOURCES)).split(",")
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown:
+        p.error(f"unknown load sources {unknown}; choose from {SOURCES}")
+    plan = Plan(
+        sizes=sizes,
+        sources=sources,
+        request_sources=a.request_sources.split(","),
+        policies=a.policies.split(","),
+        window_s=a.window or (3.0 if quick else 10.0),
+        request_s=a.request_window or (3.0 if quick else 8.0),
+        concurrency=a.concurrency,
+        selection_s=0.3 if quick else 1.0,
+        out=a.out or (QUICK_OUT if quick else DEFAULT_OUT),
+        extra_gateway=a.gateway_arg,
+    )
+    return plan, quick
+
+
+def main(argv: list[str] | None = None) -> int:
+    plan, _ = parse_args(argv)
+    try:
+        result = run_loop(until_signal(run(plan)))
+    except Interrupted as exc:
+        print(f"interrupted ({exc})", file=sys.stderr)
+        return 130
+    plan.out.parent.mkdir(parents=True, exist_ok=True)
+    plan.out.write_text(json.dumps(result, indent=2))
+    print(report.table(result))
+    png = report.plot(result, plan.out.with_suffix(".png"))
+    print(f"JSON: {plan.out}" + (f"; PNG: {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Fewer load reports on a watcher's request, and how a gateway sizes its request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import grpc
+import pytest
+
+from proxy.broadcast import Broadcast
+from proxy.gateway.rates import ReportRates, report_rates, scaled
+from proxy.load import LoadReport, UnitState
+from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
+from proxy.settings import GatewaySettings, UnitTarget
+from proxy.sidecar.watch import ReportWatch
+from tests.conftest import SidecarFactory
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def gateway(units: int, **settings: object) -> GatewaySettings:
+    targets = [UnitTarget(id=f"u{i}", http_url=f"http://u{i}:1", grpc_target=f"u{i}:2")
+               for i in range(units)]  # fmt: skip
+    return GatewaySettings(units=targets, max_units=max(256, len(targets)), **settings)
+
+
+def test_a_small_fleet_reports_at_the_units_own_rate() -> None:
+    assert report_rates(gateway(1), 1) == ReportRates()  # 4 ms: the unit's own 5 ms holds
+    assert scaled(gateway(1)) == gateway(1)
+    assert report_rates(gateway(8, report_budget_per_s=0), 8_000) == ReportRates()
+
+
+def test_a_large_fleet_is_asked_for_fewer_reports_and_ages_them_slower() -> None:
+    rates = report_rates(gateway(8), 8)
+    assert rates.min_interval_ms == 32 and rates.heartbeat_ms == 0
+    assert scaled(gateway(8)).stale_after_s == 5
+    rates = report_rates(gateway(250), 250)
+    assert rates.min_interval_ms == 1000 and rates.heartbeat_ms == 0
+    g = scaled(gateway(250))
+    assert g.stale_after_s == 5 and g.poll_interval_s == 1
+    rates = report_rates(gateway(1000), 1000)
+    assert rates.min_interval_ms == 4000 and rates.heartbeat_ms == 4000
+    g = scaled(gateway(1000))
+    assert g.stale_after_s == 12 and g.poll_interval_s == 4
+    assert scaled(gateway(5000, report_budget_per_s=1000)).stale_after_s == 15
+
+
+async def test_changes_come_no_more_often_than_the_watcher_asked(
+    start_sidecar: SidecarFactory,
+) -> None:
+    sidecar = await start_sidecar(sidecar={"report_interval_s": 30.0})
+    async with grpc.aio.insecure_channel(sidecar.grpc_target) as channel:
+        load = load_pb2_grpc.LoadReportingStub(channel)
+        asked = load_pb2.WatchLoadRequest(min_interval_ms=400)
+        watch = load.WatchLoad(asked, timeout=15)
+        loop = asyncio.get_running_loop()
+        initial = await asyncio.wait_for(watch.read(), 5)
+        sent_at = loop.time()
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.GenerateRequest(
+            request_id="r-1", prompt="hi", sampling=inference_pb2.SamplingParams(max_tokens=100_000)
+        )
+        held = stub.Generate(request, timeout=10)
+        await held.read()  # admitted at once; its report waits for the interval
+        admitted = await asyncio.wait_for(watch.read(), 5)
+        assert admitted.outstanding == 1 and admitted.seq > initial.seq
+        # The first interval is a random part of the asked one (streams out of step).
+        assert loop.time() - sent_at <= 0.45
+        sent_at = loop.time()
+        held.cancel()
+        released = await asyncio.wait_for(watch.read(), 5)
+        assert released.outstanding == 0
+        assert loop.time() - sent_at >= 0.35
+        watch.cancel()
+
+
+class _Health:
+    def __init__(self) -> None:
+        self.state_changes = Broadcast()
+
+
+class Idle:
+    """A unit whose load never moves: it reports heartbeats only."""
+
+    def __init__(self) -> None:
+        self.health = _Health()
+
+    def report(self) -> LoadReport:
+        return LoadReport("u", UnitState.SERVING, 0, 8)
+
+
+async def test_streams_opened_together_do_not_report_in_step() -> None:
+    watch = ReportWatch(Idle(), Broadcast(), interval_s=30.0, rng=random.Random(5))
+    loop = asyncio.get_running_loop()
+    second_at: list[float] = []
+
+    async def follow() -> None:
+        reports = watch.reports(heartbeat_ms / 1000, heartbeat_ms / 1000)
+        await anext(reports)
+        await anext(reports)
+        second_at.append(loop.time())
+
+    heartbeat_ms = 600
+    started = loop.time()
+    async with asyncio.timeout(5):
+        await asyncio.gather(*(follow() for _ in range(20)))
+    offsets = sorted(t - started for t in second_at)
+    assert offsets[-1] <= 0.7  # within one asked heartbeat
+    assert offsets[-1] - offsets[0] >= 0.3  # spread over it, not in step
+
+
+async def test_a_watcher_may_ask_for_a_longer_heartbeat(start_sidecar: SidecarFactory) -> None:
+    sidecar = await start_sidecar(sidecar={"report_interval_s": 0.1})
+    async with grpc.aio.insecure_channel(sidecar.grpc_target) as channel:
+        load = load_pb2_grpc.LoadReportingStub(channel)
+        watch = load.WatchLoad(load_pb2.WatchLoadRequest(heartbeat_ms=1000), timeout=10)
+        await asyncio.wait_for(watch.read(), 5)
+        first = await asyncio.wait_for(watch.read(), 2)  # after a random part of 1 s
+        next_read = asyncio.ensure_future(watch.read())
+        done, _ = await asyncio.wait({next_read}, timeout=0.5)
+        assert not done  # the unit's own 0.1 s heartbeat would have sent 5 by now
+        second = await asyncio.wait_for(next_read, 2)
+        assert second.seq > first.seq
+        watch.cancel()
+
+
+async def test_load_watch_over_http_takes_the_same_request(start_sidecar: SidecarFactory) -> None:
+    sidecar = await start_sidecar(sidecar={"report_interval_s": 0.1})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{sidecar.http_url}/load/watch?heartbeat_ms=x") as resp:
+            assert resp.status == 400
+        async with session.get(f"{sidecar.http_url}/load/watch?heartbeat_ms=1000") as resp:
+            assert resp.status == 200
+            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+            assert first.startswith(b"data: {")
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 2)  # a random part of 1 s
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 0.5)
