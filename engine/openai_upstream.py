@@ -52,6 +52,9 @@ _CONNECTIONS = 512
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# vLLM's prefix-cache counters, in prompt tokens (by their samples' names: the parser
+# does not always file a _total sample under its TYPE line's family)
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 UNKNOWN = EngineStats(running=0, waiting=0, kv_cache_usage=-1.0)
 
 
@@ -59,17 +62,26 @@ UNKNOWN = EngineStats(running=0, waiting=0, kv_cache_usage=-1.0)
 
 
 def parse_metrics(text: str) -> EngineStats:
-    """vLLM's load gauges from Prometheus text; missing ones read as unknown."""
+    """vLLM's load gauges (and prefix-cache counters) from Prometheus text; missing
+    ones read as unknown."""
     values: dict[str, list[float]] = {}
     wanted = {RUNNING, WAITING, *KV_USAGE}
+    counters = {PREFIX_QUERIES, PREFIX_HITS}
     for family in text_string_to_metric_families(text):
         if family.name in wanted:
             values[family.name] = [s.value for s in family.samples if s.name == family.name]
+        for sample in family.samples:
+            if sample.name in counters:
+                values.setdefault(sample.name, []).append(sample.value)
     kv = next((values[name] for name in KV_USAGE if values.get(name)), [])
+    queries, hits = int(sum(values.get(PREFIX_QUERIES, ()))), int(sum(values.get(PREFIX_HITS, ())))
     return EngineStats(
         running=int(sum(values.get(RUNNING, ()))),
         waiting=int(sum(values.get(WAITING, ()))),
         kv_cache_usage=sum(kv) / len(kv) if kv else -1.0,
+        prefix_cache_hit_rate=hits / queries if PREFIX_QUERIES in values and queries else -1.0,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
     )
 
 

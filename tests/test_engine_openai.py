@@ -339,6 +339,20 @@ def test_parse_metrics_sums_engines_and_averages_kv_usage() -> None:
     assert (stats.running, stats.waiting) == (5, 4)
     assert stats.kv_cache_usage == pytest.approx(0.3)
     assert parse_metrics("# nothing here\n").kv_cache_usage == -1.0
+    assert parse_metrics("# nothing here\n").prefix_cache_hit_rate == -1.0
+
+
+def test_parse_metrics_reads_vllms_prefix_cache_counters() -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0\n'
+        'vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0\n'
+    )
+    stats = parse_metrics(text)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (1000, 250)
+    assert stats.prefix_cache_hit_rate == 0.25
 
 
 async def test_sse_events_survive_any_split_crlf_and_comments() -> None:
