@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(20)
 def gateway(units: int, **settings: object) -> GatewaySettings:
     targets = [UnitTarget(id=f"u{i}", http_url=f"http://u{i}:1", grpc_target=f"u{i}:2")
                for i in range(units)]  # fmt: skip
-    return GatewaySettings(units=targets, **settings)
+    return GatewaySettings(units=targets, max_units=max(256, len(targets)), **settings)
 
 
 def test_a_small_fleet_reports_at_the_units_own_rate() -> None:

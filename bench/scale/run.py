@@ -79,9 +79,12 @@ class Plan:
 
 
 def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster: str) -> None:
-    lines = ["[gateway]", f'load_source = "{source}"', "units = ["]
-    if source != "redis":  # with Redis the units register themselves
-        lines += [f'  "{u["id"]}={u["http"]},{u["grpc"]}",' for u in units]
+    # A fleet this size is over the gateway's default max_units (256), on purpose.
+    lines = ["[gateway]", f'load_source = "{source}"', f"max_units = {len(units) + 8}"]
+    if source == "redis":  # the units register themselves: let those of this host in
+        lines += ['discover_allow = ["http://127.0.0.1:*"]', "units = ["]
+    else:
+        lines += ["units = ["] + [f'  "{u["id"]}={u["http"]},{u["grpc"]}",' for u in units]
     lines += ["]", "", "[redis]", f'cluster = "{cluster}"', ""]
     path.write_text("\n".join(lines))
 
