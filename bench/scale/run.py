@@ -50,8 +50,16 @@ if __package__ in (None, ""):
 
 import aiohttp
 
-from bench.common import REPO, Interrupted, code_version, cpu_model, run_loop, until_signal
-from bench.overhead.procs import free_ports, running, tree_cpu_s
+from bench.common import (
+    REPO,
+    Interrupted,
+    code_version,
+    cpu_model,
+    free_ports,
+    run_loop,
+    until_signal,
+)
+from bench.overhead.procs import running, tree_cpu_s
 from bench.scale import measure, report
 from bench.scale.fleet import SOURCES
 
