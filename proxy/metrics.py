@@ -10,6 +10,7 @@ in ``increase()`` and ``rate()``; a role exports only the series it can fill.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -239,6 +240,10 @@ class GatewayMetrics:
     """Routing, retries and the gateway's view of each unit's load."""
 
     def __init__(self, registry: CollectorRegistry):
+        self._state_children: dict[str, dict[str, Any]] = {}
+        self._states: dict[str, str] = {}
+        self._ages: dict[str, Any] = {}
+        self._loads: dict[str, Any] = {}
         self.routed = Counter(
             "routed_requests",
             "Attempts sent to a unit (a retried request counts once per unit tried).",
@@ -315,9 +320,38 @@ class GatewayMetrics:
             registry=registry,
         )
 
+    # Per-unit series are refreshed for every unit twice a second; at thousands of units
+    # a labels() lookup each time costs more than the refresh: the children are kept.
+
+    def set_report_age(self, unit: str, age_s: float) -> None:
+        child = self._ages.get(unit)
+        if child is None:
+            child = self._ages[unit] = self.report_age.labels(unit)
+        child.set(age_s)
+
+    def set_unit_load(self, unit: str, load: float | None) -> None:
+        """None: no series at all (a LOST unit must not read as idle)."""
+        child = self._loads.get(unit)
+        if load is None:
+            if child is not None:
+                del self._loads[unit]
+                self.unit_load.remove(unit)
+            return
+        if child is None:
+            child = self._loads[unit] = self.unit_load.labels(unit)
+        child.set(load)
+
     def add_unit(self, unit: str) -> None:
         self.routed.labels(unit)
 
     def set_unit_state(self, unit: str, state: str) -> None:
-        for name in GATEWAY_UNIT_STATES:
-            self.unit_state.labels(unit, name).set(1 if name == state else 0)
+        children = self._state_children.get(unit)
+        if children is None:  # labels() costs a lookup each; a big fleet refreshes often
+            children = self._state_children[unit] = {
+                name: self.unit_state.labels(unit, name) for name in GATEWAY_UNIT_STATES
+            }
+        if self._states.get(unit) == state:
+            return
+        self._states[unit] = state
+        for name, child in children.items():
+            child.set(1 if name == state else 0)

@@ -48,7 +48,8 @@ async def test_a_cancelled_timer_does_not_fire_and_its_slot_goes(wheel: Wheel) -
 
 async def test_many_timers_of_one_duration_share_slots(wheel: Wheel) -> None:
     loop = asyncio.get_running_loop()
-    timers = [wheel.call_at(loop.time() + 30, lambda: None) for _ in range(1000)]
+    start = loop.time() + 30  # 1000 deadlines within one grain, however busy the machine
+    timers = [wheel.call_at(start + i * GRAIN_S / 1000, lambda: None) for i in range(1000)]
     assert len(wheel) == 1000
     assert len(wheel._slots) <= 2, "filed within one grain: one slot (two at a boundary)"
     for timer in timers:

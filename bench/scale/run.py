@@ -50,8 +50,16 @@ if __package__ in (None, ""):
 
 import aiohttp
 
-from bench.common import REPO, Interrupted, code_version, cpu_model, run_loop, until_signal
-from bench.overhead.procs import free_ports, running, tree_cpu_s
+from bench.common import (
+    REPO,
+    Interrupted,
+    code_version,
+    cpu_model,
+    free_ports,
+    run_loop,
+    until_signal,
+)
+from bench.overhead.procs import running, tree_cpu_s
 from bench.scale import measure, report
 from bench.scale.fleet import SOURCES
 
@@ -79,9 +87,12 @@ class Plan:
 
 
 def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster: str) -> None:
-    lines = ["[gateway]", f'load_source = "{source}"', "units = ["]
-    if source != "redis":  # with Redis the units register themselves
-        lines += [f'  "{u["id"]}={u["http"]},{u["grpc"]}",' for u in units]
+    # A fleet this size is over the gateway's default max_units (256), on purpose.
+    lines = ["[gateway]", f'load_source = "{source}"', f"max_units = {len(units) + 8}"]
+    if source == "redis":  # the units register themselves: let those of this host in
+        lines += ['discover_allow = ["http://127.0.0.1:*"]', "units = ["]
+    else:
+        lines += ["units = ["] + [f'  "{u["id"]}={u["http"]},{u["grpc"]}",' for u in units]
     lines += ["]", "", "[redis]", f'cluster = "{cluster}"', ""]
     path.write_text("\n".join(lines))
 

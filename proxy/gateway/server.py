@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -266,12 +265,9 @@ class Gateway(Service):
         m, g = self.gateway_metrics, self.settings.gateway
         state, _ = unit.view(now, g.stale_after_s)
         m.set_unit_state(unit.id, state)
-        m.report_age.labels(unit.id).set(unit.report_age(now))
-        if state in ("LOST", "UNKNOWN"):
-            with contextlib.suppress(KeyError):
-                m.unit_load.remove(unit.id)
-        else:
-            m.unit_load.labels(unit.id).set(unit.estimate(g.correct_load))
+        m.set_report_age(unit.id, unit.report_age(now))
+        lost = state in ("LOST", "UNKNOWN")
+        m.set_unit_load(unit.id, None if lost else unit.estimate(g.correct_load))
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
