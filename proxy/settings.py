@@ -152,6 +152,11 @@ class SimSettings(_Section):
         ge=0,
         description="Extra time of one decode step per running sequence, in ms. Default 0.1.",
     )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Tokens one step may process: a token for every decoding sequence, then chunks of prompts to prefill, oldest first (chunked prefill, as vLLM's max_num_batched_tokens). 0: no limit, whole prompts prefilled in the step they are admitted. Default 2048.",
+    )
     default_max_tokens: int = Field(
         64,
         gt=0,
@@ -496,14 +501,18 @@ class GatewaySettings(_Section):
         description="How a unit is chosen: lor (least outstanding / capacity), prefix (the unit most likely to hold the prompt's prefix in its KV cache, within a bound on its load, else lor), p2c (power of two choices), round_robin, random. Default lor.",
     )
     prefix_balance: float = Field(
-        0.2,
+        0.1,
         ge=0,
-        description="Policy prefix: a unit holding the prompt's prefix is chosen while its estimated outstanding / capacity is at most (1 + this) x the least loaded candidate's, plus prefix_slack requests; otherwise lor decides. Default 0.2.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
     )
     prefix_slack: int = Field(
-        2,
+        1,
         ge=0,
-        description="Policy prefix: requests a unit holding the prefix may have above the bound of prefix_balance (so an idle fleet keeps affinity). Default 2.",
+        description="Policy prefix: requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
+    )
+    prefix_engine_feedback: bool = Field(
+        True,
+        description="Policy prefix: correct the index from the prefix-cache counters in the units' load reports (a unit that finds far fewer of its prompts cached than the index expected keeps fewer blocks in it; a unit whose cache was emptied is forgotten). Default true.",
     )
     prefix_chunk_chars: int = Field(
         256,
