@@ -515,9 +515,9 @@ class GatewaySettings(_Section):
         description="Policy prefix: correct the index from the prefix-cache counters in the units' load reports (a unit that finds far fewer of its prompts cached than the index expected keeps fewer blocks in it; a unit whose cache was emptied is forgotten). Default true.",
     )
     prefix_chunk_chars: int = Field(
-        256,
+        512,
         gt=0,
-        description="Policy prefix: characters of prompt text per block of the prefix index. Default 256.",
+        description="Policy prefix: characters of prompt text per block of the prefix index. About 100 tokens of text; a larger block hashes and indexes less per request, a smaller one matches prefixes more finely. Default 512.",
     )
     prefix_max_blocks: int = Field(
         8192,

@@ -72,8 +72,10 @@ from bench.routing import client, fleet, peers, report, workload
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
-OWN_POLICIES = ("lor", "prefix", "prefix-strict", "p2c", "round_robin", "random", "lor-delayed",
-                "lor-delayed-corrected", "lor-unbudgeted", "lor-as-at-1000")  # fmt: skip
+OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
+                "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
+                "lor-as-at-1000", "lor-2gw", "prefix-2gw")  # fmt: skip
+REPLICAS = 2  # gateways of the -2gw policies, each with its own index
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
 RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected requests (+100)
@@ -121,8 +123,13 @@ class BenchSettings:
         return {
             "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
             "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
-            # bounded load with no slack: at most 1.2 x the least loaded, however few
+            # bounded load with no slack: at most (1 + balance) x the mean, however few
             "prefix-strict": ["--policy", "prefix", "--prefix-slack", "0"],
+            # the index not corrected by the units' prefix-cache counters
+            "prefix-unfed": ["--policy", "prefix", "--prefix-engine-feedback", "false"],
+            # two gateway replicas, each its own index and counts; clients spread over both
+            "lor-2gw": ["--policy", "lor"],
+            "prefix-2gw": ["--policy", "prefix"],
             # Every unit at its own report rate (no report budget), and every unit asked
             # for a report every 4 s, as the default budget asks of a fleet of 1,000.
             "lor-unbudgeted": ["--policy", "lor", "--report-budget", "0"],
@@ -214,7 +221,53 @@ def running_router(
     peer = peers.PEER_POLICIES.get(policy)
     if peer is not None:
         return peers.running_peer(peer, units, log)
+    if policy.endswith("-2gw"):
+        return running_replicas(s.gateway_args(policy), units, session, log)
     return fleet.running_gateway(units, s.gateway_args(policy), session, log)
+
+
+class Replicas:
+    """Several gateways over one fleet, as one router: clients spread over them."""
+
+    def __init__(self, gateways: Sequence[fleet.Child]) -> None:
+        self.gateways = list(gateways)
+
+    @property
+    def http_url(self) -> str:
+        return self.gateways[0].http_url
+
+    @property
+    def http_urls(self) -> list[str]:
+        return [g.http_url for g in self.gateways]
+
+    @property
+    def exit_code(self) -> int | None:
+        codes = [g.exit_code for g in self.gateways]
+        return next((c for c in codes if c), codes[0])
+
+    def cpu_s(self) -> float:
+        return sum(g.cpu_s() for g in self.gateways)
+
+    def log_problems(self) -> list[str]:
+        return [p for g in self.gateways for p in g.log_problems()]
+
+
+@contextlib.asynccontextmanager
+async def running_replicas(
+    args: list[str], units: fleet.Fleet, session: aiohttp.ClientSession, log: Path
+) -> AsyncIterator[Replicas]:
+    async with contextlib.AsyncExitStack() as stack:
+        gateways = [
+            await stack.enter_async_context(
+                fleet.running_gateway(units, args, session, log.with_suffix(f".{k}.log"))
+            )
+            for k in range(REPLICAS)
+        ]
+        yield Replicas(gateways)
+
+
+def router_urls(router: RouterProcess) -> list[str]:
+    return router.http_urls if isinstance(router, Replicas) else [router.http_url]
 
 
 @dataclass(frozen=True)
@@ -273,9 +326,8 @@ async def policy_run(
         cache_before = await units.prefix_cache(session)
         before = CpuSample.take(gateway, units)
         async with sampling_loads(units, session) as peaks:
-            run = await client.open_loop(
-                session, f"{gateway.http_url}/v1/completions", arrivals, s.drain_s
-            )
+            urls = [f"{url}/v1/completions" for url in router_urls(gateway)]
+            run = await client.open_loop(session, urls, arrivals, s.drain_s)
         after = CpuSample.take(gateway, units)
         cache_after = await units.prefix_cache(session)
     metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)

@@ -131,7 +131,7 @@ class PrefixIndex:
 
     def __init__(
         self,
-        chunk_chars: int = 256,
+        chunk_chars: int = 512,
         max_blocks: int = 4096,
         ttl_s: float = 600.0,
         max_request_blocks: int = 512,
