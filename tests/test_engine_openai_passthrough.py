@@ -279,14 +279,13 @@ async def test_a_resume_with_nothing_left_ends_at_once_with_length(
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     hint = json.dumps({"created": 77, "delivered_chars": 18})
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-        async with http.post(
-            f"{sidecar.http_url}/v1/chat/completions",
-            json=body,
-            headers={"x-unitproxy-resume": hint},
-        ) as resp:
-            assert resp.status == 200, await resp.text()
-            raw = await resp.read()
+    url = f"{sidecar.http_url}/v1/chat/completions"
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+        http.post(url, json=body, headers={"x-unitproxy-resume": hint}) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        raw = await resp.read()
     assert recorder.bodies == [], "no engine work"
     if stream:
         events = [e for e in raw.split(b"\n\n") if e]
