@@ -334,6 +334,8 @@ async def policy_run(
     queries, hits = (a - b for a, b in zip(cache_after, cache_before, strict=True))
     metrics.prefix_hit_rate = hits / queries if queries else None
     metrics.peak_over_mean_p99 = report.percentile(peaks, 99)
+    metrics.peak_over_mean_p50 = report.percentile(peaks, 50)
+    metrics.load_samples = len(peaks)
     metrics.cpu = after.percent_since(before)
     metrics.timing_s = {
         "gateway_ready": round(before.at - started, 2),
