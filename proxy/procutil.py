@@ -195,9 +195,10 @@ async def running(
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
     group: bool = False,
+    append: bool = False,
 ) -> AsyncIterator[Child]:
     """``start``, and stop the child on the way out, whatever happened."""
-    child = await start(name, argv, log_path, env=env, cwd=cwd, group=group)
+    child = await start(name, argv, log_path, env=env, cwd=cwd, group=group, append=append)
     try:
         yield child
     finally:
