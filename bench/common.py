@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import os
 import platform
 import signal
 import subprocess
@@ -50,6 +51,20 @@ def no_plot() -> str | None:
 # -- ports -----------------------------------------------------------------------------
 
 free_ports = procutil.free_ports  # below the ephemeral range: see its docstring
+
+
+# -- CPU from /proc ---------------------------------------------------------------------
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds; 0 once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    # Fields after "comm)": state is field 3, so utime (14) and stime (15) sit at 11, 12.
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- running a bench: the loop, signals, what it ran on -------------------------------
