@@ -120,9 +120,9 @@ class ServerSettings(_Section):
         description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
     )
     max_body_buffer_bytes: int = Field(
-        256 * 1024 * 1024,
+        64 * 1024 * 1024,
         gt=0,
-        description="Most bytes of request bodies held at once on the HTTP port, all connections together, from a request's head until it is answered; a request whose body would pass it gets 503 before its body is read. Default 256 MiB.",
+        description="Most bytes of request bodies coming in at once on the HTTP port, all connections together, each from its head until it is whole (a chunked body counts as max_body_bytes); a request whose body would pass it gets 503 before its body is read. Default 64 MiB.",
     )
     max_prompt_chars: int = Field(
         1_000_000,

@@ -281,7 +281,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_deadline = 0.0
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
-        self._held = 0  # bytes of the body under way, held in the limits' body budget
+        self._held = 0  # bytes of the body coming in, held in the limits' body budget
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
@@ -323,10 +323,9 @@ class ClientConnection(asyncio.Protocol):
         if self._counted:
             self._counted = False
             self._limits.release()
+        self._free_body()  # gone while a body came
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
-        else:
-            self._free_body()  # gone while its body came (a serving task frees its own)
         self._wake_writer()
 
     def pause_writing(self) -> None:
@@ -415,6 +414,7 @@ class ClientConnection(asyncio.Protocol):
         if len(buf) < total:
             return
         self._disarm()
+        self._free_body()
         self._phase = "serve"
         self._head = None
         if len(buf) == total:
@@ -471,7 +471,6 @@ class ClientConnection(asyncio.Protocol):
         finally:
             self.task = None
             self.producer = None
-            self._free_body()
         if not response.ended or not head.keep_alive:
             self.close()  # a response cut short (the client must not read on), or asked for
         elif not self.closed:
