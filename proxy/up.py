@@ -29,7 +29,7 @@ from typing import Any, Self
 import aiohttp
 from pydantic import BaseModel, SecretStr
 
-from proxy.cli import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
+from proxy.flags import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
 from proxy.procutil import die_with_parent, free_ports
 from proxy.settings import Settings, UpSettings
 

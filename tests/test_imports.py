@@ -69,3 +69,43 @@ def test_engine_imports_nothing_from_proxy() -> None:
         if name == "proxy" or name.startswith("proxy.")
     ]
     assert found == []
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (a package counts as its __init__)."""
+    modules = {module_name(path): path for path in sources(package)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = {
+            target for _, target in imported(path) if target in modules and target != name
+        }
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle found by a depth-first walk, each as the path that closes it."""
+    found: list[list[str]] = []
+    done: set[str] = set()
+
+    def walk(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append([*path[path.index(node) :], node])
+            return
+        if node in done:
+            return
+        for target in sorted(graph[node]):
+            walk(target, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        walk(node, [])
+    return found
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_among_proxy_modules() -> None:
+    assert cycles(import_graph("proxy")) == []
