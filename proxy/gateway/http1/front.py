@@ -30,10 +30,10 @@ from proxy.errors import Unavailable, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     FORM_TYPES,
-    MAX_REQUEST_ID,
     MIGRATE_HEADER,
     REQUEST_ID_HEADER,
     ClientClosed,
+    bad_request_id,
 )
 from proxy.ingress import BODY_BUFFER_FULL, Guard, Limits, request_timeout_response
 from proxy.timers import Timer
@@ -122,19 +122,9 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     if headers.get("content-type", "").split(";", 1)[0].strip().lower() in FORM_TYPES:
         return None
     request_id = headers.get(REQUEST_ID_HEADER)
-    if request_id is not None and not _echoable(request_id):
-        return None
+    if request_id is not None and bad_request_id(request_id) is not None:
+        return None  # aiohttp answers it with the 400
     return Head(route, path, headers, int(length), len(raw), parser.should_keep_alive())
-
-
-def _echoable(request_id: str) -> bool:
-    if len(request_id) > MAX_REQUEST_ID:
-        return False
-    try:
-        request_id.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _STATUS_LINES: dict[int, bytes] = {}
