@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +29,9 @@ import aiohttp
 from pydantic import BaseModel, SecretStr
 
 from proxy import procutil
-from proxy.cli import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
+from proxy.flags import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
 from proxy.procutil import describe_exit, free_ports
+from proxy.serving import Signals
 from proxy.settings import Settings, UpSettings
 
 log = logging.getLogger(__name__)
@@ -210,34 +210,6 @@ def allocate_ports(up: UpSettings) -> Iterator[int]:
     if up.base_port is not None:
         return iter(range(up.base_port, up.base_port + up.port_count))
     return iter(free_ports(up.port_count, HOST))
-
-
-class Signals:
-    """SIGINT/SIGTERM for the whole run: the first asks to stop, a second to hurry."""
-
-    def __init__(self) -> None:
-        self.first: signal.Signals | None = None
-        self.stop = asyncio.Event()
-        self.hurry = asyncio.Event()
-
-    def __enter__(self) -> Self:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._received, sig)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-
-    def _received(self, sig: signal.Signals) -> None:
-        if self.first is None:
-            self.first = sig
-            self.stop.set()
-        else:
-            log.warning("received %s again: killing every process now", sig.name)
-            self.hurry.set()
 
 
 class Processes:
@@ -475,7 +447,7 @@ async def _run(settings: Settings) -> int:
             if not ready.done():
                 ready.cancel()
                 await asyncio.gather(ready, return_exceptions=True)
-                log.info("received %s before the cell was ready; stopping", _name(signals))
+                log.info("received %s before the cell was ready; stopping", signals.name())
                 return 0
             try:
                 ready.result()
@@ -492,13 +464,9 @@ async def _run(settings: Settings) -> int:
                          cell.gateway.http_url, up.state_file,
                          "dead processes are restarted; " if up.restart else "")  # fmt: skip
                 await signals.stop.wait()
-                log.info("received %s, stopping every process", _name(signals))
+                log.info("received %s, stopping every process", signals.name())
             finally:
                 await procs.stop()
                 with contextlib.suppress(FileNotFoundError):
                     up.state_file.unlink()  # its pids are gone
     return 0
-
-
-def _name(signals: Signals) -> str:
-    return signals.first.name if signals.first is not None else "a signal"

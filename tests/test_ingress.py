@@ -322,7 +322,7 @@ async def test_bodies_under_way_share_one_buffer_budget(
 ) -> None:
     # One client holds a body half sent (chunked: the largest body allowed, since its
     # length is unknown); another's body would pass max_body_buffer_bytes: it gets 503
-    # from its head, and once the first request is answered the budget is free again.
+    # from its head, and once the first body is whole the budget is free again.
     server = await budget_server(start_sidecar, role)
     try:
         before = closed_total(server, "body_buffer")

@@ -261,7 +261,7 @@ async def test_a_child_that_cannot_start_fails_up_and_stops_the_rest(
 
 
 def test_table_values_reach_the_sidecars_as_json() -> None:
-    from proxy.cli import ENGINE
+    from proxy.flags import ENGINE
     from proxy.settings import load
     from proxy.up import given_flags, given_secrets
 

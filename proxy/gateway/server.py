@@ -64,6 +64,8 @@ from proxy.tls import ClientTLS, ServerTLS, server_tls
 
 log = logging.getLogger(__name__)
 
+# What only time changes (a report ageing, an ejection ending) is looked at this often, in s.
+TICK_S = 0.5
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -143,7 +145,8 @@ class Gateway(Service):
         self.http_url, self.grpc_target = f"{scheme}://{host}:{bound_http}", f"{host}:{bound_grpc}"
         stack.push_async_callback(cancel_tasks, self._tasks)
         self._start_load_source()
-        self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway gauges"))
+        self._tasks.append(asyncio.create_task(self._gauges_loop(), name="gateway gauges"))
+        self._tasks.append(asyncio.create_task(self._wake_queue_loop(), name="gateway queue"))
         self._tasks.append(asyncio.create_task(self._health_watch(), name="gateway health"))
         log.info("gateway: HTTP %s, gRPC %s, %d units, policy %s, load from %s",
                  self.http_url, self.grpc_target, len(self.router.units),
@@ -284,15 +287,23 @@ class Gateway(Service):
         await self.health_service.set(SERVICE, serving if can_serve else not_serving)
         await self.health_service.set("", not_serving if draining else serving)
 
-    async def _health_loop(self) -> None:
-        """Refresh the per-unit gauges; a unit whose reports stopped is no longer serving."""
+    async def _gauges_loop(self) -> None:
+        """Refresh the per-unit gauges and the queue's length twice a second: a report
+        ages, and a unit whose reports stopped is no longer serving, with no event to
+        say so."""
         while True:
             now = time.monotonic()
             for unit in self.router.units.values():
                 self._refresh_gauges(unit, now)
             self.gateway_metrics.queue_waiting.set(self.router.waiting)
+            await asyncio.sleep(TICK_S)
+
+    async def _wake_queue_loop(self) -> None:
+        """Twice a second, offer the queue's waiters a unit: an ejection that ends frees
+        one with no event to say so."""
+        while True:
             self.router.wake()
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(TICK_S)
 
     # --- HTTP ---------------------------------------------------------------------
 

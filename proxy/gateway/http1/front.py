@@ -30,10 +30,10 @@ from proxy.errors import Unavailable, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     FORM_TYPES,
-    MAX_REQUEST_ID,
     MIGRATE_HEADER,
     REQUEST_ID_HEADER,
     ClientClosed,
+    bad_request_id,
 )
 from proxy.ingress import BODY_BUFFER_FULL, Guard, Limits, request_timeout_response
 from proxy.timers import Timer
@@ -122,19 +122,9 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     if headers.get("content-type", "").split(";", 1)[0].strip().lower() in FORM_TYPES:
         return None
     request_id = headers.get(REQUEST_ID_HEADER)
-    if request_id is not None and not _echoable(request_id):
-        return None
+    if request_id is not None and bad_request_id(request_id) is not None:
+        return None  # aiohttp answers it with the 400
     return Head(route, path, headers, int(length), len(raw), parser.should_keep_alive())
-
-
-def _echoable(request_id: str) -> bool:
-    if len(request_id) > MAX_REQUEST_ID:
-        return False
-    try:
-        request_id.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _STATUS_LINES: dict[int, bytes] = {}
@@ -281,7 +271,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_deadline = 0.0
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
-        self._held = 0  # bytes of the body under way, held in the limits' body budget
+        self._held = 0  # bytes of the body coming in, held in the limits' body budget
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
@@ -323,10 +313,9 @@ class ClientConnection(asyncio.Protocol):
         if self._counted:
             self._counted = False
             self._limits.release()
+        self._free_body()  # gone while a body came
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
-        else:
-            self._free_body()  # gone while its body came (a serving task frees its own)
         self._wake_writer()
 
     def pause_writing(self) -> None:
@@ -415,6 +404,7 @@ class ClientConnection(asyncio.Protocol):
         if len(buf) < total:
             return
         self._disarm()
+        self._free_body()
         self._phase = "serve"
         self._head = None
         if len(buf) == total:
@@ -471,7 +461,6 @@ class ClientConnection(asyncio.Protocol):
         finally:
             self.task = None
             self.producer = None
-            self._free_body()
         if not response.ended or not head.keep_alive:
             self.close()  # a response cut short (the client must not read on), or asked for
         elif not self.closed:
