@@ -53,7 +53,6 @@ from bench import loadgen
 from bench.common import (
     Interrupted,
     cpu_model,
-    cpu_s,
     free_ports,
     loop_name,
     run_loop,
@@ -146,7 +145,7 @@ async def measure(
     scenario: Scenario, concurrency: int, sidecar: Child, settings: BenchSettings
 ) -> RunResult:
     def read_cpu() -> dict[str, float]:
-        return {"sidecar": cpu_s(sidecar.pid), "client": time.process_time()}
+        return {"sidecar": sidecar.cpu_s(), "client": time.process_time()}
 
     async with scenario.open_client(sidecar, concurrency) as request:
         window = await loadgen.measure(request, concurrency, settings.warmup_s,

@@ -88,6 +88,15 @@ class Child:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def cpu_s(self) -> float:
+        """utime + stime of the child (all its threads), in seconds; 0 once it is gone."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return 0.0
+        fields = stat.rsplit(")", 1)[1].split()  # utime, stime: fields 14, 15
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def tail(self, lines: int = 15) -> str:
         return "\n".join(f"    {line}" for line in self.output().splitlines()[-lines:])
 

@@ -57,9 +57,9 @@ from bench.common import (
     cpu_model,
     free_ports,
     run_loop,
+    tree_cpu_s,
     until_signal,
 )
-from bench.overhead.procs import tree_cpu_s
 from bench.scale import measure, report
 from bench.scale.fleet import SOURCES
 from proxy.procutil import python_m, running
