@@ -81,6 +81,7 @@ class EngineStats:
     prefix_cache_hit_rate: float = -1.0  # 0..1, -1 when unknown
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of which were cached
+    prefix_cache_resets: int = 0  # times the prefix cache was emptied, since start
 
 
 class Engine(abc.ABC):

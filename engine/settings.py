@@ -35,6 +35,11 @@ class SimSettings(_EngineSection):
         ge=0,
         description="Extra time of one decode step per running sequence, in ms. Default 0.1.",
     )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Tokens one step may process: a token for every decoding sequence, then chunks of prompts to prefill, oldest first (chunked prefill, as vLLM's max_num_batched_tokens). 0: no limit, whole prompts prefilled in the step they are admitted. Default 2048.",
+    )
     default_max_tokens: int = Field(
         64,
         gt=0,

@@ -120,6 +120,11 @@ class ServerSettings(_Section):
         gt=0,
         description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
     )
+    max_body_buffer_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Most bytes of request bodies coming in at once on the HTTP port, all connections together, each from its head until it is whole (a chunked body counts as max_body_bytes); a request whose body would pass it gets 503 before its body is read. Default 64 MiB.",
+    )
     max_prompt_chars: int = Field(
         1_000_000,
         gt=0,
@@ -319,19 +324,23 @@ class GatewaySettings(_Section):
         description="How a unit is chosen: lor (least outstanding / capacity), prefix (the unit most likely to hold the prompt's prefix in its KV cache, within a bound on its load, else lor), p2c (power of two choices), round_robin, random. Default lor.",
     )
     prefix_balance: float = Field(
-        0.2,
+        0.1,
         ge=0,
-        description="Policy prefix: a unit holding the prompt's prefix is chosen while its estimated outstanding / capacity is at most (1 + this) x the least loaded candidate's, plus prefix_slack requests; otherwise lor decides. Default 0.2.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
     )
     prefix_slack: int = Field(
-        2,
+        1,
         ge=0,
-        description="Policy prefix: requests a unit holding the prefix may have above the bound of prefix_balance (so an idle fleet keeps affinity). Default 2.",
+        description="Policy prefix: requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
+    )
+    prefix_engine_feedback: bool = Field(
+        True,
+        description="Policy prefix: correct the index from the prefix-cache counters in the units' load reports (a unit that finds far fewer of its prompts cached than the index expected keeps fewer blocks in it; a unit whose cache was emptied is forgotten). Default true.",
     )
     prefix_chunk_chars: int = Field(
-        256,
+        512,
         gt=0,
-        description="Policy prefix: characters of prompt text per block of the prefix index. Default 256.",
+        description="Policy prefix: characters of prompt text per block of the prefix index. About 100 tokens of text; a larger block hashes and indexes less per request, a smaller one matches prefixes more finely. Default 512.",
     )
     prefix_max_blocks: int = Field(
         8192,

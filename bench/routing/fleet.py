@@ -93,10 +93,16 @@ class UnitSpec:
 
 # Base costs of a fast unit; half the fleet is 1.25-1.5x slower, every other unit has
 # half the slots. Chosen to keep a 2-core machine well below saturation by itself.
+# Prefill against decode as on real hardware: prefill is compute-bound (2 x parameters
+# FLOPs a token), a decode step memory-bound (the weights read once a step), so one
+# prompt token costs about 1/250-1/400 of a full decode step (70B on 8 H100s: about
+# 0.045 ms a token at 40 % of peak, a step of 11-15 ms). Here a full step of 16
+# sequences is 34 ms and a prompt token 0.1 ms (1/340): a 4k-token prompt is 400 ms of
+# prefill, chunked over steps of at most 2,048 tokens (the simulator's default).
 BASE_SLOTS = 16
 BASE_DECODE_STEP_MS = 30.0
 BASE_DECODE_MS_PER_SEQ = 0.25
-BASE_PREFILL_MS_PER_TOKEN = 0.04
+BASE_PREFILL_MS_PER_TOKEN = 0.1
 CAPACITY_PER_SLOT = 4
 
 

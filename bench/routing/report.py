@@ -65,6 +65,8 @@ class RunMetrics:
     # p99 over the run's samples of the most loaded unit's outstanding / capacity over
     # the fleet's mean (samples with work only): 1.0 is a perfectly even fleet
     peak_over_mean_p99: float | None = None
+    peak_over_mean_p50: float | None = None
+    load_samples: int = 0  # samples the max/mean figures are over
 
     @property
     def error_count(self) -> int:
@@ -139,6 +141,7 @@ COLUMNS: tuple[tuple[str, Callable[[RunMetrics], str]], ...] = (
         "cache hit %",
         lambda m: _fmt(None if m.prefix_hit_rate is None else 100 * m.prefix_hit_rate, 0),
     ),
+    ("max/mean p50", lambda m: _fmt(m.peak_over_mean_p50, 2)),
     ("max/mean p99", lambda m: _fmt(m.peak_over_mean_p99, 2)),
     ("errors", lambda m: str(m.error_count)),
     ("unfinished", lambda m: str(m.unfinished)),

@@ -19,7 +19,7 @@ from enum import Enum
 
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.index import LeastLoaded, sample_available
-from proxy.gateway.prefix import PrefixIndex, Want
+from proxy.gateway.prefix import EngineFeedback, PrefixIndex, Want
 from proxy.gateway.select import POLICIES, prefix_affinity
 from proxy.gateway.units import Unit, reason
 from proxy.load import LoadReport, UnitState
@@ -86,10 +86,14 @@ class Router:
         self._on_change = on_change
         self._aging_paused_at: float | None = None
         self.prefix: PrefixIndex | None = None
+        self.feedback: EngineFeedback | None = None
+        self._mean = 0.0  # policy prefix: the fleet's mean load at this choice
         if settings.policy == "prefix":
             self.prefix = PrefixIndex(
                 settings.prefix_chunk_chars, settings.prefix_max_blocks, settings.prefix_ttl_s
             )
+            if settings.prefix_engine_feedback:
+                self.feedback = EngineFeedback(self.prefix)
         # How many units list each model, and how many list none (serve any): the
         # gateway reads a request's model only when the units differ.
         self._models: Counter[str] = Counter()
@@ -187,7 +191,11 @@ class Router:
             # Units of different models: a pass over those serving this one (the index
             # and the samples are over every unit).
             candidates = self.candidates(exclude, want.model)
+            if self.prefix is not None:
+                self._mean = _mean_load(candidates, correct)
             return self._select(candidates, self._rng, self._turn, correct)
+        if self._index is not None and self.prefix is not None:
+            self._mean = self._index.mean_load()
         if self._index is not None:
             now = self._clock()
             return self._index.least(now, s.stale_after_s, self._age_at(now), exclude)
@@ -243,7 +251,11 @@ class Router:
             [units[i] for i in ids if can_take(i)]
             for _, ids in self.prefix.matches(want.blocks, now)
         )
-        unit = prefix_affinity(least, holders, s.correct_load, s.prefix_balance, s.prefix_slack)
+        unit = prefix_affinity(
+            least, holders, s.correct_load, self._mean, s.prefix_balance, s.prefix_slack
+        )
+        if self.feedback is not None:
+            self.feedback.sent(unit.id, want.blocks, want.chars)
         self.prefix.record(unit.id, want.blocks, now)
         return unit
 
@@ -389,6 +401,16 @@ class Router:
             unit.lost = None
         if self.prefix is not None and _cache_lost(unit.report, report):
             self.prefix.forget(unit_id)
+            if self.feedback is not None:
+                self.feedback.forget(unit_id)
+        if self.feedback is not None:
+            self.feedback.report(
+                unit_id,
+                report.prefix_cache_queries,
+                report.prefix_cache_hits,
+                report.prefix_cache_resets,
+                self._clock(),
+            )
         self._count_models(unit.report, -1)
         self._count_models(report, +1)
         unit.apply(report, self._clock())
@@ -451,6 +473,15 @@ class Router:
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:
             self._on_change(unit)
+
+
+def _mean_load(units: Iterable[Unit], correct: bool) -> float:
+    """The units' estimated outstanding, plus one request, over their capacity."""
+    outstanding, capacity = 1, 0
+    for unit in units:
+        outstanding += unit.estimate(correct)
+        capacity += unit.capacity
+    return outstanding / capacity if capacity else float("inf")
 
 
 def _none_serving(model: str | None) -> str:

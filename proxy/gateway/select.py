@@ -57,25 +57,32 @@ def prefix_affinity(
     least: Unit,
     holders: Iterable[Sequence[Unit]],
     correct: bool,
+    mean: float,
     balance: float,
     slack: int,
 ) -> Unit:
     """Policy ``prefix``: of the units that hold the longest prefix of the prompt
-    (``holders``, longest match first), the least loaded one whose load is within the
-    bound: at most ``(1 + balance)`` x the least loaded candidate's, plus ``slack``
-    requests; if none is, the next shorter match; if no holder is, ``least`` (lor).
+    (``holders``, longest match first), the least loaded one that stays within the
+    bound with this request on it: estimated outstanding + 1 at most ``(1 + balance)``
+    x the fleet's mean load (``mean``, outstanding over capacity, this request
+    counted) x its capacity, plus ``slack`` requests; if none does, the next shorter
+    match; if no holder does, ``least`` (lor).
 
-    Bounded load: a popular prefix spreads over more units as its first ones fill up,
-    because the unit that takes the overflow holds it from then on.
+    Bounded load (consistent hashing with bounded loads): no choice puts a unit above
+    ``(1 + balance)`` x the mean plus ``slack``; a popular prefix spreads over more
+    units as its first ones reach the bound, because the unit that takes the overflow
+    holds it from then on.
     """
-    bound = (1.0 + balance) * least.load(correct)
+    ceiling = (1.0 + balance) * mean
     for units in holders:
         best: Unit | None = None
         best_load = 0.0
         for unit in units:
-            load = unit.load(correct)
-            if load <= bound + slack / unit.capacity and (best is None or load < best_load):
-                best, best_load = unit, load
+            estimate = unit.estimate(correct)
+            if estimate + 1 <= ceiling * unit.capacity + slack:
+                load = estimate / unit.capacity
+                if best is None or load < best_load:
+                    best, best_load = unit, load
         if best is not None:
             return best
     return least

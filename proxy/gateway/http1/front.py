@@ -22,11 +22,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import httptools
 
-from proxy.errors import UnitProxyError
+from proxy.errors import Unavailable, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     FORM_TYPES,
@@ -35,7 +35,7 @@ from proxy.httputil import (
     ClientClosed,
     bad_request_id,
 )
-from proxy.ingress import Guard, Limits, request_timeout_response
+from proxy.ingress import BODY_BUFFER_FULL, Guard, Limits, request_timeout_response
 from proxy.timers import Timer
 
 log = logging.getLogger(__name__)
@@ -271,6 +271,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_deadline = 0.0
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
+        self._held = 0  # bytes of the body coming in, held in the limits' body budget
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
@@ -312,6 +313,7 @@ class ClientConnection(asyncio.Protocol):
         if self._counted:
             self._counted = False
             self._limits.release()
+        self._free_body()  # gone while a body came
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
         self._wake_writer()
@@ -391,12 +393,18 @@ class ClientConnection(asyncio.Protocol):
                 return
             if not self._authorized(head):
                 return
+            if not self._limits.hold_body(head.length):
+                refusal = Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
+                self._refuse(head, refusal.http_status, refusal.body(), {"Retry-After": "1"})
+                return
+            self._held = head.length
             self._head = head
             self._arm("body", self._limits.body_timeout_s)
         total = head.size + head.length
         if len(buf) < total:
             return
         self._disarm()
+        self._free_body()
         self._phase = "serve"
         self._head = None
         if len(buf) == total:
@@ -412,20 +420,30 @@ class ClientConnection(asyncio.Protocol):
         try:
             self._front.authorize(head)
         except UnitProxyError as exc:
-            error = json.dumps(exc.body()).encode()
-            headers = {"Content-Type": "application/json"}
-            Response(self, close=True).respond(exc.http_status, headers, error)
-            # Drop the body as it comes (a close with unread bytes would reset the
-            # connection before the client reads the answer), within the body timer.
-            self._discard = head.size + head.length - len(self._buf)
-            self._buf.clear()
-            if self._discard <= 0:
-                self._discard = 0
-                self.close()
-            else:
-                self._arm("closing", self._limits.body_timeout_s)
+            self._refuse(head, exc.http_status, exc.body())
             return False
         return True
+
+    def _refuse(
+        self, head: Head, status: int, error: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
+        """Answer from the head alone and close once the body is dropped."""
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        Response(self, close=True).respond(status, headers, json.dumps(error).encode())
+        # Drop the body as it comes (a close with unread bytes would reset the
+        # connection before the client reads the answer), within the body timer.
+        self._discard = head.size + head.length - len(self._buf)
+        self._buf.clear()
+        if self._discard <= 0:
+            self._discard = 0
+            self.close()
+        else:
+            self._arm("closing", self._limits.body_timeout_s)
+
+    def _free_body(self) -> None:
+        if self._held:
+            self._limits.free_body(self._held)
+            self._held = 0
 
     async def _serve(self, head: Head, body: bytes) -> None:
         response = Response(self, close=not head.keep_alive)
