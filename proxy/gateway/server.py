@@ -273,7 +273,7 @@ class Gateway(Service):
         m.set_unit_state(unit.id, state)
         m.set_report_age(unit.id, unit.report_age(now))
         lost = state in ("LOST", "UNKNOWN")
-        m.set_unit_load(unit.id, None if lost else unit.estimate(g.correct_load))
+        m.set_unit_load(unit.id, None if lost else self.router.view.estimate(unit))
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -460,7 +460,7 @@ class Gateway(Service):
             "grpc_target": u.grpc_target,
             "state": state,
             "reason": why,
-            "outstanding": u.estimate(g.correct_load),
+            "outstanding": self.router.view.estimate(u),
             "reported_outstanding": u.report.outstanding if u.report else None,
             "inflight_here": u.inflight,
             "capacity": u.capacity,
