@@ -109,3 +109,24 @@ def test_the_cycle_finder_finds_a_lazy_cycle() -> None:
 
 def test_no_import_cycle_among_proxy_modules() -> None:
     assert cycles(import_graph("proxy")) == []
+
+
+ROLES = ("proxy.sidecar", "proxy.gateway", "proxy.follower")
+
+
+def role_of(module: str) -> str | None:
+    return next((r for r in ROLES if module == r or module.startswith(r + ".")), None)
+
+
+def test_the_roles_import_only_shared_modules_and_no_shared_module_imports_a_role() -> None:
+    # The sidecar, the gateway and the follower stand on the shared modules of proxy/;
+    # only the command (cli.py) knows the roles.
+    wrong = [
+        f"{module} -> {target}"
+        for module, targets in import_graph("proxy").items()
+        for target in targets
+        if role_of(target) is not None
+        and role_of(target) != role_of(module)
+        and module != "proxy.cli"
+    ]
+    assert wrong == []

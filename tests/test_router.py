@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import typing
 from collections import Counter
 
 import pytest
 
 from proxy.errors import NotFound, Overloaded
+from proxy.gateway.policies import POLICIES, least_outstanding, power_of_two
 from proxy.gateway.router import NoUnit, Outcome, Router
-from proxy.gateway.select import least_outstanding, power_of_two
-from proxy.gateway.units import Unit
+from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 
@@ -185,7 +186,7 @@ def test_the_estimate_corrects_the_report_by_our_own_starts_and_finishes() -> No
     a = r.units["a"]
     for _ in range(3):
         assert r.pick() is a  # a is less loaded until our own starts make it 6
-    assert a.estimate() == 6 and a.estimate(correct=False) == 3
+    assert a.estimate() == 6 and AS_REPORTED.estimate(a) == 3
     r.release(a, Outcome.OK)
     assert a.estimate() == 5
     report(r, "a", 4, seq=3)  # a fresh report replaces the correction
@@ -237,30 +238,35 @@ def units(*loads: tuple[int, int]) -> list[Unit]:
 
 def test_least_outstanding_compares_load_over_capacity_and_draws_among_ties() -> None:
     small, big = units((1, 2), (3, 8))
-    assert least_outstanding([small, big], random.Random(0), 0) is big  # 3/8 < 1/2
+    assert least_outstanding([small, big], random.Random(0), 0, CORRECTED) is big  # 3/8 < 1/2
     tied = units((1, 4), (2, 8), (1, 4), (5, 8))
     rng = random.Random(4)
-    chosen = Counter(least_outstanding(tied, rng, 0).id for _ in range(300))  # type: ignore[union-attr]
+    chosen = Counter(least_outstanding(tied, rng, 0, CORRECTED).id for _ in range(300))  # type: ignore[union-attr]
     assert set(chosen) == {"u0", "u1", "u2"}  # never u3; each tie drawn
     assert min(chosen.values()) > 50
-    assert least_outstanding([], rng, 0) is None
+    assert least_outstanding([], rng, 0, CORRECTED) is None
 
 
 def test_the_same_seed_makes_the_same_choices() -> None:
     tied = units((0, 4), (0, 4), (0, 4), (0, 4))
     a, b = random.Random(9), random.Random(9)
-    first = [least_outstanding(tied, a, 0).id for _ in range(20)]  # type: ignore[union-attr]
-    assert first == [least_outstanding(tied, b, 0).id for _ in range(20)]  # type: ignore[union-attr]
+    first = [least_outstanding(tied, a, 0, CORRECTED).id for _ in range(20)]  # type: ignore[union-attr]
+    assert first == [least_outstanding(tied, b, 0, CORRECTED).id for _ in range(20)]  # type: ignore[union-attr]
 
 
 def test_power_of_two_takes_the_less_loaded_of_two_and_tosses_a_coin_on_a_tie() -> None:
     light, heavy = units((1, 10), (9, 10))
     rng = random.Random(2)
-    assert {power_of_two([light, heavy], rng, 0).id for _ in range(50)} == {"u0"}  # type: ignore[union-attr]
+    assert {power_of_two([light, heavy], rng, 0, CORRECTED).id for _ in range(50)} == {"u0"}  # type: ignore[union-attr]
     even = units((3, 10), (3, 10))
-    chosen = Counter(power_of_two(even, rng, 0).id for _ in range(200))  # type: ignore[union-attr]
+    chosen = Counter(power_of_two(even, rng, 0, CORRECTED).id for _ in range(200))  # type: ignore[union-attr]
     assert set(chosen) == {"u0", "u1"} and min(chosen.values()) > 60
-    assert power_of_two(even[:1], rng, 0) is even[0]
+    assert power_of_two(even[:1], rng, 0, CORRECTED) is even[0]
+
+
+def test_every_policy_the_settings_name_has_a_chooser() -> None:
+    named = typing.get_args(GatewaySettings.model_fields["policy"].annotation)
+    assert set(POLICIES) == set(named)
 
 
 def test_round_robin_keeps_its_turn_across_a_unit_that_cannot_take_one() -> None:

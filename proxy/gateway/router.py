@@ -19,9 +19,9 @@ from enum import Enum
 
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.index import LeastLoaded, sample_available
+from proxy.gateway.policies import POLICIES, prefix_affinity
 from proxy.gateway.prefix import EngineFeedback, PrefixIndex, Want
-from proxy.gateway.select import POLICIES, prefix_affinity
-from proxy.gateway.units import Unit, reason
+from proxy.gateway.units import AS_REPORTED, CORRECTED, LoadView, Unit, reason
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 
@@ -78,6 +78,8 @@ class Router:
         self.settings = settings
         self.units: dict[str, Unit] = {}
         self._select = POLICIES[settings.policy]
+        # How every choice reads a unit's load (gauges and /units read it too).
+        self.view = CORRECTED if settings.correct_load else AS_REPORTED
         self._rng = rng or random.Random()
         self._clock = clock
         self._turn = 0
@@ -103,7 +105,7 @@ class Router:
         # (proxy.gateway.index); round_robin walks on from where it stopped. None passes
         # over every unit per request.
         self._index = (
-            LeastLoaded(self._rng, settings.correct_load)
+            LeastLoaded(self._rng, self.view)
             if settings.policy in ("lor", "prefix")  # prefix: the least loaded bounds it
             else None
         )
@@ -129,7 +131,7 @@ class Router:
             u
             for u in self.units.values()
             if u.id not in exclude
-            and u.available(now, s.stale_after_s, s.correct_load, age_at)
+            and self.view.available(u, now, s.stale_after_s, age_at)
             and u.serves(model)
         ]
 
@@ -186,14 +188,14 @@ class Router:
         return unit
 
     def _choose(self, exclude: Collection[str], want: Want) -> Unit | None:
-        s, correct = self.settings, self.settings.correct_load
+        s, view = self.settings, self.view
         if want.model is not None and len(self._model_sets) > 1:
             # Units of different models: a pass over those serving this one (the index
             # and the samples are over every unit).
             candidates = self.candidates(exclude, want.model)
             if self.prefix is not None:
-                self._mean = _mean_load(candidates, correct)
-            return self._select(candidates, self._rng, self._turn, correct)
+                self._mean = _mean_load(candidates, view)
+            return self._select(candidates, self._rng, self._turn, view)
         if self._index is not None and self.prefix is not None:
             self._mean = self._index.mean_load()
         if self._index is not None:
@@ -204,14 +206,14 @@ class Router:
             age_at = self._age_at(now)
 
             def can_take(u: Unit) -> bool:
-                return u.id not in exclude and u.available(now, s.stale_after_s, correct, age_at)
+                return u.id not in exclude and view.available(u, now, s.stale_after_s, age_at)
 
             drawn = sample_available(self._all, self._sample_k, can_take, self._rng)
             if drawn is not None:
-                return self._select(drawn, self._rng, self._turn, correct)
+                return self._select(drawn, self._rng, self._turn, view)
         if s.policy == "round_robin":
             return self._next_in_turn(exclude)
-        return self._select(self.candidates(exclude), self._rng, self._turn, correct)
+        return self._select(self.candidates(exclude), self._rng, self._turn, view)
 
     def _next_in_turn(self, exclude: Collection[str]) -> Unit | None:
         """round_robin: the next unit after the last one chosen that can take a request."""
@@ -219,9 +221,7 @@ class Router:
         age_at = self._age_at(now)
         for k in range(len(units)):
             unit = units[(self._cursor + k) % len(units)]
-            if unit.id not in exclude and unit.available(
-                now, s.stale_after_s, s.correct_load, age_at
-            ):
+            if unit.id not in exclude and self.view.available(unit, now, s.stale_after_s, age_at):
                 self._cursor = (self._cursor + k + 1) % len(units)
                 return unit
         return None
@@ -243,7 +243,7 @@ class Router:
             return (
                 unit is not None
                 and unit_id not in exclude
-                and unit.available(now, s.stale_after_s, s.correct_load, age_at)
+                and self.view.available(unit, now, s.stale_after_s, age_at)
                 and unit.serves(want.model)
             )
 
@@ -252,7 +252,7 @@ class Router:
             for _, ids in self.prefix.matches(want.blocks, now)
         )
         unit = prefix_affinity(
-            least, holders, s.correct_load, self._mean, s.prefix_balance, s.prefix_slack
+            least, holders, self.view, self._mean, s.prefix_balance, s.prefix_slack
         )
         if self.feedback is not None:
             self.feedback.sent(unit.id, want.blocks, want.chars)
@@ -475,11 +475,11 @@ class Router:
             self._on_change(unit)
 
 
-def _mean_load(units: Iterable[Unit], correct: bool) -> float:
+def _mean_load(units: Iterable[Unit], view: LoadView) -> float:
     """The units' estimated outstanding, plus one request, over their capacity."""
     outstanding, capacity = 1, 0
     for unit in units:
-        outstanding += unit.estimate(correct)
+        outstanding += view.estimate(unit)
         capacity += unit.capacity
     return outstanding / capacity if capacity else float("inf")
 

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -79,9 +79,11 @@ UNIT_CHANNEL_OPTIONS = (
 class Gateway(Service):
     """A running gateway: ``async with Gateway(settings) as gateway`` serves until exit."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.settings = settings
+        # The clock reports age by: the router's, and the views of units (gauges, /units).
+        self.clock = clock
         self.registry = CollectorRegistry()
         self.metrics = ServingMetrics(self.registry, tokens=False)
         self.gateway_metrics = GatewayMetrics(self.registry)
@@ -89,8 +91,9 @@ class Gateway(Service):
         self.discovery = Discovery(settings.gateway, self.gateway_metrics.discovery_refused)
         # The router gets the staleness bound and poll interval the report budget needs.
         self.router = Router(
-            scaled(settings.gateway), settings.gateway.units, on_change=self._unit_changed
-        )
+            scaled(settings.gateway), settings.gateway.units, clock=clock,
+            on_change=self._unit_changed,
+        )  # fmt: skip
         self.health_service = HealthServicer()
         self.http_url = ""
         self.grpc_target = ""
@@ -115,7 +118,7 @@ class Gateway(Service):
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
-        now = time.monotonic()
+        now = self.clock()
         for unit in self.router.units.values():
             self._connect(unit)
             self.gateway_metrics.add_unit(unit.id)
@@ -255,7 +258,7 @@ class Gateway(Service):
     # --- health -------------------------------------------------------------------
 
     def _unit_changed(self, unit: Unit) -> None:
-        self._refresh_gauges(unit, time.monotonic())
+        self._refresh_gauges(unit, self.clock())
         serving = any(u.state is UnitState.SERVING for u in self.router.units.values())
         if serving != self._served:
             self._served = serving
@@ -270,7 +273,7 @@ class Gateway(Service):
         m.set_unit_state(unit.id, state)
         m.set_report_age(unit.id, unit.report_age(now))
         lost = state in ("LOST", "UNKNOWN")
-        m.set_unit_load(unit.id, None if lost else unit.estimate(g.correct_load))
+        m.set_unit_load(unit.id, None if lost else self.router.view.estimate(unit))
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -292,7 +295,7 @@ class Gateway(Service):
         ages, and a unit whose reports stopped is no longer serving, with no event to
         say so."""
         while True:
-            now = time.monotonic()
+            now = self.clock()
             for unit in self.router.units.values():
                 self._refresh_gauges(unit, now)
             self.gateway_metrics.queue_waiting.set(self.router.waiting)
@@ -435,7 +438,7 @@ class Gateway(Service):
         return json_response(body, status=200 if body["state"] == "SERVING" else 503)
 
     def _ready_body(self) -> dict[str, Any]:
-        now, stale = time.monotonic(), self.settings.gateway.stale_after_s
+        now, stale = self.clock(), self.settings.gateway.stale_after_s
         counts = Counter(u.view(now, stale)[0] for u in self.router.units.values())
         serving = len(self.router.serving())
         state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
@@ -443,7 +446,7 @@ class Gateway(Service):
                 "in_flight": self.gate.in_flight}  # fmt: skip
 
     async def _units(self, request: web.Request) -> web.Response:
-        now = time.monotonic()
+        now = self.clock()
         units = [self._unit_json(u, now) for u in self.router.units.values()]
         return json_response({"units": units, "waiting": self.router.waiting})
 
@@ -457,7 +460,7 @@ class Gateway(Service):
             "grpc_target": u.grpc_target,
             "state": state,
             "reason": why,
-            "outstanding": u.estimate(g.correct_load),
+            "outstanding": self.router.view.estimate(u),
             "reported_outstanding": u.report.outstanding if u.report else None,
             "inflight_here": u.inflight,
             "capacity": u.capacity,
