@@ -596,6 +596,11 @@ class GatewaySettings(_Section):
         ge=0,
         description="Load reports per second this gateway asks of all its configured units together (watch, watch-http, poll): with N units, each reports load changes at most every N/budget s and a heartbeat every N/budget s when that is longer than the unit's own; poll_interval_s and stale_after_s stretch to match (stale: 3 such intervals). Between reports the gateway's own counts keep the estimate current. 0: every unit reports at its own rate. Default 250.",
     )
+    report_min_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="Each unit reports load changes to this gateway at most this often, in s, whatever the fleet's size (watch, watch-http, poll, redis): between reports the gateway's own counts are exact for its own traffic, and only other gateways' traffic waits up to this long. State changes still arrive at once. 0: a small fleet reports at the units' own rate. Default 0.05.",
+    )
     tls_ca_file: Path | None = Field(
         None,
         description="CA bundle to verify units by. A unit given as https:// is reached over TLS for HTTP and gRPC alike (plain http:// means plain for both); with this set, every unit must be https://. Default: the system's CAs.",
