@@ -76,19 +76,37 @@ class Producer(Protocol):
 
 
 class _Collect:
-    """httptools callbacks: the URL and the headers of one request head."""
+    """httptools callbacks: the URL and the headers the gateway reads, checked as they
+    come (one pass; httptools calls ``on_header`` once per whole header)."""
 
-    __slots__ = ("headers", "url")
+    __slots__ = ("count", "headers", "refuse", "url")
 
     def __init__(self) -> None:
         self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers: dict[str, str] = {}  # lower-case names; only USED_HEADERS
+        self.count = 0
+        self.refuse = False  # a header the lean path leaves to aiohttp
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        self.count += 1
+        if len(name) + len(value) > MAX_FIELD:
+            self.refuse = True
+            return
+        name = name.lower()
+        key = _USED_NAMES.get(name)
+        if key is not None:
+            if key in self.headers:
+                self.refuse = True  # which one counts is aiohttp's to say
+            self.headers[key] = value.decode("utf-8", "surrogateescape")
+        elif name in HANDOFF_HEADERS:
+            self.refuse = True
+
+
+_USED_NAMES = {name: name.decode() for name in USED_HEADERS}
+_HTTP11 = b" HTTP/1.1"
 
 
 def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None:
@@ -99,27 +117,25 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
         parser.feed_data(raw)
     except httptools.HttpParserError:
         return None
-    if parser.get_method() != b"POST" or parser.get_http_version() != "1.1":
+    # The request line is valid (httptools said so): its version is its last word.
+    if (
+        found.refuse
+        or parser.get_method() != b"POST"
+        or not raw.startswith(_HTTP11, raw.find(b"\r\n") - len(_HTTP11))
+    ):
         return None
-    if len(found.url) > MAX_FIELD or len(found.headers) > MAX_HEADERS:
+    if len(found.url) > MAX_FIELD or found.count > MAX_HEADERS:
         return None
     path = found.url.split(b"?", 1)[0].decode("latin-1")
     route = routes.get(path)
     if route is None:
         return None
-    headers: dict[str, str] = {}
-    for name, value in found.headers:
-        if name in HANDOFF_HEADERS or len(name) + len(value) > MAX_FIELD:
-            return None
-        if name in USED_HEADERS:
-            key = name.decode()
-            if key in headers:
-                return None  # which one counts is aiohttp's to say
-            headers[key] = value.decode("utf-8", "surrogateescape")
+    headers = found.headers
     length = headers.get("content-length", "")
     if not length.isdigit() or int(length) > max_body:
         return None
-    if headers.get("content-type", "").split(";", 1)[0].strip().lower() in FORM_TYPES:
+    content_type = headers.get("content-type")
+    if content_type is not None and content_type.split(";", 1)[0].strip().lower() in FORM_TYPES:
         return None
     request_id = headers.get(REQUEST_ID_HEADER)
     if request_id is not None and not _echoable(request_id):
@@ -385,15 +401,18 @@ class ClientConnection(asyncio.Protocol):
             return
         head = self._head
         if head is None:
+            # The head and body timers are armed only when a request is not whole in
+            # the bytes at hand (most come in one read): the idle timer covers it till then.
             if self._phase == "idle":
                 self._head_deadline = self._loop.time() + self._limits.head_timeout_s
-                self._arm("head", self._limits.head_timeout_s)
             end = buf.find(b"\r\n\r\n")
             bare = buf.find(b"\n\n")  # a head with bare LF line ends: aiohttp's to judge
             if (end < 0 and (bare >= 0 or len(buf) > MAX_HEAD)) or 0 <= bare < end:
                 self._handoff()
                 return
             if end < 0:
+                if self._phase == "idle":
+                    self._arm("head", self._limits.head_timeout_s)
                 return
             head = parse_head(bytes(buf[: end + 4]), self._front.routes, self._front.max_body)
             if head is None:
@@ -401,11 +420,15 @@ class ClientConnection(asyncio.Protocol):
                 return
             if not self._authorized(head):
                 return
-            self._head = head
-            self._arm("body", self._limits.body_timeout_s)
-        total = head.size + head.length
-        if len(buf) < total:
-            return
+            total = head.size + head.length
+            if len(buf) < total:
+                self._head = head
+                self._arm("body", self._limits.body_timeout_s)
+                return
+        else:
+            total = head.size + head.length
+            if len(buf) < total:
+                return
         self._disarm()
         self._phase = "serve"
         self._head = None
