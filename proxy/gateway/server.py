@@ -46,7 +46,6 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.ingress import Limits
-from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics
 from proxy.serving import (
     Drain,
@@ -253,7 +252,7 @@ class Gateway(Service):
 
     def _unit_changed(self, unit: Unit) -> None:
         self._refresh_gauges(unit, time.monotonic())
-        serving = any(u.state is UnitState.SERVING for u in self.router.units.values())
+        serving = self.router.any_reported_serving
         if serving != self._served:
             self._served = serving
             self._serving_changed.set()
