@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -342,8 +342,10 @@ class Gateway(Service):
         stack.push_async_callback(stop)
         return int(server.sockets[0].getsockname()[1])
 
-    async def _serve_front(self, response: front.Response, head: front.Head, body: bytes) -> None:
-        await self._inference(response, head.route, head.path, body, head.headers)
+    def _serve_front(
+        self, response: front.Response, head: front.Head, body: bytes
+    ) -> Coroutine[Any, Any, None]:
+        return self._inference(response, head.route, head.path, body, head.headers)
 
     async def _inference(
         self,

@@ -94,7 +94,12 @@ class Unit:
         self, now: float, stale_after_s: float, correct: bool = True, age_at: float | None = None
     ) -> bool:
         """Can take a request now: serving, and below capacity by our estimate."""
-        return self.serving(now, stale_after_s, age_at) and self.estimate(correct) < self.capacity
+        report = self.report
+        return (
+            report is not None
+            and self.serving(now, stale_after_s, age_at)
+            and self.estimate(correct) < report.capacity
+        )
 
     def serves(self, model: str | None) -> bool:
         """Serves ``model`` by its last report (a report that lists none: any model)."""
@@ -102,7 +107,10 @@ class Unit:
         return model is None or report is None or not report.models or model in report.models
 
     def load(self, correct: bool = True) -> float:
-        return self.estimate(correct) / self.capacity if self.capacity else float("inf")
+        report = self.report
+        if report is None or not report.capacity:
+            return float("inf")
+        return self.estimate(correct) / report.capacity
 
     def apply(self, report: LoadReport, now: float) -> None:
         self.report = report

@@ -294,6 +294,7 @@ class ClientConnection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self._timer: Timer | None = None  # the read timer of the phase
         self._phase = "idle"
+        self._idle_since = 0.0  # loop time the connection last went idle
         self._head_deadline = 0.0
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
@@ -313,6 +314,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._counted = True
         self._front.connections.add(self)
+        self._idle_since = self._loop.time()
         self._arm("idle", self._limits.keepalive_s)
 
     def data_received(self, data: bytes) -> None:
@@ -370,7 +372,19 @@ class ClientConnection(asyncio.Protocol):
 
     def _expired(self) -> None:
         self._timer = None
-        if self.closed or self.task is not None:
+        if self.closed:
+            return
+        if self._phase in ("idle", "serve"):
+            # The keep-alive timer stays armed across requests (no cancel and re-arm per
+            # request): when it fires it looks at when the connection last went idle.
+            if self.task is not None:
+                left = self._limits.keepalive_s  # serving: idle starts when it ends
+            else:
+                left = self._idle_since + self._limits.keepalive_s - self._loop.time()
+            if left > 0:
+                self._timer = self._limits.after(left, self._expired)
+                return
+        if self.task is not None:
             return
         if self._phase == "closing":
             pass  # answered already (a refusal from the head): just close
@@ -429,7 +443,8 @@ class ClientConnection(asyncio.Protocol):
             total = head.size + head.length
             if len(buf) < total:
                 return
-        self._disarm()
+        if self._phase != "idle":
+            self._disarm()  # a head or body timer; the idle one stays (see _expired)
         self._phase = "serve"
         self._head = None
         if len(buf) == total:
@@ -485,7 +500,10 @@ class ClientConnection(asyncio.Protocol):
         if self._read_paused and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
-        self._arm("idle", self._limits.keepalive_s)
+        self._phase = "idle"
+        self._idle_since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._limits.after(self._limits.keepalive_s, self._expired)
         if self._buf:
             self._next()
 
