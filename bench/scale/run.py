@@ -59,11 +59,12 @@ from bench.common import (
     cpu_model,
     free_ports,
     run_loop,
+    tree_cpu_s,
     until_signal,
 )
-from bench.overhead.procs import running, tree_cpu_s
 from bench.scale import measure, report
 from bench.scale.fleet import SOURCES
+from proxy.procutil import python_m, running
 
 DEFAULT_OUT = REPO / "bench" / "results" / "scale.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")
@@ -101,7 +102,10 @@ def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster
 
 
 async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
-    """One fleet and one gateway: reports only, then (for some sources) requests."""
+    """One fleet and one gateway: reports only, then (for some sources) requests.
+
+    Started by the shared launcher, not ``unitproxy up``: the units are the emulator's,
+    not sidecars, and the gateway reads them from a config file written here."""
     tag = f"{size}-{source}"
     ready = plan.log_dir / f"fleet-{tag}.json"
     ready.unlink(missing_ok=True)
@@ -123,7 +127,7 @@ async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
         config = plan.log_dir / f"gateway-{tag}.toml"
         gateway_config(config, spec["units"], source, cluster)
         http_port, grpc_port = free_ports(2)
-        gateway_argv = [sys.executable, "-m", "proxy", "gateway", "--config", str(config),
+        gateway_argv = [*python_m("gateway"), "--config", str(config),
                         "--host", "127.0.0.1", "--http-port", str(http_port),
                         "--grpc-port", str(grpc_port), "--log-level", "warning",
                         *(["--redis-url", REDIS_URL] if source == "redis" else []),

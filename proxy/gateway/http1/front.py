@@ -22,20 +22,20 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import httptools
 
-from proxy.errors import UnitProxyError
+from proxy.errors import Unavailable, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     FORM_TYPES,
-    MAX_REQUEST_ID,
     MIGRATE_HEADER,
     REQUEST_ID_HEADER,
     ClientClosed,
+    bad_request_id,
 )
-from proxy.ingress import Guard, Limits, request_timeout_response
+from proxy.ingress import BODY_BUFFER_FULL, Guard, Limits, request_timeout_response
 from proxy.timers import Timer
 
 log = logging.getLogger(__name__)
@@ -138,19 +138,9 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     if content_type is not None and content_type.split(";", 1)[0].strip().lower() in FORM_TYPES:
         return None
     request_id = headers.get(REQUEST_ID_HEADER)
-    if request_id is not None and not _echoable(request_id):
-        return None
+    if request_id is not None and bad_request_id(request_id) is not None:
+        return None  # aiohttp answers it with the 400
     return Head(route, path, headers, int(length), len(raw), parser.should_keep_alive())
-
-
-def _echoable(request_id: str) -> bool:
-    if len(request_id) > MAX_REQUEST_ID:
-        return False
-    try:
-        request_id.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _STATUS_LINES: dict[int, bytes] = {}
@@ -298,6 +288,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_deadline = 0.0
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
+        self._held = 0  # bytes of the body coming in, held in the limits' body budget
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
@@ -340,6 +331,7 @@ class ClientConnection(asyncio.Protocol):
         if self._counted:
             self._counted = False
             self._limits.release()
+        self._free_body()  # gone while a body came
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
         self._wake_writer()
@@ -434,6 +426,11 @@ class ClientConnection(asyncio.Protocol):
                 return
             if not self._authorized(head):
                 return
+            if not self._limits.hold_body(head.length):
+                refusal = Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
+                self._refuse(head, refusal.http_status, refusal.body(), {"Retry-After": "1"})
+                return
+            self._held = head.length
             total = head.size + head.length
             if len(buf) < total:
                 self._head = head
@@ -445,6 +442,7 @@ class ClientConnection(asyncio.Protocol):
                 return
         if self._phase != "idle":
             self._disarm()  # a head or body timer; the idle one stays (see _expired)
+        self._free_body()
         self._phase = "serve"
         self._head = None
         if len(buf) == total:
@@ -460,20 +458,30 @@ class ClientConnection(asyncio.Protocol):
         try:
             self._front.authorize(head)
         except UnitProxyError as exc:
-            error = json.dumps(exc.body()).encode()
-            headers = {"Content-Type": "application/json"}
-            Response(self, close=True).respond(exc.http_status, headers, error)
-            # Drop the body as it comes (a close with unread bytes would reset the
-            # connection before the client reads the answer), within the body timer.
-            self._discard = head.size + head.length - len(self._buf)
-            self._buf.clear()
-            if self._discard <= 0:
-                self._discard = 0
-                self.close()
-            else:
-                self._arm("closing", self._limits.body_timeout_s)
+            self._refuse(head, exc.http_status, exc.body())
             return False
         return True
+
+    def _refuse(
+        self, head: Head, status: int, error: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
+        """Answer from the head alone and close once the body is dropped."""
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        Response(self, close=True).respond(status, headers, json.dumps(error).encode())
+        # Drop the body as it comes (a close with unread bytes would reset the
+        # connection before the client reads the answer), within the body timer.
+        self._discard = head.size + head.length - len(self._buf)
+        self._buf.clear()
+        if self._discard <= 0:
+            self._discard = 0
+            self.close()
+        else:
+            self._arm("closing", self._limits.body_timeout_s)
+
+    def _free_body(self) -> None:
+        if self._held:
+            self._limits.free_body(self._held)
+            self._held = 0
 
     async def _serve(self, head: Head, body: bytes) -> None:
         response = Response(self, close=not head.keep_alive)
