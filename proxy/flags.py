@@ -140,6 +140,8 @@ GATEWAY = (
     Flag("--report-delay", "gateway.report_delay_s", "SECONDS"),
     Flag("--correct-load", "gateway.correct_load", choices=("true", "false")),
     Flag("--report-budget", "gateway.report_budget_per_s", "PER_S"),
+    Flag("--report-min-interval", "gateway.report_min_interval_s", "SECONDS"),
+    Flag("--watch-grpc-max-units", "gateway.watch_grpc_max_units", "N"),
 )
 UP = (
     Flag("--units", "up.units", "N"),

@@ -213,17 +213,15 @@ class Gate:
         self.in_flight = 0
         self.closed = False
         self._changes = changes
-        self._gauge = gauge
+        gauge.set_function(lambda: self.in_flight)  # read at scrape: nothing per request
 
     def enter(self) -> None:
         if self.closed:
             raise Unavailable(f"{self.what} is draining", code="draining")
         self.in_flight += 1
-        self._gauge.inc()
 
     def exit(self) -> None:
         self.in_flight -= 1
-        self._gauge.dec()
         self._changes.notify()
 
 

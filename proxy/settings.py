@@ -354,7 +354,12 @@ class GatewaySettings(_Section):
     )
     load_source: Literal["watch", "watch-http", "poll", "redis"] = Field(
         "watch",
-        description="Where unit load comes from: watch (a gRPC WatchLoad stream per unit), watch-http (the same reports as server-sent events from GET /load/watch, on the gateway's HTTP client), poll (GET /load), redis. Default watch.",
+        description="Where unit load comes from: watch (a gRPC WatchLoad stream per unit; over HTTP beyond watch_grpc_max_units units), watch-http (the same reports as server-sent events from GET /load/watch, on the gateway's HTTP client), poll (GET /load), redis. Default watch.",
+    )
+    watch_grpc_max_units: int = Field(
+        1000,
+        ge=0,
+        description="With load_source watch and more configured units than this, the gateway holds each unit's report stream over HTTP (as watch-http) instead of gRPC: a gRPC channel with its stream costs the gateway about 55-70 KB of memory, an HTTP stream about 15 KB (bench/scale). Default 1000.",
     )
     retries: int = Field(
         2,
@@ -427,6 +432,11 @@ class GatewaySettings(_Section):
         250.0,
         ge=0,
         description="Load reports per second this gateway asks of all its configured units together (watch, watch-http, poll): with N units, each reports load changes at most every N/budget s and a heartbeat every N/budget s when that is longer than the unit's own; poll_interval_s and stale_after_s stretch to match (stale: 3 such intervals). Between reports the gateway's own counts keep the estimate current. 0: every unit reports at its own rate. Default 250.",
+    )
+    report_min_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="Each unit reports load changes to this gateway at most this often, in s, whatever the fleet's size (watch, watch-http, poll, redis): between reports the gateway's own counts are exact for its own traffic, and only other gateways' traffic waits up to this long. State changes still arrive at once. 0: a small fleet reports at the units' own rate. Default 0.05.",
     )
     tls_ca_file: Path | None = Field(
         None,

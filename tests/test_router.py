@@ -309,3 +309,33 @@ def test_an_unknown_model_is_not_found_and_a_known_one_routes_to_its_units() -> 
     assert missing.value.code == "model_not_found"
     r.check_model("m2")
     assert [u.id for u in r.candidates(model="m2")] == ["b"]
+
+
+def test_whether_any_unit_reports_serving_is_kept_as_reports_arrive() -> None:
+    r = router("a", "b")
+    assert r.any_reported_serving
+    r.apply_report("a", LoadReport("a", UnitState.NOT_SERVING, 0, 1, seq=2))
+    assert r.any_reported_serving  # b still serves
+    r.forget_report("b", "load stream broke")
+    assert not r.any_reported_serving
+    r.forget_report("b", "load stream broke")  # again: no report to uncount
+    r.apply_report("a", LoadReport("a", UnitState.NOT_SERVING, 0, 1, seq=1))  # late: dropped
+    assert not r.any_reported_serving
+    r.apply_report("b", LoadReport("b", UnitState.SERVING, 0, 1, seq=1))
+    assert r.any_reported_serving
+
+
+def test_the_serving_count_matches_a_pass_over_every_unit() -> None:
+    ids = [f"u{i}" for i in range(12)]
+    r = router(*ids)
+    rng = random.Random(7)
+    seqs = dict.fromkeys(ids, 1)
+    for _ in range(2_000):
+        unit = rng.choice(ids)
+        if rng.random() < 0.1:
+            r.forget_report(unit, "gone")
+        else:
+            seqs[unit] += rng.choice((1, 1, 1, -3))  # now and then a late, older report
+            state = rng.choice(list(UnitState))
+            r.apply_report(unit, LoadReport(unit, state, 0, 1, seq=seqs[unit]))
+        assert r.any_reported_serving == any(u.state is UnitState.SERVING for u in r.units.values())

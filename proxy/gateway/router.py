@@ -101,6 +101,7 @@ class Router:
         self._models: Counter[str] = Counter()
         self._model_sets: Counter[tuple[str, ...]] = Counter()
         self._held_back: set[str] = set()  # units the ejection cap kept in (logged once)
+        self._serving_reports = 0  # units whose last report says SERVING (fresh or not)
         # Large fleets: lor keeps its units in a heap; p2c and random draw from all units
         # (proxy.gateway.index); round_robin walks on from where it stopped. None passes
         # over every unit per request.
@@ -159,6 +160,16 @@ class Router:
         if model is None or self._models[model] or self._model_sets[()]:
             return
         raise NotFound(f"the model '{model}' does not exist", param="model", code="model_not_found")
+
+    @property
+    def any_reported_serving(self) -> bool:
+        """Whether some unit's last report says SERVING, however old: kept as a count
+        as reports arrive, not a pass over every unit."""
+        return self._serving_reports > 0
+
+    def _count_serving(self, report: LoadReport | None, n: int) -> None:
+        if report is not None and report.state is UnitState.SERVING:
+            self._serving_reports += n
 
     def _count_models(self, report: LoadReport | None, n: int) -> None:
         if report is None:
@@ -425,6 +436,8 @@ class Router:
             )
         self._count_models(unit.report, -1)
         self._count_models(report, +1)
+        self._count_serving(unit.report, -1)
+        self._count_serving(report, +1)
         unit.apply(report, self._clock())
         self._moved(unit)
         if report.state != before:
@@ -473,6 +486,7 @@ class Router:
         self.unreachable(unit, why)
         if unit.report is not None:
             self._count_models(unit.report, -1)
+            self._count_serving(unit.report, -1)
             unit.report = None
             self.release_stranded()
             self._changed(unit)

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -46,7 +46,6 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.ingress import Limits
-from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics
 from proxy.serving import (
     Drain,
@@ -151,9 +150,12 @@ class Gateway(Service):
         self._tasks.append(asyncio.create_task(self._gauges_loop(), name="gateway gauges"))
         self._tasks.append(asyncio.create_task(self._wake_queue_loop(), name="gateway queue"))
         self._tasks.append(asyncio.create_task(self._health_watch(), name="gateway health"))
+        source: str = s.gateway.load_source
+        if source == "watch" and self.watches_over_http:
+            source = f"watch over HTTP (more than {s.gateway.watch_grpc_max_units} units)"
         log.info("gateway: HTTP %s, gRPC %s, %d units, policy %s, load from %s",
                  self.http_url, self.grpc_target, len(self.router.units),
-                 s.gateway.policy, s.gateway.load_source)  # fmt: skip
+                 s.gateway.policy, source)  # fmt: skip
         log.info("gateway: %s", describe_admin(self._admin_token()))
 
     # --- drain ----------------------------------------------------------------------
@@ -226,18 +228,27 @@ class Gateway(Service):
             self._tasks.append(asyncio.create_task(self.redis_source.run(), name="load redis"))
             return
         units = list(self.router.units.values())
-        if s.load_source == "watch":
-            watch = WatchSource(self.router, self._channel)
-            runs = [watch.run(u) for u in units]
-        elif s.load_source == "watch-http":
+        if self.watches_over_http:
             quiet_s = self.router.settings.stale_after_s
             http_watch = HttpWatchSource(self.router, lambda u: self._pools[u.id], quiet_s)
             runs = [http_watch.run(u) for u in units]
+        elif s.load_source == "watch":
+            watch = WatchSource(self.router, self._channel)
+            runs = [watch.run(u) for u in units]
         else:
             poll = PollSource(self.router, self._poll_pool)
             runs = [poll.run(u) for u in units]
         for unit, run in zip(units, runs, strict=True):
             self._tasks.append(asyncio.create_task(run, name=f"load {unit.id}"))
+
+    @property
+    def watches_over_http(self) -> bool:
+        """Whether the load reports come as server-sent events: watch-http, or watch for a
+        fleet too large to hold a gRPC channel per unit (``watch_grpc_max_units``)."""
+        s = self.settings.gateway
+        return s.load_source == "watch-http" or (
+            s.load_source == "watch" and len(self.router.units) > s.watch_grpc_max_units
+        )
 
     def _poll_pool(self, unit: Unit) -> Pool:
         tls = self._client_tls
@@ -259,7 +270,7 @@ class Gateway(Service):
 
     def _unit_changed(self, unit: Unit) -> None:
         self._refresh_gauges(unit, self.clock())
-        serving = any(u.state is UnitState.SERVING for u in self.router.units.values())
+        serving = self.router.any_reported_serving
         if serving != self._served:
             self._served = serving
             self._serving_changed.set()
@@ -347,8 +358,10 @@ class Gateway(Service):
         stack.push_async_callback(stop)
         return int(server.sockets[0].getsockname()[1])
 
-    async def _serve_front(self, response: front.Response, head: front.Head, body: bytes) -> None:
-        await self._inference(response, head.route, head.path, body, head.headers)
+    def _serve_front(
+        self, response: front.Response, head: front.Head, body: bytes
+    ) -> Coroutine[Any, Any, None]:
+        return self._inference(response, head.route, head.path, body, head.headers)
 
     async def _inference(
         self,
