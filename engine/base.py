@@ -107,7 +107,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
-        """Stream deltas for ``request``; raises proxy.errors.EngineError on failure."""
+        """Stream deltas for ``request``; raises engine.errors.EngineError on failure."""
 
     @abc.abstractmethod
     async def count_tokens(self, text: str) -> int:
@@ -115,7 +115,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def check_health(self) -> None:
-        """Return if the engine is alive; raise proxy.errors.EngineError if not."""
+        """Return if the engine is alive; raise engine.errors.EngineError if not."""
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...

@@ -29,9 +29,9 @@ from typing import Literal
 
 from engine import tokens
 from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
+from engine.errors import EngineDeadError, EngineError
 from engine.prefix_cache import PrefixCache
-from proxy.errors import EngineDeadError, EngineError
-from proxy.settings import SimSettings
+from engine.settings import SimSettings
 
 logger = logging.getLogger(__name__)
 

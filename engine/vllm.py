@@ -37,9 +37,9 @@ from typing import Any
 
 from engine import EngineUnavailable
 from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, TokenDelta
+from engine.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
 from engine.frontend import OpenAIFrontend
-from proxy.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
-from proxy.settings import EngineSettings
+from engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ and, in any phase, a write timer that runs while the client's socket buffer is f
 (the transport paused our writes) and stops when it drains: after write_timeout_s
 the connection is aborted, which cancels the request's task, so the request ends and
 its capacity slot is freed. At most max_connections are open; one more is answered
-503 and closed at once. The bodies of the requests under way (from the head until the
-answer) hold at most max_body_buffer_bytes together: a request whose declared body
-would pass it is answered 503 before its body is read, and the connection closes.
+503 and closed at once. The bodies coming in (each from its head until it is whole)
+hold at most max_body_buffer_bytes together: a request whose declared body would pass
+it is answered 503 before its body is read, and the connection closes.
 
 The gateway's lean path (proxy/gateway/http1/front.py) keeps these phases itself, since it
 frames requests itself. A connection served by aiohttp runs under a ``Guard``: the
@@ -100,7 +100,7 @@ class Limits:
             self._refusing = 0
 
     def hold_body(self, size: int) -> bool:
-        """Count in a request body of ``size`` bytes; False if the bodies held would
+        """Count in a request body of ``size`` bytes coming in; False if the bodies held would
         pass max_body_buffer_bytes (the refusal is counted; the caller answers it)."""
         if size and self.body_held + size > self.body_budget:
             self.metrics.closed.labels("body_buffer").inc()
@@ -305,7 +305,7 @@ def body_middleware() -> Middleware:
     """After the API key check: read the whole body (the handler's ``request.read()``
     then returns it at once) under the guard's body timer, held in the port's body
     budget (its declared length, or the largest body allowed when it has none) until
-    the request is answered."""
+    it is whole."""
 
     @web.middleware
     async def body(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -320,9 +320,9 @@ def body_middleware() -> Middleware:
             raise Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
         try:
             await request.read()
-            guard.body_done()
-            return await handler(request)
         finally:
             limits.free_body(size)
+        guard.body_done()
+        return await handler(request)
 
     return body

@@ -134,8 +134,8 @@ class IngressMetrics:
             self.closed.labels(reason)
         self.body_buffer = Gauge(
             "body_buffer_bytes",
-            "Bytes of request bodies held on the HTTP port, from each head until its "
-            "answer (at most server.max_body_buffer_bytes).",
+            "Bytes of request bodies coming in on the HTTP port, each from its head until "
+            "it is whole (at most server.max_body_buffer_bytes).",
             namespace=PREFIX,
             registry=registry,
         )

@@ -170,6 +170,28 @@ async def test_the_head_timer_is_rearmed_after_each_request(
 
 
 @pytest.mark.parametrize("role", ROLES)
+async def test_the_idle_time_counts_from_the_last_response(
+    servers: dict[str, Any], role: str
+) -> None:
+    server = servers[role]
+    before = closed_total(server, "idle")
+    reader, writer = await connect(server.http_url)
+    for _ in range(4):  # in use past one keep-alive limit, never idle that long
+        writer.write(post("/v1/completions", len(BODY), f"Authorization: Bearer {KEY}") + BODY)
+        async with asyncio.timeout(LATE_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+        answered = time.monotonic()
+        await asyncio.sleep(TIMEOUT_S / 3)
+    got, after_s = await closed_with(reader, answered)
+    writer.close()
+    assert got == b""
+    assert TIMEOUT_S * 0.9 <= after_s < LATE_S, f"closed {after_s:.2f} s after the last answer"
+    assert closed_total(server, "idle") == before + 1
+
+
+@pytest.mark.parametrize("role", ROLES)
 async def test_connections_over_the_cap_are_refused_clearly(
     start_sidecar: SidecarFactory, role: str
 ) -> None:
@@ -322,7 +344,7 @@ async def test_bodies_under_way_share_one_buffer_budget(
 ) -> None:
     # One client holds a body half sent (chunked: the largest body allowed, since its
     # length is unknown); another's body would pass max_body_buffer_bytes: it gets 503
-    # from its head, and once the first request is answered the budget is free again.
+    # from its head, and once the first body is whole the budget is free again.
     server = await budget_server(start_sidecar, role)
     try:
         before = closed_total(server, "body_buffer")

@@ -9,10 +9,10 @@ import pytest
 
 from proxy.errors import NotFound
 from proxy.gateway.index import LeastLoaded
+from proxy.gateway.policies import prefix_affinity
 from proxy.gateway.prefix import Want
 from proxy.gateway.router import NoUnit, Outcome, Router
-from proxy.gateway.select import prefix_affinity
-from proxy.gateway.units import Unit
+from proxy.gateway.units import CORRECTED, Unit
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 from tests.test_router import Clock
@@ -60,17 +60,17 @@ def test_a_holder_is_chosen_only_within_the_bound_over_the_mean() -> None:
     # mean load 0.25 with this request; (1 + 0.2) x 0.25 x 64 = 19.2, plus 1 request
     a, b, least = unit("a", 19), unit("b", 20), unit("c", 0)
     mean = 0.25
-    assert prefix_affinity(least, [[a]], True, mean, 0.2, 1) is a  # 19 + 1 <= 20.2
-    assert prefix_affinity(least, [[b]], True, mean, 0.2, 1) is least  # 21 > 20.2
-    assert prefix_affinity(least, [[b]], True, mean, 0.2, 2) is b  # 21 <= 21.2
+    assert prefix_affinity(least, [[a]], CORRECTED, mean, 0.2, 1) is a  # 19 + 1 <= 20.2
+    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 1) is least  # 21 > 20.2
+    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 2) is b  # 21 <= 21.2
     # the longest match is over the bound: the next shorter match that is within it
     shorter = unit("d", 10)
-    assert prefix_affinity(least, [[b], [shorter]], True, mean, 0.2, 1) is shorter
+    assert prefix_affinity(least, [[b], [shorter]], CORRECTED, mean, 0.2, 1) is shorter
     # of the holders at one depth, the least loaded by outstanding / capacity
     small = unit("e", 4, capacity=16)  # 0.25 against a's 0.30
-    assert prefix_affinity(least, [[a, small]], True, mean, 0.2, 1) is small
+    assert prefix_affinity(least, [[a, small]], CORRECTED, mean, 0.2, 1) is small
     # a small unit's share of the bound is its capacity's: 4 + 1 > 1.2 x 0.25 x 16 + 0
-    assert prefix_affinity(least, [[small]], True, mean, 0.2, 0) is least
+    assert prefix_affinity(least, [[small]], CORRECTED, mean, 0.2, 0) is least
 
 
 async def test_bounded_load_no_choice_puts_a_unit_above_the_mean_bound() -> None:

@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from engine import tokens
 from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
+from engine.errors import EngineDeadError, EngineError
+from engine.settings import SimSettings
 from engine.sim import SimEngine
-from proxy.errors import EngineDeadError, EngineError
-from proxy.settings import SimSettings
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -148,7 +148,7 @@ def test_same_text_across_processes() -> None:
         "import asyncio\n"
         "from engine.base import EngineRequest, SamplingParams\n"
         "from engine.sim import SimEngine\n"
-        "from proxy.settings import SimSettings\n"
+        "from engine.settings import SimSettings\n"
         "async def main():\n"
         "    async with SimEngine(SimSettings(decode_step_ms=0, seed=3)) as e:\n"
         "        sampling = SamplingParams(max_tokens=12)\n"

@@ -19,19 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen import percentile
 from bench.routing.client import OpenLoopRun, Outcome
 
 SLOS_S = {"1s": 1.0, "300ms": 0.3}
 GOAL = ("lor", "round_robin", 85, 1.5)  # lor goodput@1s >= 1.5x round_robin's at 85 % load
 PEER_GOAL = ("lor", 85)  # lor goodput@1s >= every peer policy's at 85 % load (and at each load)
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
 def _ms(seconds: float | None) -> float | None:

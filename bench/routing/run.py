@@ -67,7 +67,9 @@ from bench.common import (
     run_loop,
     until_signal,
 )
+from bench.loadgen import percentile
 from bench.routing import client, fleet, peers, report, workload
+from proxy.procutil import Child, ChildFailed
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
@@ -180,7 +182,7 @@ async def measure_saturation(
             s.saturation_window_s,
         )
     if run.tokens_per_s == 0:
-        raise fleet.ChildFailed(
+        raise ChildFailed(
             f"the saturation run streamed no tokens (errors {dict(run.errors)}); see {log}"
         )
     return Saturation(
@@ -198,7 +200,7 @@ async def measure_saturation(
 
 
 class RouterProcess(Protocol):
-    """A run's router: the gateway (fleet.Child) or a peer (peers.RunningPeer)."""
+    """A run's router: the gateway (a procutil.Child) or a peer (peers.RunningPeer)."""
 
     @property
     def http_url(self) -> str: ...
@@ -229,7 +231,7 @@ def running_router(
 class Replicas:
     """Several gateways over one fleet, as one router: clients spread over them."""
 
-    def __init__(self, gateways: Sequence[fleet.Child]) -> None:
+    def __init__(self, gateways: Sequence[Child]) -> None:
         self.gateways = list(gateways)
 
     @property
@@ -333,8 +335,8 @@ async def policy_run(
     metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)
     queries, hits = (a - b for a, b in zip(cache_after, cache_before, strict=True))
     metrics.prefix_hit_rate = hits / queries if queries else None
-    metrics.peak_over_mean_p99 = report.percentile(peaks, 99)
-    metrics.peak_over_mean_p50 = report.percentile(peaks, 50)
+    metrics.peak_over_mean_p99 = percentile(peaks, 99)
+    metrics.peak_over_mean_p50 = percentile(peaks, 50)
     metrics.load_samples = len(peaks)
     metrics.cpu = after.percent_since(before)
     metrics.timing_s = {
@@ -839,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_loop(until_signal(bench(s, results)))
     except Interrupted as exc:
         results.stopped_by = f"interrupted by {exc}"
-    except fleet.ChildFailed as exc:
+    except ChildFailed as exc:
         results.stopped_by = f"failed: {exc}"
     if results.stopped_by:
         print(

@@ -28,7 +28,7 @@ import itertools
 import random
 from collections.abc import Callable, Collection, Sequence
 
-from proxy.gateway.units import Unit
+from proxy.gateway.units import CORRECTED, LoadView, Unit
 
 SAMPLE_TRIES = 16  # draws before falling back to the full list
 
@@ -36,9 +36,9 @@ Entry = tuple[float, float, int, Unit]  # load, random tie-break, push number, u
 
 
 class LeastLoaded:
-    def __init__(self, rng: random.Random, correct: bool = True):
+    def __init__(self, rng: random.Random, view: LoadView = CORRECTED):
         self._rng = rng
-        self._correct = correct
+        self._view = view
         self._heap: list[Entry] = []
         self._live: dict[str, int] = {}  # unit id -> push number of its current entry
         self._pushes = itertools.count()
@@ -60,7 +60,7 @@ class LeastLoaded:
         # just released does not win its tie again at once (a fresh uniform key would:
         # the keys left behind are the larger ones).
         tie = n + self._rng.random() * len(self._live)
-        estimate, capacity = unit.estimate(self._correct), unit.capacity
+        estimate, capacity = self._view.estimate(unit), unit.capacity
         self._count(unit.id, (estimate, capacity))
         load = estimate / capacity if capacity else float("inf")
         heapq.heappush(self._heap, (load, tie, n, unit))
@@ -100,7 +100,7 @@ class LeastLoaded:
         age_at: float,
         exclude: Collection[str] = (),
     ) -> Unit | None:
-        """The least loaded unit that can take a request (``Unit.available``)."""
+        """The least loaded unit that can take a request (``LoadView.available``)."""
         if self._held:
             self._release_held(now)
         heap, live = self._heap, self._live
@@ -115,7 +115,7 @@ class LeastLoaded:
                     return None  # the least loaded is full: so is every unit after it
                 if unit.id in exclude:
                     skipped.append(heapq.heappop(heap))  # for this choice only
-                elif unit.available(now, stale_after_s, self._correct, age_at):
+                elif self._view.available(unit, now, stale_after_s, age_at):
                     return unit
                 elif now < unit.ejected_until:
                     self.hold(unit, unit.ejected_until)

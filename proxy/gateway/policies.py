@@ -1,54 +1,54 @@
 """Choosing a unit: pure functions of a snapshot of candidates.
 
-Every policy gets only units that can take a request (``Unit.available``) and never
-looks at anything else, so "can take a request" has one definition.
+Every policy gets only units that can take a request (``LoadView.available``) and
+never looks at anything else, so "can take a request" has one definition; it reads
+each unit's load through the router's ``LoadView``.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
 
-from proxy.gateway.units import Unit
+from proxy.gateway.units import LoadView, Unit
 
-Policy = Literal["lor", "prefix", "p2c", "round_robin", "random"]
-Select = Callable[[Sequence[Unit], random.Random, int, bool], Unit | None]
+# candidates, the router's random generator, its turn (a count of choices), its view
+Select = Callable[[Sequence[Unit], random.Random, int, LoadView], Unit | None]
 
 
 def least_outstanding(
-    candidates: Sequence[Unit], rng: random.Random, turn: int, correct: bool = True
+    candidates: Sequence[Unit], rng: random.Random, turn: int, view: LoadView
 ) -> Unit | None:
     """Least estimated outstanding / capacity; ties broken at random."""
     if not candidates:
         return None
-    loads = [u.load(correct) for u in candidates]
+    loads = [view.load(u) for u in candidates]
     lowest = min(loads)
     tied = [u for u, load in zip(candidates, loads, strict=True) if load == lowest]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def power_of_two(
-    candidates: Sequence[Unit], rng: random.Random, turn: int, correct: bool = True
+    candidates: Sequence[Unit], rng: random.Random, turn: int, view: LoadView
 ) -> Unit | None:
     """Two distinct candidates at random; the less loaded one (a coin toss on a tie)."""
     if len(candidates) < 2:
         return candidates[0] if candidates else None
     a, b = rng.sample(candidates, 2)
-    load_a, load_b = a.load(correct), b.load(correct)
+    load_a, load_b = view.load(a), view.load(b)
     if load_a == load_b:
         return a if rng.random() < 0.5 else b
     return a if load_a < load_b else b
 
 
 def round_robin(
-    candidates: Sequence[Unit], rng: random.Random, turn: int, correct: bool = True
+    candidates: Sequence[Unit], rng: random.Random, turn: int, view: LoadView
 ) -> Unit | None:
     return candidates[turn % len(candidates)] if candidates else None
 
 
 def uniform_random(
-    candidates: Sequence[Unit], rng: random.Random, turn: int, correct: bool = True
+    candidates: Sequence[Unit], rng: random.Random, turn: int, view: LoadView
 ) -> Unit | None:
     return rng.choice(candidates) if candidates else None
 
@@ -56,7 +56,7 @@ def uniform_random(
 def prefix_affinity(
     least: Unit,
     holders: Iterable[Sequence[Unit]],
-    correct: bool,
+    view: LoadView,
     mean: float,
     balance: float,
     slack: int,
@@ -78,7 +78,7 @@ def prefix_affinity(
         best: Unit | None = None
         best_load = 0.0
         for unit in units:
-            estimate = unit.estimate(correct)
+            estimate = view.estimate(unit)
             if estimate + 1 <= ceiling * unit.capacity + slack:
                 load = estimate / unit.capacity
                 if best is None or load < best_load:
