@@ -117,6 +117,28 @@ async def test_a_full_queue_and_a_long_wait_are_429_with_their_codes() -> None:
     waiting.cancel()
 
 
+async def test_waiters_get_no_unit_once_the_last_unit_they_could_take_stops() -> None:
+    r, clock = fleet("a", "b", queue_timeout_s=5)
+    await r.acquire()
+    await r.acquire()
+    any_unit = asyncio.create_task(r.acquire())
+    not_a = asyncio.create_task(r.acquire(exclude={"a"}))
+    not_b = asyncio.create_task(r.acquire(exclude={"b"}))
+    await settle()
+    assert r.waiting == 3
+    report(r, "b", 1, 1, state=UnitState.DRAINING)  # b stops: nothing left for not_a
+    await settle()
+    assert not_a.done() and isinstance(not_a.exception(), NoUnit)
+    assert not any_unit.done() and not not_b.done(), "a may still free up for them"
+    report(r, "a", 1, 1, seq=3)  # a reports again, still full; then its reports stop
+    clock.now += 10.0  # past stale_after_s: no event says so, the queue's tick does
+    r.release_stranded()
+    await settle()
+    for task in (any_unit, not_b):
+        assert task.done() and isinstance(task.exception(), NoUnit)
+    assert r.waiting == 0
+
+
 async def test_with_no_unit_serving_a_request_gets_no_unit_at_once() -> None:
     r = router("a", "b")
     await r.acquire()

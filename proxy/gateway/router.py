@@ -343,6 +343,18 @@ class Router:
                 waiter.future.set_result(None)
                 return
 
+    def release_stranded(self) -> None:
+        """Wake the waiters that no SERVING unit is left for (the last one stopped, went
+        stale or lost its reports): they raise NoUnit at once, a 503 rather than a
+        queue_timeout after waiting for a unit that cannot come."""
+        if not self._waiters:
+            return
+        serving = self.serving()
+        for waiter in list(self._waiters):
+            if not waiter.future.done() and not any(waiter.may_take(u) for u in serving):
+                self._waiters.remove(waiter)
+                waiter.future.set_result(None)
+
     @property
     def waiting(self) -> int:
         return len(self._waiters)
@@ -430,6 +442,8 @@ class Router:
         self._moved(unit)
         if report.state != before:
             log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
+            if before is UnitState.SERVING:
+                self.release_stranded()
         self.wake()
         self._changed(unit)
 
@@ -474,6 +488,7 @@ class Router:
             self._count_models(unit.report, -1)
             self._count_serving(unit.report, -1)
             unit.report = None
+            self.release_stranded()
             self._changed(unit)
 
     def unreachable(self, unit: Unit, why: str) -> None:

@@ -313,9 +313,11 @@ class Gateway(Service):
             await asyncio.sleep(TICK_S)
 
     async def _wake_queue_loop(self) -> None:
-        """Twice a second, offer the queue's waiters a unit: an ejection that ends frees
-        one with no event to say so."""
+        """Twice a second, offer the queue's waiters a unit (an ejection that ends frees
+        one with no event to say so), and tell those that no unit is left for (the last
+        one's reports went stale, again with no event)."""
         while True:
+            self.router.release_stranded()
             self.router.wake()
             await asyncio.sleep(TICK_S)
 
