@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "unitproxy"
@@ -246,6 +246,25 @@ class _PrefixCacheCounters(Collector):
         )
 
 
+class _UnitStates(Collector):
+    """unitproxy_gateway_unit_state, from the gateway's map of unit to state."""
+
+    def __init__(self, states: dict[str, str]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            f"{PREFIX}_gateway_unit_state",
+            "1 for the state this gateway sees a unit in, 0 for the others: the state of "
+            "its last fresh report, LOST when its reports stopped, UNKNOWN before any.",
+            labels=["unit", "state"],
+        )
+        for unit, state in list(self._states.items()):
+            for name in GATEWAY_UNIT_STATES:
+                family.add_metric([unit, name], 1.0 if name == state else 0.0)
+        yield family
+
+
 # Why a unit registered in Redis was refused (see proxy/gateway/discovery.py).
 DISCOVERY_REFUSALS = ("not_allowed", "max_units", "bad_id", "tls")
 
@@ -254,8 +273,7 @@ class GatewayMetrics:
     """Routing, retries and the gateway's view of each unit's load."""
 
     def __init__(self, registry: CollectorRegistry):
-        self._state_children: dict[str, dict[str, Any]] = {}
-        self._states: dict[str, str] = {}
+        self._states: dict[str, str] = {}  # unit -> the state it is seen in
         self._ages: dict[str, Any] = {}
         self._loads: dict[str, Any] = {}
         self.routed = Counter(
@@ -310,14 +328,9 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
-        self.unit_state = Gauge(
-            "gateway_unit_state",
-            "1 for the state this gateway sees a unit in, 0 for the others: the state of "
-            "its last fresh report, LOST when its reports stopped, UNKNOWN before any.",
-            ["unit", "state"],
-            namespace=PREFIX,
-            registry=registry,
-        )
+        # One series per unit and state, made at scrape time from ``_states``: as
+        # Gauge children they cost about 5 KB a unit (thousands of units).
+        registry.register(_UnitStates(self._states))
         self.discovery_refused = Counter(
             "discovery_refused",
             "Load reports of units in Redis that this gateway refused to route to, by reason.",
@@ -359,13 +372,4 @@ class GatewayMetrics:
         self.routed.labels(unit)
 
     def set_unit_state(self, unit: str, state: str) -> None:
-        children = self._state_children.get(unit)
-        if children is None:  # labels() costs a lookup each; a big fleet refreshes often
-            children = self._state_children[unit] = {
-                name: self.unit_state.labels(unit, name) for name in GATEWAY_UNIT_STATES
-            }
-        if self._states.get(unit) == state:
-            return
         self._states[unit] = state
-        for name, child in children.items():
-            child.set(1 if name == state else 0)

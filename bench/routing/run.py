@@ -17,8 +17,9 @@ slots, so queues form inside the engines and TTFT grows instead of 429s), then:
 Policies: lor, p2c, round_robin, random, and lor-delayed (lor with every load report
 applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
 on stale load) and lor-delayed-corrected (the same delay, correction on); lor-unbudgeted
-(every unit reports at its own rate: no report budget) and lor-as-at-1000 (each unit
-asked for one report every 4 s, as a gateway asks of 1,000 units). Beside them the
+(every unit reports at its own rate: no report budget, no report_min_interval_s) and
+lor-as-at-1000 (each unit asked for one report every 4 s, as a gateway asks of 1,000
+units). Beside them the
 peer routers' load-aware policies over the same fleet, each run started fresh like the
 gateway (``peers.py`` says what each does, how it measures load and why it was chosen):
 vllm-router:power_of_two, vllm-router:cache_aware, sglang-router:power_of_two,
@@ -132,9 +133,16 @@ class BenchSettings:
             # two gateway replicas, each its own index and counts; clients spread over both
             "lor-2gw": ["--policy", "lor"],
             "prefix-2gw": ["--policy", "prefix"],
-            # Every unit at its own report rate (no report budget), and every unit asked
+            # Every unit at its own report rate (no budget, no floor), and every unit asked
             # for a report every 4 s, as the default budget asks of a fleet of 1,000.
-            "lor-unbudgeted": ["--policy", "lor", "--report-budget", "0"],
+            "lor-unbudgeted": [
+                "--policy",
+                "lor",
+                "--report-budget",
+                "0",
+                "--report-min-interval",
+                "0",
+            ],
             "lor-as-at-1000": ["--policy", "lor", "--report-budget", f"{self.units / 4:g}"],
         }.get(policy, ["--policy", policy])
 
