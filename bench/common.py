@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import os
 import platform
 import signal
 import subprocess
@@ -12,9 +13,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+import aiohttp
+
 from proxy import procutil
+from proxy.procutil import Probe
 
 REPO = Path(__file__).resolve().parents[1]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 PRODUCT = ("proxy", "engine", "protos")
 T = TypeVar("T")
 
@@ -50,6 +55,73 @@ def no_plot() -> str | None:
 # -- ports -----------------------------------------------------------------------------
 
 free_ports = procutil.free_ports  # below the ephemeral range: see its docstring
+
+
+# -- CPU from /proc -------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # After "comm)": state, ppid, ... utime (field 14) and stime (15) sit at 11, 12,
+    # cutime and cstime (16, 17: reaped children) at 13, 14.
+    return stat.rsplit(")", 1)[1].split()
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent busy so far (all processes, ours too)."""
+    # "cpu user nice system idle iowait irq softirq steal ...": idle and iowait are not busy.
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / CLK_TCK
+
+
+def descendants(root: int) -> list[int]:
+    """Live processes below ``root``, found by walking every process's parent."""
+    parents: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None:
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of ``root`` (all threads), its live descendants and what it reaped."""
+    fields = _stat_fields(root)
+    if fields is None:
+        return 0.0
+    ticks = sum(int(f) for f in fields[11:15])
+    for pid in descendants(root):
+        child = _stat_fields(pid)
+        if child is not None:
+            ticks += sum(int(f) for f in child[11:15])
+    return ticks / CLK_TCK
+
+
+# -- readiness beyond GET /ready --------------------------------------------------------
+
+MODEL = "unitproxy-sim"  # the sim engine's served model
+
+
+def answers(url: str) -> Probe:
+    """A probe: a real completion comes back through ``url`` (a router whose /ready holds
+    can still fail every request, say in a tree that is mid-edit)."""
+    body = {"model": MODEL, "prompt": "ready?", "max_tokens": 2}
+
+    async def probe(session: aiohttp.ClientSession) -> bool:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            return resp.status == 200 and bool((await resp.json())["choices"])
+
+    return probe
 
 
 # -- running a bench: the loop, signals, what it ran on -------------------------------

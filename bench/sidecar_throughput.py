@@ -3,7 +3,8 @@
 Starts ``python -m proxy sidecar --engine sim`` on 127.0.0.1 with every simulated cost
 at 0 ms, so what is measured is the sidecar itself: parsing, admission, the engine
 loop, encoding and the wire. This process drives it with a closed loop of C workers
-(asyncio + aiohttp / grpc.aio, on uvloop when installed) in three scenarios:
+(bench/loadgen.py: asyncio + aiohttp / grpc.aio, on uvloop when installed) in three
+scenarios:
 
     completions  POST /v1/completions, max_tokens=16               -> requests/s
     stream       POST /v1/completions, stream, max_tokens=64       -> requests/s, chunks/s
@@ -29,25 +30,18 @@ the load generator itself took.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
 import os
 import platform
 import shlex
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the bench package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,16 +49,17 @@ if __package__ in (None, ""):  # run as a file: make the bench package importabl
 import aiohttp
 import grpc
 
+from bench import loadgen
 from bench.common import (
     Interrupted,
     cpu_model,
     free_ports,
-    interrupt,
     loop_name,
     run_loop,
     until_signal,
 )
-from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+from bench.loadgen import RequestFn
+from proxy.procutil import Child, ChildFailed, python_m, running
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "sidecar_throughput.json"
@@ -73,227 +68,41 @@ HOST = "127.0.0.1"
 PROMPT = "Benchmark the sidecar with this short prompt"
 READY_TIMEOUT_S = 30.0  # the sidecar must report SERVING within this
 STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL after this
-REQUEST_TIMEOUT_S = 10.0  # one request, end to end; also the drain grace after a window
 IDLE_TIMEOUT_S = 2.0  # after a run, the sidecar must show 0 outstanding within this
 MAX_LOG_LINES = 100  # sidecar warnings kept in the JSON
 PRINTED_LOG_LINES = 10  # and printed
 BUSY_LOADAVG = 0.5  # a 1-min load average above this before the run gets a warning
 
-T = TypeVar("T")
-# Every timestamp: uvloop's loop.time() has only millisecond resolution.
-now = time.perf_counter
 
-
-# -- one request ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One finished request: time to first chunk, chunks seen, or what was wrong."""
-
-    ttft_s: float = 0.0
-    chunks: int = 0
-    error: str | None = None
-
-
-RequestFn = Callable[[], Awaitable[Outcome]]
-ClientFactory = Callable[[str, str, int], AbstractAsyncContextManager[RequestFn]]
-
-
-def _completion_body(max_tokens: int, stream: bool) -> bytes:
-    # No "model": the sidecar's served model.
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}
-    return json.dumps(body).encode()
-
-
-async def _http_error(resp: aiohttp.ClientResponse) -> Outcome:
-    try:
-        code = (await resp.json(content_type=None))["error"]["code"]
-    except (ValueError, KeyError, TypeError, aiohttp.ClientError):
-        code = "?"
-    return Outcome(error=f"http {resp.status} {code}")
-
-
-async def complete(
-    session: aiohttp.ClientSession, url: str, body: bytes, max_tokens: int
-) -> Outcome:
-    """A non-streaming completion; TTFT is the time to the whole response."""
-    sent = now()
-    headers = {"Content-Type": "application/json"}
-    async with session.post(url, data=body, headers=headers) as resp:
-        if resp.status != 200:
-            return await _http_error(resp)
-        data = json.loads(await resp.read())
-        ttft = now() - sent
-    choice = data["choices"][0]
-    got = data["usage"]["completion_tokens"]
-    if got != max_tokens or choice["finish_reason"] != "length" or not choice["text"]:
-        return Outcome(error=f"completion: {got} tokens, finish {choice['finish_reason']!r}")
-    return Outcome(ttft, 0)
-
-
-async def stream_completion(
-    session: aiohttp.ClientSession, url: str, body: bytes, max_tokens: int
-) -> Outcome:
-    """A streamed completion: counts SSE data events other than [DONE]."""
-    sent = now()
-    ttft, chunks, done, last = 0.0, 0, False, b""
-    headers = {"Content-Type": "application/json"}
-    async with session.post(url, data=body, headers=headers) as resp:
-        if resp.status != 200:
-            return await _http_error(resp)
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            if done:
-                return Outcome(error="stream: data after [DONE]")
-            if line.startswith(b"data: [DONE]"):
-                done = True
-                continue
-            if chunks == 0:
-                ttft = now() - sent
-            chunks += 1
-            last = line
-    return _check_stream(ttft, chunks, done, last, max_tokens)
-
-
-def _check_stream(ttft: float, chunks: int, done: bool, last: bytes, want: int) -> Outcome:
-    if not done:
-        return Outcome(error=f"stream: no [DONE] after {chunks} chunks")
-    if chunks != want:
-        return Outcome(error=f"stream: {chunks} chunks, want {want}")
-    reason = json.loads(last[len(b"data: ") :])["choices"][0]["finish_reason"]
-    if reason != "length":
-        return Outcome(error=f"stream: last finish_reason {reason!r}")
-    return Outcome(ttft, chunks)
-
-
-async def generate(
-    stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest, want: int
-) -> Outcome:
-    """One gRPC Generate stream: counts messages and tokens, checks the last message and
-    the status. Token deltas that waited on a write go out merged in one message, so a
-    stream has up to ``want`` messages and exactly ``want`` tokens."""
-    sent = now()
-    ttft, chunks, tokens = 0.0, 0, 0
-    last: inference_pb2.GenerateChunk | None = None
-    try:
-        async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-            if chunks == 0:
-                ttft = now() - sent
-            chunks += 1
-            tokens += len(chunk.token_ids)
-            last = chunk
-    except grpc.aio.AioRpcError as exc:
-        return Outcome(error=f"grpc {exc.code().name}: {exc.details()}"[:120])
-    if tokens != want or last is None or not 1 <= chunks <= want:
-        return Outcome(error=f"grpc: {tokens} tokens in {chunks} messages, want {want} tokens")
-    if last.finish_reason != "length" or last.usage.completion_tokens != want:
-        return Outcome(error=f"grpc: last finish_reason {last.finish_reason!r}")
-    return Outcome(ttft, chunks)
-
-
-# -- clients, one per run -------------------------------------------------------------
-
-
-def _http_client(stream: bool, max_tokens: int) -> ClientFactory:
-    send = stream_completion if stream else complete
-
-    @asynccontextmanager
-    async def open_client(http_url: str, _: str, concurrency: int) -> AsyncIterator[RequestFn]:
-        connector = aiohttp.TCPConnector(limit=concurrency)
-        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            url, body = f"{http_url}/v1/completions", _completion_body(max_tokens, stream)
-            yield lambda: send(session, url, body, max_tokens)
-
-    return open_client
-
-
-def _grpc_client(max_tokens: int) -> ClientFactory:
-    @asynccontextmanager
-    async def open_client(_: str, grpc_target: str, concurrency: int) -> AsyncIterator[RequestFn]:
-        # One channel (one HTTP/2 connection) carries all workers' streams.
-        async with grpc.aio.insecure_channel(grpc_target) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            request = inference_pb2.GenerateRequest(
-                prompt=PROMPT, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens)
-            )
-            yield lambda: generate(stub, request, max_tokens)
-
-    return open_client
+# -- the scenarios and one run -------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
     description: str
-    open_client: ClientFactory
+    protocol: str  # "http" or "grpc"
+    stream: bool
+    max_tokens: int
+
+    def open_client(
+        self, sidecar: Child, concurrency: int
+    ) -> AbstractAsyncContextManager[RequestFn]:
+        if self.protocol == "grpc":
+            return loadgen.grpc_client(sidecar.grpc_target, PROMPT, self.max_tokens)
+        # No "model": the sidecar's served model.
+        body = {"prompt": PROMPT, "max_tokens": self.max_tokens, "stream": self.stream}
+        return loadgen.http_client(sidecar.http_url, body, concurrency)
 
 
 SCENARIOS = {
     s.name: s
     for s in (
-        Scenario("completions", "POST /v1/completions max_tokens=16", _http_client(False, 16)),
-        Scenario("stream", "POST /v1/completions stream max_tokens=64", _http_client(True, 64)),
-        Scenario("grpc", "gRPC Inference/Generate max_tokens=64", _grpc_client(64)),
+        Scenario("completions", "POST /v1/completions max_tokens=16", "http", False, 16),
+        Scenario("stream", "POST /v1/completions stream max_tokens=64", "http", True, 64),
+        Scenario("grpc", "gRPC Inference/Generate max_tokens=64", "grpc", True, 64),
     )
 }  # fmt: skip
-
-
-# -- one run: closed loop, warm-up, measured window -----------------------------------
-
-
-@dataclass(slots=True)
-class Tally:
-    """What one run saw. Successes count only when they finish inside the window."""
-
-    window_start: float
-    window_end: float
-    max_requests: int
-    started: int = 0
-    requests: int = 0
-    chunks: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    errors: Counter[str] = field(default_factory=Counter)
-
-    def record(self, outcome: Outcome, finished_at: float) -> None:
-        if outcome.error is not None:
-            self.errors[outcome.error] += 1
-        elif self.window_start <= finished_at <= self.window_end:
-            self.requests += 1
-            self.chunks += outcome.chunks
-            self.ttfts.append(outcome.ttft_s)
-
-
-async def worker(request: RequestFn, tally: Tally) -> None:
-    while now() < tally.window_end and tally.started < tally.max_requests:
-        tally.started += 1
-        try:
-            outcome = await request()
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError) as exc:
-            outcome = Outcome(error=f"{type(exc).__name__}: {exc}"[:120])
-        tally.record(outcome, now())
-
-
-@dataclass(frozen=True)
-class Usage:
-    """CPU seconds used so far by the sidecar and by this process, at a ``now()`` time."""
-
-    at: float
-    sidecar_s: float
-    client_s: float
-
-    @classmethod
-    def take(cls, sidecar_pid: int) -> Usage:
-        return cls(now(), proc_cpu_s(sidecar_pid), time.process_time())
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    # Fields after "comm)": state is field 3, so utime (14) and stime (15) sit at 11, 12.
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -332,41 +141,26 @@ class RunResult:
         }
 
 
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
-
-
 async def measure(
-    scenario: Scenario, concurrency: int, sidecar: RunningSidecar, settings: BenchSettings
+    scenario: Scenario, concurrency: int, sidecar: Child, settings: BenchSettings
 ) -> RunResult:
-    async with scenario.open_client(sidecar.http_url, sidecar.grpc_target, concurrency) as request:
-        start = now() + settings.warmup_s
-        tally = Tally(start, start + settings.duration_s, settings.max_requests)
-        workers = [asyncio.create_task(worker(request, tally)) for _ in range(concurrency)]
-        try:
-            await asyncio.sleep(start - now())
-            before = Usage.take(sidecar.pid)
-            # Returns early only when the request cap stopped every worker.
-            await asyncio.wait(workers, timeout=tally.window_end - now())
-            after = Usage.take(sidecar.pid)
-            await drain(workers, REQUEST_TIMEOUT_S)
-        finally:
-            await cancel(workers)
+    def read_cpu() -> dict[str, float]:
+        return {"sidecar": sidecar.cpu_s(), "client": time.process_time()}
+
+    async with scenario.open_client(sidecar, concurrency) as request:
+        window = await loadgen.measure(request, concurrency, settings.warmup_s,
+                                       settings.duration_s, settings.max_requests, read_cpu)  # fmt: skip
     return RunResult(
         scenario=scenario.name,
         concurrency=concurrency,
-        window_s=after.at - before.at,
-        requests=tally.requests,
-        chunks=tally.chunks,
-        ttft_ms={f"p{p}": _ms(percentile(tally.ttfts, p)) for p in (50, 99)},
-        sidecar_cpu_s=after.sidecar_s - before.sidecar_s,
-        client_cpu_s=after.client_s - before.client_s,
-        errors=dict(tally.errors),
-        outstanding_after=await outstanding_when_idle(sidecar.http_url),
+        window_s=window.window_s,
+        requests=window.requests,
+        chunks=window.messages,  # SSE events; gRPC messages, merged deltas as one
+        ttft_ms={f"p{p}": _ms(loadgen.percentile(window.ttfts, p)) for p in (50, 99)},
+        sidecar_cpu_s=window.cpu_s["sidecar"],
+        client_cpu_s=window.cpu_s["client"],
+        errors=window.errors,
+        outstanding_after=await loadgen.outstanding_when_idle(sidecar.http_url, IDLE_TIMEOUT_S),
     )
 
 
@@ -374,38 +168,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-async def drain(workers: list[asyncio.Task[None]], grace_s: float) -> None:
-    """Let requests in flight at the window's end finish (uncounted), within a bound."""
-    await asyncio.wait(workers, timeout=grace_s)
-    for task in workers:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]  # a bug in this benchmark
-
-
-async def cancel(workers: list[asyncio.Task[None]]) -> None:
-    for task in workers:
-        task.cancel()
-    await asyncio.gather(*workers, return_exceptions=True)
-
-
-async def outstanding_when_idle(http_url: str) -> int | None:
-    """The sidecar's outstanding count, polled until 0 or IDLE_TIMEOUT_S; None if unreadable."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + IDLE_TIMEOUT_S
-    timeout = aiohttp.ClientTimeout(total=IDLE_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        while True:
-            try:
-                async with session.get(f"{http_url}/load") as resp:
-                    outstanding = int((await resp.json())["outstanding"])
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
-                return None
-            if outstanding == 0 or loop.time() > deadline:
-                return outstanding
-            await asyncio.sleep(0.05)
-
-
-async def run_all(sidecar: RunningSidecar, settings: BenchSettings) -> list[RunResult]:
+async def run_all(sidecar: Child, settings: BenchSettings) -> list[RunResult]:
     results = []
     for name in settings.scenarios:
         for concurrency in settings.concurrency:
@@ -417,40 +180,13 @@ async def run_all(sidecar: RunningSidecar, settings: BenchSettings) -> list[RunR
 
 
 # -- the sidecar, a child process -----------------------------------------------------
+# The shared launcher, not ``unitproxy up``: one sidecar alone, with no gateway to share
+# the cores with.
 
 
-class SidecarFailed(Exception):
-    pass
-
-
-@dataclass
-class RunningSidecar:
-    process: subprocess.Popen[bytes]
-    argv: list[str]
-    http_url: str
-    grpc_target: str
-    log_path: Path
-    exit_code: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def check_alive(self) -> None:
-        code = self.process.poll()
-        if code is not None:
-            raise SidecarFailed(f"the sidecar exited with {code}; see {self.log_path}")
-
-    def log_problems(self) -> list[str]:
-        """Log lines at WARNING or above, and tracebacks, from the sidecar's log."""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        marks = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback")
-        return [line for line in lines if any(m in line for m in marks)]
-
-
-def sidecar_argv(http_port: int, grpc_port: int, slots: int, extra: Sequence[str]) -> list[str]:
+def sidecar_args(http_port: int, grpc_port: int, slots: int, extra: Sequence[str]) -> list[str]:
     return [
-        sys.executable, "-m", "proxy", "sidecar",
+        "sidecar",
         "--host", HOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--engine", "sim",
         "--sim-decode-step-ms", "0", "--sim-prefill-ms-per-token", "0",
@@ -460,59 +196,24 @@ def sidecar_argv(http_port: int, grpc_port: int, slots: int, extra: Sequence[str
     ]  # fmt: skip
 
 
-@contextmanager
-def running_sidecar(slots: int, extra: Sequence[str], log_path: Path) -> Iterator[RunningSidecar]:
+@asynccontextmanager
+async def running_sidecar(slots: int, extra: Sequence[str], log_path: Path) -> AsyncIterator[Child]:
     """Start the sidecar, wait until it is ready, and always stop it."""
     http_port, grpc_port = free_ports(2)
-    argv = sidecar_argv(http_port, grpc_port, slots, extra)
-    with log_path.open("wb") as log:
-        # Its own session: Ctrl-C reaches only us, and we stop it the one way below.
-        process = subprocess.Popen(
-            argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        sidecar = RunningSidecar(
-            process, argv, f"http://{HOST}:{http_port}", f"{HOST}:{grpc_port}", log_path
-        )
-        try:
-            wait_ready(sidecar, READY_TIMEOUT_S)
-            yield sidecar
-        finally:
-            sidecar.exit_code = stop(process, STOP_TIMEOUT_S)
+    argv = python_m(*sidecar_args(http_port, grpc_port, slots, extra))
+    async with running(
+        "sidecar", argv, log_path, cwd=REPO, stop_timeout_s=STOP_TIMEOUT_S
+    ) as sidecar:
+        sidecar.http_url, sidecar.grpc_target = f"http://{HOST}:{http_port}", f"{HOST}:{grpc_port}"
+        await sidecar.until_ready(READY_TIMEOUT_S)
+        yield sidecar
 
 
-def wait_ready(sidecar: RunningSidecar, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sidecar.check_alive()
-        try:
-            with urllib.request.urlopen(f"{sidecar.http_url}/ready", timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass  # not listening yet, or 503 until SERVING
-        time.sleep(0.1)
-    raise SidecarFailed(f"the sidecar was not ready within {timeout_s:g} s; see {sidecar.log_path}")
-
-
-def stop(process: subprocess.Popen[bytes], timeout_s: float) -> int:
-    """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
-    try:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            return process.wait(timeout=timeout_s)
-        return process.returncode
-    except subprocess.TimeoutExpired:
-        print(f"sidecar ignored SIGTERM for {timeout_s:g} s; killing it", file=sys.stderr)
-        return _kill(process)
-    except BaseException:  # Ctrl-C or SIGTERM while waiting: do not leave it behind
-        _kill(process)
-        raise
-
-
-def _kill(process: subprocess.Popen[bytes]) -> int:
-    process.kill()
-    return process.wait()
+async def bench(settings: BenchSettings, log_path: Path) -> tuple[Child, list[RunResult]]:
+    slots = max(settings.concurrency)
+    async with running_sidecar(slots, settings.sidecar_args, log_path) as sidecar:
+        results = await run_all(sidecar, settings)
+    return sidecar, results  # stopped: its exit code is known
 
 
 # -- settings, machine, report --------------------------------------------------------
@@ -712,7 +413,7 @@ def _print_problems(report: dict[str, Any], results: Sequence[RunResult]) -> Non
 
 def build_report(
     settings: BenchSettings,
-    sidecar: RunningSidecar,
+    sidecar: Child,
     results: Sequence[RunResult],
     load_before: float,
 ) -> dict[str, Any]:
@@ -742,14 +443,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]  # other work on the machine makes the numbers noisy
     log_path = settings.out.with_suffix(".sidecar.log")
-    signal.signal(signal.SIGTERM, interrupt)  # outside the loop; until_signal inside it
     try:
-        with running_sidecar(max(settings.concurrency), settings.sidecar_args, log_path) as sidecar:
-            results = run_loop(until_signal(run_all(sidecar, settings)))
+        sidecar, results = run_loop(until_signal(bench(settings, log_path)))
     except (KeyboardInterrupt, Interrupted) as exc:
         print(f"interrupted ({str(exc) or 'SIGINT'}); the sidecar was stopped", file=sys.stderr)
         return 130
-    except SidecarFailed as exc:
+    except ChildFailed as exc:
         print(f"!!! {exc}", file=sys.stderr)
         return 1
     report = build_report(settings, sidecar, results, load_before)

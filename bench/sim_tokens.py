@@ -35,8 +35,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from engine import tokens
 from engine.base import EngineRequest, SamplingParams
+from engine.settings import SimSettings
 from engine.sim import SimEngine
-from proxy.settings import SimSettings
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results" / "sim_tokens.json"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.base import Engine
-    from proxy.settings import EngineSettings
+    from engine.settings import EngineSettings
 
 
 class EngineUnavailable(Exception):

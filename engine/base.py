@@ -81,6 +81,7 @@ class EngineStats:
     prefix_cache_hit_rate: float = -1.0  # 0..1, -1 when unknown
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of which were cached
+    prefix_cache_resets: int = 0  # times the prefix cache was emptied, since start
 
 
 class Engine(abc.ABC):
@@ -106,7 +107,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
-        """Stream deltas for ``request``; raises proxy.errors.EngineError on failure."""
+        """Stream deltas for ``request``; raises engine.errors.EngineError on failure."""
 
     @abc.abstractmethod
     async def count_tokens(self, text: str) -> int:
@@ -114,7 +115,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def check_health(self) -> None:
-        """Return if the engine is alive; raise proxy.errors.EngineError if not."""
+        """Return if the engine is alive; raise engine.errors.EngineError if not."""
 
     @abc.abstractmethod
     def stats(self) -> EngineStats: ...

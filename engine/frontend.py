@@ -52,7 +52,7 @@ class OpenAIFrontend(abc.ABC):
 
     @abc.abstractmethod
     async def serve(self, request: FrontendRequest) -> FrontendReply:
-        """Serve one request; raise proxy.errors' errors for what fails before a reply."""
+        """Serve one request; raise engine.errors' errors for what fails before a reply."""
 
     def steps(self) -> int | None:
         """A count that grows with each step the engine makes; None when it cannot tell.

@@ -33,8 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineUnavailable, tokens
 from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, TokenDelta
-from engine.upstream_frontend import UpstreamFrontend
-from proxy.errors import (
+from engine.errors import (
     EngineDeadError,
     EngineError,
     InvalidRequest,
@@ -43,7 +42,8 @@ from proxy.errors import (
     Unavailable,
     UnitProxyError,
 )
-from proxy.settings import EngineSettings
+from engine.settings import EngineSettings
+from engine.upstream_frontend import UpstreamFrontend
 
 logger = logging.getLogger(__name__)
 

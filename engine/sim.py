@@ -29,9 +29,9 @@ from typing import Literal
 
 from engine import tokens
 from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
+from engine.errors import EngineDeadError, EngineError
 from engine.prefix_cache import PrefixCache
-from proxy.errors import EngineDeadError, EngineError
-from proxy.settings import SimSettings
+from engine.settings import SimSettings
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,7 @@ class _Seq:
     stop: _StopFilter | None
     blocks: list[int]  # the prompt's KV blocks (chained hashes), for the prefix cache
     state: Literal["waiting", "running", "done"] = "waiting"
+    prefill_left: int = 0  # running: prompt tokens still to prefill (0: decoding)
     completion_tokens: int = 0
     deltas: deque[TokenDelta] = field(default_factory=deque)
     waiter: asyncio.Future[None] | None = None
@@ -418,9 +419,11 @@ class SimEngine(Engine):
                 self._decode(loop)
 
     def _fill_slots(self) -> int:
-        """Move waiting requests into free slots; returns the prompt tokens to prefill
-        (those the prefix cache does not hold)."""
-        prefill = 0
+        """Move waiting requests into free slots (each to prefill what the prefix cache
+        does not hold), then plan the next step: every decoding sequence's token first,
+        then prefill chunks, oldest sequence first, up to ``max_num_batched_tokens``
+        tokens in all (chunked prefill, as vLLM schedules). Returns the prompt tokens
+        prefilled in the step."""
         free = self._settings.max_num_seqs - len(self._running)
         cache = self._cache
         while free > 0 and self._waiting:
@@ -428,23 +431,37 @@ class SimEngine(Engine):
             seq.state = "running"
             self._running[seq] = None
             cached = 0 if cache is None else cache.admit(seq.blocks, seq.prompt_tokens)
-            prefill += seq.prompt_tokens - cached
+            seq.prefill_left = seq.prompt_tokens - cached
             free -= 1
+        budget = self._settings.max_num_batched_tokens or float("inf")
+        budget -= sum(1 for seq in self._running if not seq.prefill_left)
+        prefill = 0
+        for seq in self._running:
+            if budget <= 0:
+                break
+            if seq.prefill_left:
+                chunk = int(min(seq.prefill_left, budget))
+                seq.prefill_left -= chunk
+                budget -= chunk
+                prefill += chunk
         return prefill
 
     def _step_seconds(self, prefill_tokens: int) -> float:
+        """Prefill per token plus a decode step growing with the sequences that make a
+        token in it (those decoding, and those whose prefill ends in it)."""
         s = self._settings
+        tokens = sum(1 for seq in self._running if not seq.prefill_left)
         ms = (
             prefill_tokens * s.prefill_ms_per_token
             + s.decode_step_ms
-            + s.decode_ms_per_seq * len(self._running)
+            + s.decode_ms_per_seq * tokens
         )
         return ms / 1000.0
 
     def _decode(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._running:
             return  # every sequence was aborted during the step
-        finished = [seq for seq in self._running if self._advance(seq)]
+        finished = [seq for seq in self._running if not seq.prefill_left and self._advance(seq)]
         for seq in finished:
             del self._running[seq]
             seq.state = "done"

@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
+from engine.errors import EngineError
 from engine.frontend import FrontendReply, FrontendRequest, OpenAIFrontend, Tokens
-from proxy.errors import EngineError
 
 _PATHS = {
     "completions": "/v1/completions",

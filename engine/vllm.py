@@ -37,9 +37,9 @@ from typing import Any
 
 from engine import EngineUnavailable
 from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, TokenDelta
+from engine.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
 from engine.frontend import OpenAIFrontend
-from proxy.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
-from proxy.settings import EngineSettings
+from engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,11 @@ class SchedulerView:
     waiting: dict[int, int]
     kv_cache_usage: dict[int, float]
     steps: int = 0  # reports received: one per engine step (per data parallel rank)
+    # The prefix cache, summed over the steps' reports since start: prompt tokens looked
+    # up, found, and how often the cache was emptied (reset_prefix_cache).
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_resets: int = 0
 
     @classmethod
     def empty(cls) -> SchedulerView:
@@ -161,6 +166,22 @@ class SchedulerView:
         # kv_cache_usage since vLLM 0.10; gpu_cache_usage before
         usage = getattr(stats, "kv_cache_usage", getattr(stats, "gpu_cache_usage", -1.0))
         self.kv_cache_usage[engine_idx] = float(usage)
+        prefix = getattr(stats, "prefix_cache_stats", None)  # per step, since vLLM 0.8
+        if prefix is not None:
+            self.prefix_queries += int(prefix.queries)
+            self.prefix_hits += int(prefix.hits)
+            self.prefix_resets += bool(prefix.reset)
+
+    def prefix_cache(self) -> dict[str, Any]:
+        """The prefix cache's counters as EngineStats fields (hit rate -1 before any
+        lookup: vLLM reports none with prefix caching off)."""
+        queries, hits = self.prefix_queries, self.prefix_hits
+        return {
+            "prefix_cache_hit_rate": hits / queries if queries else -1.0,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_resets": self.prefix_resets,
+        }
 
     def totals(self) -> tuple[int, int, float]:
         usages = list(self.kv_cache_usage.values())
@@ -422,13 +443,16 @@ class VllmEngine(Engine):
         if self._vllm is None:
             return EngineStats(kv_cache_usage=-1.0)
         in_flight = len(self._in_flight)
+        prefix = self._view.prefix_cache()
         if in_flight == 0:
-            return EngineStats(kv_cache_usage=0.0)
+            return EngineStats(kv_cache_usage=0.0, **prefix)
         running, _, kv = self._view.totals()
         # The scheduler's last report can be older than an abort or a finish; ours
         # cannot, and every request of ours not running is waiting somewhere in vLLM.
         running = min(running, in_flight)
-        return EngineStats(running=running, waiting=in_flight - running, kv_cache_usage=kv)
+        return EngineStats(
+            running=running, waiting=in_flight - running, kv_cache_usage=kv, **prefix
+        )
 
     # -- requests ---------------------------------------------------------------------
 

@@ -34,8 +34,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from engine.frontend import FrontendReply, FrontendRequest, OpenAIFrontend, Tokens
-from proxy.errors import (
+from engine.errors import (
     EngineError,
     InvalidRequest,
     NotFound,
@@ -43,6 +42,7 @@ from proxy.errors import (
     Unavailable,
     UnitProxyError,
 )
+from engine.frontend import FrontendReply, FrontendRequest, OpenAIFrontend, Tokens
 
 logger = logging.getLogger(__name__)
 

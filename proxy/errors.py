@@ -16,49 +16,49 @@
     └── EngineError                500  INTERNAL           the engine failed this request
         └── EngineDeadError        503  UNAVAILABLE        the engine is gone: nothing more will run
 
-Lower-layer exceptions are turned into these once, at the edge that sees them, with
-``raise ... from exc``. The HTTP and gRPC front ends read ``http_status`` and
-``grpc_code`` from the class and nothing else.
+The base and the errors an engine raises (InvalidRequest, NotFound, Overloaded,
+Unavailable, EngineError, EngineDeadError) are defined in ``engine/errors.py``, so an
+engine needs nothing from the proxy; they are imported here, and the proxy's code takes
+every error from this module. Lower-layer exceptions are turned into these once, at the
+edge that sees them, with ``raise ... from exc``. The HTTP and gRPC front ends read
+``http_status`` and ``grpc_code`` from the class and nothing else.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import grpc
+
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    Unavailable,
+    UnitProxyError,
+)
+
+__all__ = [
+    "GRPC_CODE_KEY",
+    "DeadlineExceeded",
+    "EngineDeadError",
+    "EngineError",
+    "Forbidden",
+    "InvalidRequest",
+    "MethodNotAllowed",
+    "NotFound",
+    "Overloaded",
+    "PayloadTooLarge",
+    "RequestTimeout",
+    "Unauthenticated",
+    "Unavailable",
+    "UnitFailed",
+    "UnitProxyError",
+]
 
 # gRPC trailing metadata key that carries an error's ``code`` (as ``error.code`` does in an
 # HTTP error body), so a gateway can tell a unit's refusal from its failure.
 GRPC_CODE_KEY = "x-unitproxy-code"
-
-
-class UnitProxyError(Exception):
-    http_status: ClassVar[int] = 500
-    grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
-    error_type: ClassVar[str] = "internal_error"
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code or self.error_type
-
-    def body(self) -> dict[str, Any]:
-        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-class InvalidRequest(UnitProxyError):
-    http_status = 400
-    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
-    error_type = "invalid_request_error"
 
 
 class MethodNotAllowed(UnitProxyError):
@@ -79,12 +79,6 @@ class Forbidden(UnitProxyError):
     error_type = "permission_error"
 
 
-class NotFound(UnitProxyError):
-    http_status = 404
-    grpc_code = grpc.StatusCode.NOT_FOUND
-    error_type = "not_found_error"
-
-
 class RequestTimeout(UnitProxyError):
     http_status = 408
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -95,22 +89,6 @@ class PayloadTooLarge(UnitProxyError):
     http_status = 413
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     error_type = "request_too_large"
-
-
-class Overloaded(UnitProxyError):
-    http_status = 429
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    error_type = "overloaded_error"
-
-    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None):
-        super().__init__(message, code=code)
-        self.retry_after_s = retry_after_s
-
-
-class Unavailable(UnitProxyError):
-    http_status = 503
-    grpc_code = grpc.StatusCode.UNAVAILABLE
-    error_type = "unavailable_error"
 
 
 class UnitFailed(Unavailable):
@@ -125,15 +103,3 @@ class DeadlineExceeded(UnitProxyError):
     http_status = 504
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     error_type = "timeout_error"
-
-
-class EngineError(UnitProxyError):
-    http_status = 500
-    grpc_code = grpc.StatusCode.INTERNAL
-    error_type = "engine_error"
-
-
-class EngineDeadError(EngineError):
-    http_status = 503
-    grpc_code = grpc.StatusCode.UNAVAILABLE
-    error_type = "engine_dead"

@@ -117,35 +117,42 @@ def error_middleware(unit_id: str | None = None) -> Any:
             _check_request(request, request_id)
             return await handler(request)
         except UnitProxyError as exc:
-            return error_response(exc, _echoable(request_id), unit_id)
+            return error_response(exc, _id_to_echo(request_id), unit_id)
         except web.HTTPException as exc:
             err = _from_http_exception(request, exc)
-            response = error_response(err, _echoable(request_id), unit_id)
+            response = error_response(err, _id_to_echo(request_id), unit_id)
             if isinstance(exc, web.HTTPMethodNotAllowed):
                 response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
             return response
         except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
             err = InvalidRequest(f"request body could not be read: {exc.__cause__ or exc}")
-            return error_response(err, _echoable(request_id), unit_id)
+            return error_response(err, _id_to_echo(request_id), unit_id)
 
     return errors
 
 
 def _check_request(request: web.Request, request_id: str | None) -> None:
-    if request_id is not None and _echoable(request_id) is None:
-        # aiohttp keeps bytes that are not UTF-8 as surrogates: they cannot be echoed.
-        raise InvalidRequest(f"header {REQUEST_ID_HEADER}: must be ASCII or UTF-8 text")
-    if request_id is not None and len(request_id) > MAX_REQUEST_ID:
-        # It is echoed in every streamed chunk: keep it short.
-        raise InvalidRequest(f"header {REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID} characters")
+    if request_id is not None and (problem := bad_request_id(request_id)) is not None:
+        raise InvalidRequest(problem)
     if request.path.startswith("/v1/") and request.content_type in FORM_TYPES:
         raise InvalidRequest(
             f"content-type {request.content_type} is not accepted: send application/json"
         )
 
 
-def _echoable(request_id: str | None) -> str | None:
-    """The request id if it can go back in a header, else None."""
+def bad_request_id(request_id: str) -> str | None:
+    """Why a client's request id is refused (with a 400), or None when it is fine."""
+    if _id_to_echo(request_id) is None:
+        # aiohttp keeps bytes that are not UTF-8 as surrogates: they cannot be echoed.
+        return f"header {REQUEST_ID_HEADER}: must be ASCII or UTF-8 text"
+    if len(request_id) > MAX_REQUEST_ID:
+        # It is echoed in every streamed chunk: keep it short.
+        return f"header {REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID} characters"
+    return None
+
+
+def _id_to_echo(request_id: str | None) -> str | None:
+    """The request id, if there is one that can go back in a header; else None."""
     if request_id is None:
         return None
     try:

@@ -12,7 +12,9 @@ and, in any phase, a write timer that runs while the client's socket buffer is f
 (the transport paused our writes) and stops when it drains: after write_timeout_s
 the connection is aborted, which cancels the request's task, so the request ends and
 its capacity slot is freed. At most max_connections are open; one more is answered
-503 and closed at once.
+503 and closed at once. The bodies coming in (each from its head until it is whole)
+hold at most max_body_buffer_bytes together: a request whose declared body would pass
+it is answered 503 before its body is read, and the connection closes.
 
 The gateway's lean path (proxy/gateway/http1/front.py) keeps these phases itself, since it
 frames requests itself. A connection served by aiohttp runs under a ``Guard``: the
@@ -65,6 +67,9 @@ class Limits:
         self.keepalive_s = server.keepalive_timeout_s
         self.write_timeout_s = server.write_timeout_s
         self.max_connections = server.max_connections
+        self.max_body = server.max_body_bytes
+        self.body_budget = server.max_body_buffer_bytes
+        self.body_held = 0  # bytes of the bodies of the requests under way
         self.wheel = wheel
         self.metrics = metrics
         self.open = 0
@@ -94,6 +99,20 @@ class Limits:
                         "%d were refused", self._refusing)  # fmt: skip
             self._refusing = 0
 
+    def hold_body(self, size: int) -> bool:
+        """Count in a request body of ``size`` bytes coming in; False if the bodies held would
+        pass max_body_buffer_bytes (the refusal is counted; the caller answers it)."""
+        if size and self.body_held + size > self.body_budget:
+            self.metrics.closed.labels("body_buffer").inc()
+            return False
+        self.body_held += size
+        self.metrics.body_buffer.set(self.body_held)
+        return True
+
+    def free_body(self, size: int) -> None:
+        self.body_held -= size
+        self.metrics.body_buffer.set(self.body_held)
+
     def after(self, seconds: float, callback: object) -> Timer:
         return self.wheel.call_at(self._loop.time() + seconds, callback)  # type: ignore[arg-type]
 
@@ -113,6 +132,10 @@ class Guard(asyncio.Protocol):
         self._next_head_at = 0.0  # bytes of the next head came while a request was served
         self._read_timer: Timer | None = None
         self._write_timer: Timer | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._limits.admit(transport):
@@ -275,17 +298,31 @@ def phase_middleware() -> Middleware:
     return phases
 
 
+BODY_BUFFER_FULL = "request bodies under way fill the server's body buffer; retry"
+
+
 def body_middleware() -> Middleware:
     """After the API key check: read the whole body (the handler's ``request.read()``
-    then returns it at once) under the guard's body timer."""
+    then returns it at once) under the guard's body timer, held in the port's body
+    budget (its declared length, or the largest body allowed when it has none) until
+    it is whole."""
 
     @web.middleware
     async def body(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.can_read_body:
+        guard = guard_of(request)
+        if not request.can_read_body or guard is None:
+            return await handler(request)
+        limits = guard.limits
+        length = request.content_length
+        size = length if length is not None else limits.max_body
+        if not limits.hold_body(size):
+            guard.refused()
+            raise Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
+        try:
             await request.read()
-            guard = guard_of(request)
-            if guard is not None:
-                guard.body_done()
+        finally:
+            limits.free_body(size)
+        guard.body_done()
         return await handler(request)
 
     return body

@@ -47,6 +47,9 @@ class LoadReport:
     grpc_target: str = ""
     prefix_cache_hit_rate: float = -1.0
     models: tuple[str, ...] = ()
+    prefix_cache_queries: int = 0  # prompt tokens looked up since the engine started
+    prefix_cache_hits: int = 0  # of which were cached
+    prefix_cache_resets: int = 0  # times the prefix cache was emptied since start
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -74,6 +77,9 @@ class LoadReport:
             grpc_target=self.grpc_target,
             prefix_cache_hit_rate=self.prefix_cache_hit_rate,
             models=self.models,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_resets=self.prefix_cache_resets,
         )
 
     @classmethod
@@ -96,6 +102,9 @@ class LoadReport:
             grpc_target=msg.grpc_target,
             prefix_cache_hit_rate=msg.prefix_cache_hit_rate,
             models=tuple(msg.models),
+            prefix_cache_queries=msg.prefix_cache_queries,
+            prefix_cache_hits=msg.prefix_cache_hits,
+            prefix_cache_resets=msg.prefix_cache_resets,
         )
 
     @classmethod

@@ -103,7 +103,14 @@ class ServingMetrics:
 
 
 # Why the server closed a client connection (see proxy/ingress.py).
-CLOSE_REASONS = ("head_timeout", "body_timeout", "write_timeout", "idle", "max_connections")
+CLOSE_REASONS = (
+    "head_timeout",
+    "body_timeout",
+    "write_timeout",
+    "idle",
+    "max_connections",
+    "body_buffer",
+)
 
 
 class IngressMetrics:
@@ -118,13 +125,20 @@ class IngressMetrics:
         )
         self.closed = Counter(
             "client_connections_closed",
-            "Client connections the server closed by a limit (timeouts, max_connections).",
+            "Client connections the server closed by a limit (timeouts, max_connections, body_buffer).",
             ["reason"],
             namespace=PREFIX,
             registry=registry,
         )
         for reason in CLOSE_REASONS:
             self.closed.labels(reason)
+        self.body_buffer = Gauge(
+            "body_buffer_bytes",
+            "Bytes of request bodies coming in on the HTTP port, each from its head until "
+            "it is whole (at most server.max_body_buffer_bytes).",
+            namespace=PREFIX,
+            registry=registry,
+        )
 
 
 class HealthMetrics:

@@ -163,17 +163,20 @@ class Service(abc.ABC):
 
 
 class Signals:
-    """SIGINT and SIGTERM, queued, while the ``with`` block runs."""
+    """SIGINT and SIGTERM while the ``with`` block runs: the first asks to stop (``stop``
+    is set, ``first`` says which signal), any later one to stop now (``hurry``)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[signal.Signals] = asyncio.Queue()
+        self.first: signal.Signals | None = None
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
 
     def __enter__(self) -> Signals:
         loop = asyncio.get_running_loop()
         for sig in self.SIGNALS:
-            loop.add_signal_handler(sig, self._queue.put_nowait, sig)
+            loop.add_signal_handler(sig, self._received, sig)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -181,14 +184,25 @@ class Signals:
         for sig in self.SIGNALS:
             loop.remove_signal_handler(sig)
 
-    async def next(self) -> signal.Signals:
-        return await self._queue.get()
+    def _received(self, sig: signal.Signals) -> None:
+        if self.first is None:
+            self.first = sig
+            self.stop.set()
+        else:
+            log.warning("received %s again: stopping now", sig.name)
+            self.hurry.set()
+
+    def name(self) -> str:
+        """The first signal's name, for a log line."""
+        return self.first.name if self.first is not None else "a signal"
 
 
 async def wait_for_signal() -> signal.Signals:
     """Block until SIGINT or SIGTERM; return which."""
     with Signals() as signals:
-        return await signals.next()
+        await signals.stop.wait()
+    assert signals.first is not None
+    return signals.first
 
 
 class Gate:
@@ -199,17 +213,15 @@ class Gate:
         self.in_flight = 0
         self.closed = False
         self._changes = changes
-        self._gauge = gauge
+        gauge.set_function(lambda: self.in_flight)  # read at scrape: nothing per request
 
     def enter(self) -> None:
         if self.closed:
             raise Unavailable(f"{self.what} is draining", code="draining")
         self.in_flight += 1
-        self._gauge.inc()
 
     def exit(self) -> None:
         self.in_flight -= 1
-        self._gauge.dec()
         self._changes.notify()
 
 
@@ -265,20 +277,17 @@ async def serve_until_drained(server: Drainable) -> int:
     """
     with Signals() as signals:
         drained = asyncio.create_task(server.wait_drained())
-        first = asyncio.create_task(signals.next())
-        tasks = [drained, first]
+        stop = asyncio.create_task(signals.stop.wait())
+        tasks = [drained, stop]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if first.done():
-                log.info(
-                    "received %s: draining (a second signal stops at once)", first.result().name
-                )
+            if stop.done():
+                log.info("received %s: draining (a second signal stops at once)", signals.name())
                 server.start_drain()
-                second = asyncio.create_task(signals.next())
-                tasks.append(second)
-                await asyncio.wait({drained, second}, return_when=asyncio.FIRST_COMPLETED)
-                if second.done():
-                    log.warning("received %s again: stopping now", second.result().name)
+                hurry = asyncio.create_task(signals.hurry.wait())
+                tasks.append(hurry)
+                await asyncio.wait({drained, hurry}, return_when=asyncio.FIRST_COMPLETED)
+                if hurry.done():
                     stop_now = getattr(server, "stop_now", None)
                     if stop_now is not None:
                         stop_now()  # open responses end with an error, not a silent cut

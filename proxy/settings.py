@@ -8,7 +8,6 @@ below. Every field says its default and unit.
 
 from __future__ import annotations
 
-import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +28,8 @@ from pydantic_settings import (
     SettingsConfigDict,
     SettingsError,
 )
+
+from engine.settings import EngineSettings
 
 Role = Literal["sidecar", "follower", "gateway", "up"]
 
@@ -119,6 +120,11 @@ class ServerSettings(_Section):
         gt=0,
         description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
     )
+    max_body_buffer_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Most bytes of request bodies coming in at once on the HTTP port, all connections together, each from its head until it is whole (a chunked body counts as max_body_bytes); a request whose body would pass it gets 503 before its body is read. Default 64 MiB.",
+    )
     max_prompt_chars: int = Field(
         1_000_000,
         gt=0,
@@ -135,184 +141,6 @@ class ServerSettings(_Section):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
-
-
-class SimSettings(_Section):
-    max_num_seqs: int = Field(
-        32, gt=0, description="Sequences decoded together in one step (batch slots). Default 32."
-    )
-    prefill_ms_per_token: float = Field(
-        0.05, ge=0, description="Prefill cost per prompt token, in ms. Default 0.05."
-    )
-    decode_step_ms: float = Field(
-        10.0, ge=0, description="Time of one decode step with one sequence, in ms. Default 10."
-    )
-    decode_ms_per_seq: float = Field(
-        0.1,
-        ge=0,
-        description="Extra time of one decode step per running sequence, in ms. Default 0.1.",
-    )
-    default_max_tokens: int = Field(
-        64,
-        gt=0,
-        description="Output length when a request gives no max_tokens, in tokens. Default 64.",
-    )
-    seed: int = Field(0, description="Seed of the generated text. Default 0.")
-    prefix_cache_blocks: int = Field(
-        4096,
-        ge=0,
-        description="KV blocks the prefix cache holds (LRU); a prompt's cached leading blocks need no prefill. 0: no prefix cache. Default 4096.",
-    )
-    block_size: int = Field(
-        16, gt=0, description="Tokens per KV block of the prefix cache. Default 16."
-    )
-    error_after_tokens: int | None = Field(
-        None, ge=0, description="Fault: every request fails after this many tokens. Default off."
-    )
-    hang_after_requests: int | None = Field(
-        None,
-        ge=0,
-        description="Fault: the engine stops making progress once this many requests were admitted. Default off.",
-    )
-    crash_after_requests: int | None = Field(
-        None,
-        ge=0,
-        description="Fault: the engine dies once this many requests were admitted. Default off.",
-    )
-    tokenizer: Path | None = Field(
-        None,
-        description="A byte-level BPE tokenizer.json (Hugging Face tokenizers; or a directory holding one): exact token counts, and output tokens are its whole-word tokens. Needs the tokenizers package. Default: the built-in counter, within about 15 % of a real BPE.",
-    )
-
-    @field_validator("tokenizer")
-    @classmethod
-    def _tokenizer_exists(cls, value: Path | None) -> Path | None:
-        if (
-            value is not None
-            and not (value / "tokenizer.json" if value.is_dir() else value).is_file()
-        ):
-            raise ValueError(f"{value}: no tokenizer.json there")
-        return value
-
-
-class EngineSettings(_Section):
-    kind: Literal["sim", "vllm", "openai"] = Field("sim", description="Engine kind. Default sim.")
-    model: str | None = Field(
-        None, description="Model path or name. Default: the engine's own (sim: 'unitproxy-sim')."
-    )
-    device: Literal["neuron", "cuda", "cpu"] | None = Field(
-        None, description="Device for engine vllm. Default: what vLLM detects."
-    )
-    upstream_url: str | None = Field(
-        None, description="Base URL of the OpenAI-compatible server, for engine openai. No default."
-    )
-    # -- engine vllm: passed through to vLLM's engine arguments ----------------------
-    served_model_name: str | None = Field(
-        None,
-        description="Model name shown in /v1/models, in load reports and expected in requests, for engines vllm and sim. Default: the model path (sim: --model, else 'unitproxy-sim').",
-    )
-    tokenizer: str | None = Field(
-        None, description="Tokenizer path or name, for engine vllm. Default: the model's."
-    )
-    tensor_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="Tensor parallel degree (devices per pipeline stage), for engine vllm. Default 1.",
-    )
-    pipeline_parallel_size: int = Field(
-        1, ge=1, description="Pipeline parallel stages, for engine vllm. Default 1."
-    )
-    data_parallel_size: int = Field(
-        1, ge=1, description="Data parallel replicas inside the engine, for engine vllm. Default 1."
-    )
-    max_num_seqs: int | None = Field(
-        None, gt=0, description="Most sequences in one batch, for engine vllm. Default: vLLM's."
-    )
-    max_model_len: int | None = Field(
-        None,
-        gt=0,
-        description="Longest prompt plus output, in tokens, for engine vllm. Default: the model's.",
-    )
-    dtype: str = Field(
-        "auto",
-        description="Weight and activation dtype (auto, bfloat16, float16, float32), for engine vllm. Default auto.",
-    )
-    quantization: str | None = Field(
-        None, description="Quantization method (e.g. fp8, awq), for engine vllm. Default none."
-    )
-    speculative_config: dict[str, Any] | None = Field(
-        None,
-        description='Speculative decoding config as a JSON object (e.g. {"method": "ngram", "num_speculative_tokens": 4}), for engine vllm. Default none.',
-    )
-    additional_config: dict[str, Any] | None = Field(
-        None,
-        description='Platform-specific config as a JSON object (Neuron: {"override_neuron_config": {...}}), for engine vllm. Default none.',
-    )
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description='Any other vLLM engine arguments as a JSON object (e.g. {"enforce_eager": true}); they win over the fields above. Default none.',
-    )
-    # -- engine vllm: vLLM's own OpenAI layer ------------------------------------------
-    vllm_serving: bool = Field(
-        True,
-        description="Serve the HTTP OpenAI routes through vLLM's own serving layer (tools, structured outputs, logprobs, n, /tokenize), for engine vllm; false: unitproxy's own parser. Default true.",
-    )
-    chat_template: str | None = Field(
-        None,
-        description="Chat template (a file or the template itself), as vllm serve's --chat-template, for engine vllm. Default: the model's.",
-    )
-    enable_auto_tool_choice: bool = Field(
-        False,
-        description='Let the model call tools on its own (tool_choice "auto"), as vllm serve\'s flag; needs tool_call_parser, for engine vllm. Default false.',
-    )
-    tool_call_parser: str | None = Field(
-        None,
-        description="vLLM's parser of the model's tool calls (hermes, llama3_json, mistral, ...), for engine vllm. Default none.",
-    )
-    reasoning_parser: str | None = Field(
-        None,
-        description="vLLM's reasoning parser (deepseek_r1, qwen3, ...), for engine vllm. Default none.",
-    )
-    serve_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description='Any other flag of vllm serve\'s OpenAI layer as a JSON object of flag name to value (e.g. {"chat-template-content-format": "openai"}; true: a bare flag), for engine vllm. Default none.',
-    )
-    # -- engine openai ---------------------------------------------------------------
-    upstream_api_key: SecretStr | None = Field(
-        None,
-        description="Bearer token sent to the upstream, for engine openai; a secret: give it in the environment (UNITPROXY_ENGINE__UPSTREAM_API_KEY) or the config file rather than on a command line. Default none.",
-    )
-    upstream_metrics_interval_s: float = Field(
-        1.0,
-        gt=0,
-        description="Time between two reads of the upstream's /metrics, in s, for engine openai. Default 1.",
-    )
-    upstream_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="Longest wait to connect to the upstream, and for its /health and /metrics, in s, for engine openai. Default 10.",
-    )
-    upstream_vllm_extras: bool = Field(
-        True,
-        description="Ask the upstream for vLLM's stream extras (token ids, usage in every chunk); turn off for servers that reject unknown fields. Default true.",
-    )
-    sim: SimSettings = Field(default_factory=SimSettings)  # type: ignore[arg-type]
-
-    @field_validator(
-        "speculative_config", "additional_config", "engine_args", "serve_args", mode="before"
-    )
-    @classmethod
-    def _json_object(cls, value: Any) -> Any:
-        # Flags and TOML strings carry these as JSON text; env values arrive parsed.
-        if not isinstance(value, str):
-            return value
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not valid JSON: {exc}") from exc
-        if not isinstance(parsed, dict):
-            raise ValueError("must be a JSON object")
-        return parsed
 
 
 ProbeKind = Literal["grpc", "grpc-watch", "http", "tcp"]
@@ -496,19 +324,23 @@ class GatewaySettings(_Section):
         description="How a unit is chosen: lor (least outstanding / capacity), prefix (the unit most likely to hold the prompt's prefix in its KV cache, within a bound on its load, else lor), p2c (power of two choices), round_robin, random. Default lor.",
     )
     prefix_balance: float = Field(
-        0.2,
+        0.1,
         ge=0,
-        description="Policy prefix: a unit holding the prompt's prefix is chosen while its estimated outstanding / capacity is at most (1 + this) x the least loaded candidate's, plus prefix_slack requests; otherwise lor decides. Default 0.2.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
     )
     prefix_slack: int = Field(
-        2,
+        1,
         ge=0,
-        description="Policy prefix: requests a unit holding the prefix may have above the bound of prefix_balance (so an idle fleet keeps affinity). Default 2.",
+        description="Policy prefix: requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
+    )
+    prefix_engine_feedback: bool = Field(
+        True,
+        description="Policy prefix: correct the index from the prefix-cache counters in the units' load reports (a unit that finds far fewer of its prompts cached than the index expected keeps fewer blocks in it; a unit whose cache was emptied is forgotten). Default true.",
     )
     prefix_chunk_chars: int = Field(
-        256,
+        512,
         gt=0,
-        description="Policy prefix: characters of prompt text per block of the prefix index. Default 256.",
+        description="Policy prefix: characters of prompt text per block of the prefix index. About 100 tokens of text; a larger block hashes and indexes less per request, a smaller one matches prefixes more finely. Default 512.",
     )
     prefix_max_blocks: int = Field(
         8192,
@@ -522,7 +354,12 @@ class GatewaySettings(_Section):
     )
     load_source: Literal["watch", "watch-http", "poll", "redis"] = Field(
         "watch",
-        description="Where unit load comes from: watch (a gRPC WatchLoad stream per unit), watch-http (the same reports as server-sent events from GET /load/watch, on the gateway's HTTP client), poll (GET /load), redis. Default watch.",
+        description="Where unit load comes from: watch (a gRPC WatchLoad stream per unit; over HTTP beyond watch_grpc_max_units units), watch-http (the same reports as server-sent events from GET /load/watch, on the gateway's HTTP client), poll (GET /load), redis. Default watch.",
+    )
+    watch_grpc_max_units: int = Field(
+        1000,
+        ge=0,
+        description="With load_source watch and more configured units than this, the gateway holds each unit's report stream over HTTP (as watch-http) instead of gRPC: a gRPC channel with its stream costs the gateway about 55-70 KB of memory, an HTTP stream about 15 KB (bench/scale). Default 1000.",
     )
     retries: int = Field(
         2,
@@ -605,6 +442,11 @@ class GatewaySettings(_Section):
         250.0,
         ge=0,
         description="Load reports per second this gateway asks of all its configured units together (watch, watch-http, poll): with N units, each reports load changes at most every N/budget s and a heartbeat every N/budget s when that is longer than the unit's own; poll_interval_s and stale_after_s stretch to match (stale: 3 such intervals). Between reports the gateway's own counts keep the estimate current. 0: every unit reports at its own rate. Default 250.",
+    )
+    report_min_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="Each unit reports load changes to this gateway at most this often, in s, whatever the fleet's size (watch, watch-http, poll, redis): between reports the gateway's own counts are exact for its own traffic, and only other gateways' traffic waits up to this long. State changes still arrive at once. 0: a small fleet reports at the units' own rate. Default 0.05.",
     )
     tls_ca_file: Path | None = Field(
         None,

@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,8 +28,10 @@ from typing import Any, Self
 import aiohttp
 from pydantic import BaseModel, SecretStr
 
-from proxy.cli import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
-from proxy.procutil import die_with_parent, free_ports
+from proxy import procutil
+from proxy.flags import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
+from proxy.procutil import describe_exit, free_ports
+from proxy.serving import Signals
 from proxy.settings import Settings, UpSettings
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Child:
     args: list[str]  # after ``python -m proxy``
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)  # secrets: never on a command line
-    proc: asyncio.subprocess.Process | None = None
+    proc: procutil.Child | None = None
 
     @property
     def http_url(self) -> str:
@@ -211,38 +212,6 @@ def allocate_ports(up: UpSettings) -> Iterator[int]:
     return iter(free_ports(up.port_count, HOST))
 
 
-def describe_exit(code: int) -> str:
-    return f"status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-
-
-class Signals:
-    """SIGINT/SIGTERM for the whole run: the first asks to stop, a second to hurry."""
-
-    def __init__(self) -> None:
-        self.first: signal.Signals | None = None
-        self.stop = asyncio.Event()
-        self.hurry = asyncio.Event()
-
-    def __enter__(self) -> Self:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._received, sig)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-
-    def _received(self, sig: signal.Signals) -> None:
-        if self.first is None:
-            self.first = sig
-            self.stop.set()
-        else:
-            log.warning("received %s again: killing every process now", sig.name)
-            self.hurry.set()
-
-
 class Processes:
     """The running children: started on enter, each watched, all stopped on exit.
 
@@ -284,23 +253,17 @@ class Processes:
         await self.stop()
 
     async def _spawn(self, child: Child) -> None:
-        child.log_path.parent.mkdir(parents=True, exist_ok=True)
-        await self._exec(child, "wb")
+        await self._exec(child)
         log.debug("started %s (pid %d): %s", child.title, child.pid, " ".join(child.args))
         self._watchers.append(asyncio.create_task(self._watch(child), name=f"watch {child.title}"))
 
-    async def _exec(self, child: Child, mode: str) -> None:
-        with child.log_path.open(mode) as out:
-            if mode == "ab":
-                out.write(f"\n--- unitproxy up: restarting {child.title} ---\n".encode())
-                out.flush()
-            child.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proxy", *child.args,
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                env={**os.environ, **child.env, "PYTHONUNBUFFERED": "1"},
-                preexec_fn=die_with_parent(),
-                start_new_session=True,  # Ctrl-C reaches `up` alone, which stops the cell in order
-            )  # fmt: skip
+    async def _exec(self, child: Child, restart: bool = False) -> None:
+        if restart:
+            with child.log_path.open("a") as out:
+                out.write(f"\n--- unitproxy up: restarting {child.title} ---\n")
+        argv = procutil.python_m(*child.args)
+        child.proc = await procutil.start(child.title, argv, child.log_path, env=child.env,
+                                          append=restart)  # fmt: skip
 
     async def _watch(self, child: Child) -> None:
         assert child.proc is not None
@@ -333,7 +296,7 @@ class Processes:
 
     async def _restart(self, child: Child) -> None:
         old = child.pid
-        await self._exec(child, "ab")
+        await self._exec(child, restart=True)
         log.info("restarted %s (pid %d, was %d) on the same ports", child.title, child.pid, old)
 
     def exited(self) -> list[Child]:
@@ -343,20 +306,10 @@ class Processes:
         """SIGTERM to every child still running; SIGKILL what is left after the timeout."""
         self.stopping = True
         async with self._spawning:  # a restart under way has its new process in hand
-            running = [c for c in self.children if c.proc is not None and c.proc.returncode is None]
-        for child in running:
-            _send(child, signal.SIGTERM)
-        if running:
-            exited = asyncio.create_task(_wait_all(running))
-            hurried = asyncio.create_task(_wait_event(self.hurry))
-            await asyncio.wait({exited, hurried}, timeout=self.stop_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            hurried.cancel()
-            for child in running:
-                if child.proc is not None and child.proc.returncode is None:
-                    log.warning("%s (pid %d) did not stop; killing it", child.title, child.pid)
-                    _send(child, signal.SIGKILL)
-            await exited
+            running = [
+                c.proc for c in self.children if c.proc is not None and c.proc.returncode is None
+            ]
+        await asyncio.gather(*(p.stop(self.stop_timeout_s, self.hurry) for p in running))
         for task in self._watchers:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
@@ -374,20 +327,6 @@ def last_line(path: Path) -> str:
         return ""
     lines = [line for line in lines if line]
     return f": {lines[-1][:300]}" if lines else ""
-
-
-async def _wait_all(children: Sequence[Child]) -> None:
-    await asyncio.gather(*(c.proc.wait() for c in children if c.proc is not None))
-
-
-async def _wait_event(event: asyncio.Event) -> None:
-    await event.wait()
-
-
-def _send(child: Child, sig: signal.Signals) -> None:
-    assert child.proc is not None
-    with contextlib.suppress(ProcessLookupError):
-        child.proc.send_signal(sig)
 
 
 class NotReady(Exception):
@@ -508,7 +447,7 @@ async def _run(settings: Settings) -> int:
             if not ready.done():
                 ready.cancel()
                 await asyncio.gather(ready, return_exceptions=True)
-                log.info("received %s before the cell was ready; stopping", _name(signals))
+                log.info("received %s before the cell was ready; stopping", signals.name())
                 return 0
             try:
                 ready.result()
@@ -525,13 +464,9 @@ async def _run(settings: Settings) -> int:
                          cell.gateway.http_url, up.state_file,
                          "dead processes are restarted; " if up.restart else "")  # fmt: skip
                 await signals.stop.wait()
-                log.info("received %s, stopping every process", _name(signals))
+                log.info("received %s, stopping every process", signals.name())
             finally:
                 await procs.stop()
                 with contextlib.suppress(FileNotFoundError):
                     up.state_file.unlink()  # its pids are gone
     return 0
-
-
-def _name(signals: Signals) -> str:
-    return signals.first.name if signals.first is not None else "a signal"

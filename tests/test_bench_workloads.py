@@ -1,12 +1,16 @@
-"""bench/routing's workloads: what shares a prefix does, and the same seed repeats."""
+"""bench/routing's workloads: what shares a prefix does, and the same seed repeats; and
+bench/prefix_cost.py's smoke run."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,3 +50,16 @@ def test_the_same_seed_gives_the_same_requests() -> None:
     for name in workload.WORKLOADS:
         assert prompts(name, 50, seed=3) == prompts(name, 50, seed=3)
         assert prompts(name, 50, seed=3) != prompts(name, 50, seed=4)
+
+
+@pytest.mark.timeout(120)
+def test_prefix_cost_quick_mode_runs() -> None:
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, "bench/prefix_cost.py", "--quick", "--chunk-chars", "256,512"]
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=110, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    # per workload and fleet size: lor, then prefix at each chunk size
+    assert [r[2] for r in rows] == ["lor", "prefix", "prefix"] * 4
+    assert all(float(r[-3]) > 0 for r in rows)  # µs per request
+    assert all(float(r[-1]) > 0 for r in rows if r[2] == "prefix")  # blocks held

@@ -261,3 +261,46 @@ async def test_model_is_added_only_when_left_out(
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("no-such-model")
     assert sidecar.core.outstanding == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_resume_with_nothing_left_ends_at_once_with_length(
+    start_sidecar: SidecarFactory, recorder: Recorder, stream: bool
+) -> None:
+    # The gateway resumes a stream whose delivered output already reaches max_tokens
+    # (the cut fell after the last token, before its finish): the answer is the finish
+    # alone, made without engine work, usage counted as for one request.
+    sidecar = await _sidecar(start_sidecar, recorder)
+    messages = [
+        {"role": "user", "content": "count"},
+        {"role": "assistant", "content": "one two three four"},  # 18 chars
+    ]
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 4}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    hint = json.dumps({"created": 77, "delivered_chars": 18})
+    url = f"{sidecar.http_url}/v1/chat/completions"
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+        http.post(url, json=body, headers={"x-unitproxy-resume": hint}) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        raw = await resp.read()
+    assert recorder.bodies == [], "no engine work"
+    if stream:
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert chunks[0]["choices"] == [
+            {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": "length"}
+        ]
+        assert {c["created"] for c in chunks} == {77}
+        usage = chunks[-1]["usage"]
+    else:
+        answer = json.loads(raw)
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["choices"][0]["message"]["content"] == ""
+        usage = answer["usage"]
+    # No /tokenize upstream: counted at 4 characters a token (18 -> 4 delivered).
+    assert usage["completion_tokens"] == 4
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == usage["total_tokens"]

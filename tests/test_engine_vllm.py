@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -27,7 +28,7 @@ import pytest
 import pytest_asyncio
 
 from engine import EngineUnavailable, create_engine
-from engine.vllm import VllmEngine, _render_chat, engine_kwargs
+from engine.vllm import SchedulerView, VllmEngine, _render_chat, engine_kwargs
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.settings import load
@@ -283,6 +284,24 @@ async def test_watchdog_and_leader_health_see_a_live_engine(sidecar: Sidecar) ->
 
 
 @with_vllm
+async def test_the_load_report_carries_vllms_prefix_cache_counters(sidecar: Sidecar) -> None:
+    before = sidecar.core.report()
+    prefix = "The same long instructions every time. " * 12  # several KV blocks
+    async with client(sidecar) as oa:
+        for question in ("first?", "second?"):
+            assert await stream_tokens(oa, prefix + question, 2) == 2
+    await until_idle(sidecar)
+    await wait_until(
+        lambda: sidecar.core.report().prefix_cache_hits > before.prefix_cache_hits,
+        10,
+        "vLLM's prefix cache hits in the load report",
+    )
+    after = sidecar.core.report()
+    assert after.prefix_cache_queries > after.prefix_cache_hits > before.prefix_cache_hits
+    assert 0.0 < after.prefix_cache_hit_rate < 1.0
+
+
+@with_vllm
 async def test_a_device_the_build_does_not_run_on_is_refused(
     tiny_model: Path, vllm_env: None
 ) -> None:
@@ -389,6 +408,28 @@ def test_engine_arguments_come_from_the_settings() -> None:
     assert kwargs["max_num_seqs"] == 32, "engine_args win over the named fields"
     assert kwargs["disable_log_stats"] is False, "stats() needs the scheduler's stats"
     assert "tokenizer" not in kwargs and "quantization" not in kwargs, "unset: vLLM's defaults"
+
+
+def test_the_scheduler_view_sums_vllms_prefix_cache_stats() -> None:
+    view = SchedulerView.empty()
+    assert view.prefix_cache()["prefix_cache_hit_rate"] == -1.0  # nothing looked up yet
+
+    def step(queries: int, hits: int, reset: bool = False) -> SimpleNamespace:
+        cache = SimpleNamespace(queries=queries, hits=hits, reset=reset)
+        return SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.1,
+                               prefix_cache_stats=cache)  # fmt: skip
+
+    view.update(0, step(100, 40))
+    view.update(1, step(60, 0))  # another data parallel rank
+    view.update(0, step(0, 0, reset=True))
+    assert view.prefix_cache() == {
+        "prefix_cache_hit_rate": 0.25,
+        "prefix_cache_queries": 160,
+        "prefix_cache_hits": 40,
+        "prefix_cache_resets": 1,
+    }
+    view.update(0, SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0))  # older vLLM
+    assert view.prefix_cache()["prefix_cache_queries"] == 160
 
 
 def test_engine_vllm_needs_a_model() -> None:

@@ -455,7 +455,9 @@ async def test_hung_http_port_of_a_serving_unit_ends_at_the_deadline(procs: Proc
     assert set(statuses) <= {200, 504} and statuses[504] >= 1, statuses
     assert statuses[504] == units["wedged"]["routed"], "every request sent there, and only those"
     for (status, seconds), limit in zip(results, [1.0] * 16 + [2.0] * 4, strict=True):
-        assert seconds < limit + 1.0, "ended at its deadline, not later"
+        # Without a deadline these would hang to the client's 20 s; 2 s of slack
+        # covers a loaded machine's scheduling without hiding a missed deadline.
+        assert seconds < limit + 2.0, "ended at its deadline, not later"
         if status == 504:
             assert seconds >= limit - 0.05
     assert units["wedged"]["inflight_here"] == 0

@@ -426,3 +426,21 @@ async def test_load_over_http_watch_routes_and_drops_a_stopped_unit_at_once(
     await a.__aexit__(None, None, None)  # the report stream breaks: a is dropped at once
     await wait_until(lambda: gw.router.units["a"].report is None, what="a forgotten")
     assert await units_of(http, gw, 4, {"prompt": "x", "max_tokens": 1}) == Counter({"b": 4})
+
+
+async def test_watch_reads_a_fleet_above_watch_grpc_max_units_over_http(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 16})
+    b = await start_sidecar(sidecar={"unit_id": "b", "capacity": 16})
+    small = await start_gateway([a, b])
+    assert not small.watches_over_http  # 2 units: a gRPC stream each
+    await wait_until(lambda: len(small._channels) == 2, what="a gRPC channel per unit")
+    gw = await start_gateway([a, b], load_source="watch", watch_grpc_max_units=1)
+    assert gw.watches_over_http
+    held = await hold_streams(http, a.http_url, 8)  # sent to unit a directly
+    await wait_until(lambda: gw.router.units["a"].estimate() == 8, what="a's load over HTTP")
+    assert await units_of(http, gw, 6, {"prompt": "x", "max_tokens": 2}) == Counter({"b": 6})
+    for resp in held:
+        resp.close()
+    assert not gw._channels, "no gRPC channel was opened for reports"

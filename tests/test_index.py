@@ -31,7 +31,7 @@ def fleet(n: int, policy: str, clock: Clock, seed: int = 1, **settings: object) 
 
 
 def least_by_scan(router: Router, exclude: set[str]) -> float | None:
-    loads = [u.load(router.settings.correct_load) for u in router.candidates(exclude)]
+    loads = [router.view.load(u) for u in router.candidates(exclude)]
     return min(loads) if loads else None
 
 
@@ -66,7 +66,7 @@ def test_lor_picks_what_the_scan_would_through_reports_ejections_staleness_and_o
                 # The unit had the least load before it took this request.
                 unit.inflight -= 1
                 unit.started_since_report -= 1
-                assert unit.load(correct) == expected, step
+                assert router.view.load(unit) == expected, step
                 unit.inflight += 1
                 unit.started_since_report += 1
                 held.append(unit)

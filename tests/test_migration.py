@@ -316,7 +316,7 @@ async def test_a_second_sigterm_ends_open_streams_with_an_error_event(
     gateway.signal(signal.SIGTERM)  # ...but not now: stop
     events = await rest_of(resp)
     assert json.loads(events[-1])["error"]["code"] == "shutting_down"
-    assert await gateway.wait() == 1
+    assert await gateway.wait(10) == 1
 
 
 async def follower_cell(procs: Procs) -> tuple[list[Any], list[Any], Any]:

@@ -8,8 +8,11 @@ from collections import Counter
 import pytest
 
 from proxy.errors import NotFound
+from proxy.gateway.index import LeastLoaded
+from proxy.gateway.policies import prefix_affinity
 from proxy.gateway.prefix import Want
 from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.gateway.units import CORRECTED, Unit
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 from tests.test_router import Clock
@@ -47,8 +50,66 @@ async def test_a_prompt_goes_back_to_the_unit_that_holds_its_prefix() -> None:
     assert u.inflight >= 1
 
 
-async def test_bounded_load_a_hot_prefix_spreads_and_no_unit_runs_far_above_the_mean() -> None:
-    r = fleet(8, policy="prefix", prefix_balance=0.2, prefix_slack=2)
+def unit(id: str, outstanding: int, capacity: int = 64) -> Unit:
+    u = Unit(id, f"http://{id}:1", f"{id}:2")
+    u.apply(LoadReport(id, UnitState.SERVING, outstanding, capacity, seq=1), 0.0)
+    return u
+
+
+def test_a_holder_is_chosen_only_within_the_bound_over_the_mean() -> None:
+    # mean load 0.25 with this request; (1 + 0.2) x 0.25 x 64 = 19.2, plus 1 request
+    a, b, least = unit("a", 19), unit("b", 20), unit("c", 0)
+    mean = 0.25
+    assert prefix_affinity(least, [[a]], CORRECTED, mean, 0.2, 1) is a  # 19 + 1 <= 20.2
+    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 1) is least  # 21 > 20.2
+    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 2) is b  # 21 <= 21.2
+    # the longest match is over the bound: the next shorter match that is within it
+    shorter = unit("d", 10)
+    assert prefix_affinity(least, [[b], [shorter]], CORRECTED, mean, 0.2, 1) is shorter
+    # of the holders at one depth, the least loaded by outstanding / capacity
+    small = unit("e", 4, capacity=16)  # 0.25 against a's 0.30
+    assert prefix_affinity(least, [[a, small]], CORRECTED, mean, 0.2, 1) is small
+    # a small unit's share of the bound is its capacity's: 4 + 1 > 1.2 x 0.25 x 16 + 0
+    assert prefix_affinity(least, [[small]], CORRECTED, mean, 0.2, 0) is least
+
+
+async def test_bounded_load_no_choice_puts_a_unit_above_the_mean_bound() -> None:
+    """Every choice, checked as it is made: a unit holding the prefix is chosen only
+    while its outstanding, this request counted, is within (1 + balance) x the mean
+    plus the slack; anything else is the least loaded unit (lor)."""
+    balance, slack = 0.1, 1
+    capacities = {f"u{i}": 64 if i % 2 == 0 else 32 for i in range(8)}
+    r = fleet(8, policy="prefix", prefix_balance=balance, prefix_slack=slack)
+    for i, cap in capacities.items():
+        r.apply_report(i, LoadReport(i, UnitState.SERVING, 0, cap, seq=11, models=("m",)))
+    hot = system(0)
+    started: list[Unit] = []
+    rng = random.Random(3)
+    by_affinity = 0
+    for i in range(3000):
+        text = hot if rng.random() < 0.5 else system(1 + i % 50)
+        units = list(r.units.values())
+        before = {u.id: u.inflight for u in units}
+        lowest = min(u.inflight / u.capacity for u in units)
+        mean = (sum(before.values()) + 1) / sum(capacities.values())
+        chosen = await r.acquire(want=want(r, text + f"question {i}"))
+        started.append(chosen)
+        after = chosen.inflight
+        within = after <= (1 + balance) * mean * chosen.capacity + slack + 1e-9
+        least = before[chosen.id] / chosen.capacity == lowest
+        assert within or least, (i, chosen.id, before, mean)
+        by_affinity += within and not least
+        # a steady state of 100-300 in flight: departures at random
+        while len(started) > 100 + (i // 500 % 3) * 100:
+            r.release(started.pop(rng.randrange(len(started))), Outcome.OK)
+    assert by_affinity > 1000  # the bound did not simply turn the policy into lor
+    assert r.prefix is not None
+    holders = next(r.prefix.matches(want(r, hot).blocks, 0.0))[1]
+    assert len(holders) >= 4  # the hot prefix (half the traffic) overflowed to more units
+
+
+async def test_bounded_load_a_hot_prefix_keeps_every_unit_near_the_mean() -> None:
+    r = fleet(8, policy="prefix")  # the default bound
     hot = system(0)
     started = []
     peaks = []
@@ -56,16 +117,40 @@ async def test_bounded_load_a_hot_prefix_spreads_and_no_unit_runs_far_above_the_
     for i in range(2000):
         text = hot if rng.random() < 0.5 else system(1 + i % 50)
         started.append(await r.acquire(want=want(r, text + f"question {i}")))
-        if len(started) > 200:  # a steady state of about 200 in flight
+        if len(started) > 100:  # a steady state of about 100 in flight
             r.release(started.pop(rng.randrange(len(started))), Outcome.OK)
         counts = [u.inflight for u in r.units.values()]
         if sum(counts) >= 8 * 8:
             peaks.append(max(counts) * len(counts) / sum(counts))
     peaks.sort()
     assert peaks[int(0.99 * len(peaks))] <= 1.25
-    assert r.prefix is not None
-    holders = next(r.prefix.matches(want(r, hot).blocks, 0.0))[1]
-    assert len(holders) >= 2  # the hot prefix overflowed to more units, which keep it
+
+
+def test_the_heap_keeps_the_fleet_sums_of_its_live_units() -> None:
+    rng = random.Random(5)
+    heap = LeastLoaded(rng)
+    units = [unit(f"u{i}", rng.randrange(10), capacity=16 * (1 + i % 2)) for i in range(6)]
+    live: set[str] = set()
+    for step in range(500):
+        u = rng.choice(units)
+        action = rng.randrange(3)
+        if action == 0:
+            u.inflight += 1
+            u.started_since_report += 1
+            heap.update(u)
+            live.add(u.id)
+        elif action == 1:
+            heap.remove(u)
+            live.discard(u.id)
+        else:
+            heap.hold(u, until=float(step))
+            live.discard(u.id)
+        mine = [v for v in units if v.id in live]
+        assert heap.outstanding == sum(v.estimate() for v in mine)
+        assert heap.capacity == sum(v.capacity for v in mine)
+        if mine:
+            total = sum(v.capacity for v in mine)
+            assert heap.mean_load() == (sum(v.estimate() for v in mine) + 1) / total
 
 
 async def test_prefix_memory_is_bounded_and_a_restarted_unit_is_forgotten() -> None:

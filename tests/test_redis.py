@@ -49,6 +49,17 @@ SLOW_SIM = {"decode_step_ms": 20.0}  # long streams that cost little CPU
 GatewayStarter = Callable[..., Awaitable[Gateway]]
 
 
+class AheadClock:
+    """The monotonic clock plus however far a test moved it on: time passes for the
+    gateway's reports without the test sleeping through it."""
+
+    def __init__(self) -> None:
+        self.ahead_s = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.ahead_s
+
+
 # --- fixtures -------------------------------------------------------------------
 
 
@@ -92,7 +103,9 @@ async def start_gateway_on_redis() -> AsyncIterator[GatewayStarter]:
     """Gateways with load_source redis and no configured unit; stopped afterwards."""
     async with AsyncExitStack() as stack:
 
-        async def start(url: str, cluster: str, **gateway: Any) -> Gateway:
+        async def start(
+            url: str, cluster: str, clock: Callable[[], float] = time.monotonic, **gateway: Any
+        ) -> Gateway:
             settings = load(
                 {
                     "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
@@ -104,7 +117,7 @@ async def start_gateway_on_redis() -> AsyncIterator[GatewayStarter]:
                     "redis": redis_section(url, cluster),
                 }
             )
-            return await stack.enter_async_context(Gateway(settings))
+            return await stack.enter_async_context(Gateway(settings, clock))
 
         yield start
 
@@ -348,17 +361,25 @@ async def test_redis_restart_sidecar_serves_gateway_routes_both_reconnect(
     http: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, "proxy.redis_reports")
+    caplog.set_level(logging.DEBUG, "proxy.redis_reports")
     url, cluster = own_redis.url, "restart"
     a = await start_unit(start_sidecar, "a", url, cluster, sim=SLOW_SIM)
-    gw = await start_gateway_on_redis(url, cluster, stale_after_s=0.6)
+    clock = AheadClock()
+    gw = await start_gateway_on_redis(url, cluster, clock, stale_after_s=0.6)
     await wait_until(lambda: len(gw.router.serving()) == 1, what="gateway discovers a")
     source = gw.redis_source
     assert source is not None and source.connects == 1
 
     await own_redis.kill()
     await wait_until(lambda: gw.router.aging_paused, what="gateway notices Redis is gone")
-    await asyncio.sleep(1.5)  # well past stale_after_s: the last report must still count
+    clock.ahead_s += 1.5  # well past stale_after_s: the last report must still count
+
+    def retried(who: str) -> bool:
+        return sum(who in r.getMessage() and "still unreachable" in r.getMessage()
+                   for r in caplog.records) >= 2  # fmt: skip
+
+    await wait_until(lambda: retried("gateway load source") and retried("report publisher"),
+                     what="both sides retry Redis")  # fmt: skip
     async with http.post(
         f"{a.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}
     ) as r:
@@ -369,7 +390,11 @@ async def test_redis_restart_sidecar_serves_gateway_routes_both_reconnect(
         assert r.status == 200 and r.headers["x-unitproxy-unit"] == "a"  # the gateway routes
     before = gw.router.units["a"].report
     assert before is not None
-    outages = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    outages = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "unreachable" in r.getMessage()
+    ]
     assert len(outages) == 2, [r.getMessage() for r in outages]  # once each, not per attempt
 
     await own_redis.start()  # empty: no key survived

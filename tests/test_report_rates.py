@@ -26,15 +26,28 @@ def gateway(units: int, **settings: object) -> GatewaySettings:
     return GatewaySettings(units=targets, max_units=max(256, len(targets)), **settings)
 
 
-def test_a_small_fleet_reports_at_the_units_own_rate() -> None:
-    assert report_rates(gateway(1), 1) == ReportRates()  # 4 ms: the unit's own 5 ms holds
-    assert scaled(gateway(1)) == gateway(1)
-    assert report_rates(gateway(8, report_budget_per_s=0), 8_000) == ReportRates()
+def test_a_small_fleet_reports_changes_at_most_every_min_interval() -> None:
+    # The budget alone would allow 4 ms (1 unit) or 32 ms (8 units): the floor holds.
+    assert report_rates(gateway(1), 1) == ReportRates(min_interval_s=0.05)
+    assert report_rates(gateway(8), 8).min_interval_ms == 50
+    g = scaled(gateway(1))  # no longer heartbeat: staleness and polling as configured
+    assert g.stale_after_s == 5 and g.poll_interval_s == 1
+    floor = {"report_min_interval_s": 0.2}
+    assert report_rates(gateway(8, report_budget_per_s=0, **floor), 8_000).min_interval_ms == 200
+    assert report_rates(gateway(100, **floor), 100).min_interval_ms == 400  # the budget's
+
+
+def test_without_the_floor_a_small_fleet_reports_at_the_units_own_rate() -> None:
+    free = {"report_min_interval_s": 0}
+    assert report_rates(gateway(1, **free), 1) == ReportRates()  # 4 ms: the unit's 5 ms holds
+    assert scaled(gateway(1, **free)) == gateway(1, **free)
+    assert report_rates(gateway(8, report_budget_per_s=0, **free), 8_000) == ReportRates()
+    assert report_rates(gateway(8, **free), 8).min_interval_ms == 32
 
 
 def test_a_large_fleet_is_asked_for_fewer_reports_and_ages_them_slower() -> None:
     rates = report_rates(gateway(8), 8)
-    assert rates.min_interval_ms == 32 and rates.heartbeat_ms == 0
+    assert rates.min_interval_ms == 50 and rates.heartbeat_ms == 0
     assert scaled(gateway(8)).stale_after_s == 5
     rates = report_rates(gateway(250), 250)
     assert rates.min_interval_ms == 1000 and rates.heartbeat_ms == 0

@@ -1,13 +1,25 @@
-"""The routing core on its own: a Router fed reports, on an injected clock, no sleeps."""
+"""The routing core on its own: a Router fed reports, on an injected clock and a seeded
+random generator, no sleeps. Staleness, the herd correction, tie-breaking and the wait
+queue here; the large-fleet choosers in test_index.py, the ejection cap in
+test_ejection_cap.py, policy prefix in test_prefix_policy.py."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import typing
+from collections import Counter
 
-from proxy.gateway.router import Outcome, Router
+import pytest
+
+from proxy.errors import NotFound, Overloaded
+from proxy.gateway.policies import POLICIES, least_outstanding, power_of_two
+from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
+
+pytestmark = pytest.mark.timeout(10)
 
 
 class Clock:
@@ -19,11 +31,24 @@ class Clock:
 
 
 def router(*ids: str, capacity: int = 1, **settings: object) -> Router:
+    return fleet(*ids, capacity=capacity, **settings)[0]
+
+
+def fleet(
+    *ids: str, capacity: int = 1, clock: Clock | None = None, **settings: object
+) -> tuple[Router, Clock]:
+    """A router over SERVING units that reported ``0/capacity`` at the clock's now."""
+    clock = clock or Clock()
     targets = [UnitTarget(id=i, http_url=f"http://{i}:1", grpc_target=f"{i}:2") for i in ids]
-    r = Router(GatewaySettings(**settings), targets, rng=random.Random(1), clock=Clock())
+    r = Router(GatewaySettings(**settings), targets, rng=random.Random(1), clock=clock)
     for i in ids:
         r.apply_report(i, LoadReport(i, UnitState.SERVING, 0, capacity, seq=1))
-    return r
+    return r, clock
+
+
+def report(r: Router, uid: str, outstanding: int, capacity: int = 10, seq: int = 2,
+           state: UnitState = UnitState.SERVING, **fields: object) -> None:  # fmt: skip
+    r.apply_report(uid, LoadReport(uid, state, outstanding, capacity, seq=seq, **fields))  # type: ignore[arg-type]
 
 
 async def settle() -> None:
@@ -74,3 +99,243 @@ async def test_waiters_keep_their_order() -> None:
     r.release(r.units["a"], Outcome.OK)
     await settle()
     assert second.done()
+
+
+async def test_a_full_queue_and_a_long_wait_are_429_with_their_codes() -> None:
+    r = router("a", queue_size=1, queue_timeout_s=0)
+    await r.acquire()
+    with pytest.raises(Overloaded) as timed_out:  # a wait of at most 0 s ends at once
+        await asyncio.wait_for(r.acquire(), 1)
+    assert timed_out.value.code == "queue_timeout"
+    r = router("a", queue_size=1)
+    await r.acquire()
+    waiting = asyncio.create_task(r.acquire())
+    await settle()
+    with pytest.raises(Overloaded) as full:
+        await r.acquire()
+    assert full.value.code == "queue_full"
+    waiting.cancel()
+
+
+async def test_waiters_get_no_unit_once_the_last_unit_they_could_take_stops() -> None:
+    r, clock = fleet("a", "b", queue_timeout_s=5)
+    await r.acquire()
+    await r.acquire()
+    any_unit = asyncio.create_task(r.acquire())
+    not_a = asyncio.create_task(r.acquire(exclude={"a"}))
+    not_b = asyncio.create_task(r.acquire(exclude={"b"}))
+    await settle()
+    assert r.waiting == 3
+    report(r, "b", 1, 1, state=UnitState.DRAINING)  # b stops: nothing left for not_a
+    await settle()
+    assert not_a.done() and isinstance(not_a.exception(), NoUnit)
+    assert not any_unit.done() and not not_b.done(), "a may still free up for them"
+    report(r, "a", 1, 1, seq=3)  # a reports again, still full; then its reports stop
+    clock.now += 10.0  # past stale_after_s: no event says so, the queue's tick does
+    r.release_stranded()
+    await settle()
+    for task in (any_unit, not_b):
+        assert task.done() and isinstance(task.exception(), NoUnit)
+    assert r.waiting == 0
+
+
+async def test_with_no_unit_serving_a_request_gets_no_unit_at_once() -> None:
+    r = router("a", "b")
+    await r.acquire()
+    with pytest.raises(NoUnit) as excluded:  # b is free, but this retry already failed there
+        await r.acquire(exclude={"a", "b"})
+    report(r, "b", 0, 1, state=UnitState.NOT_SERVING)
+    report(r, "a", 1, 1, state=UnitState.NOT_SERVING)
+    with pytest.raises(NoUnit) as none_serving:
+        await r.acquire()
+    assert excluded.value.code == none_serving.value.code == "no_unit_available"
+    assert r.waiting == 0
+
+
+# -- staleness ---------------------------------------------------------------------
+
+
+def test_a_report_is_trusted_until_stale_after_s_then_the_unit_is_lost() -> None:
+    r, clock = fleet("a", "b", capacity=10, stale_after_s=5.0)
+    clock.now += 4.999
+    assert {u.id for u in r.candidates()} == {"a", "b"}
+    report(r, "b", 0)  # b reports again; a stays silent
+    clock.now += 0.001
+    assert [u.id for u in r.candidates()] == ["b"]  # exactly at the bound: a is out
+    assert r.units["a"].view(clock.now, 5.0) == ("LOST", "no load report for 5 s")
+    assert r.units["b"].view(clock.now, 5.0) == ("SERVING", None)
+    assert r.pick().id == "b"  # type: ignore[union-attr]
+
+
+def test_while_the_load_source_is_down_reports_do_not_age() -> None:
+    r, clock = fleet("a", capacity=10, stale_after_s=5.0)
+    clock.now += 3.0
+    r.pause_aging()  # Redis is down: the unit did not go silent, our source did
+    clock.now += 60.0
+    assert [u.id for u in r.candidates()] == ["a"]
+    r.resume_aging()  # aging goes on from 3 s old
+    clock.now += 1.999
+    assert [u.id for u in r.candidates()] == ["a"]
+    clock.now += 0.001
+    assert r.candidates() == []
+
+
+def test_an_older_report_that_arrives_late_is_ignored() -> None:
+    r, _ = fleet("a", capacity=10)
+    report(r, "a", 7, seq=5, timestamp_ms=2000)
+    report(r, "a", 1, seq=4, timestamp_ms=1000)  # sent before the one we have
+    assert r.units["a"].report.outstanding == 7  # type: ignore[union-attr]
+    report(r, "a", 2, seq=1, timestamp_ms=3000)  # seq went back but newer: a restarted sidecar
+    assert r.units["a"].report.outstanding == 2  # type: ignore[union-attr]
+
+
+def test_a_unit_the_source_lost_takes_nothing_until_it_reports_again() -> None:
+    r, clock = fleet("a", "b", capacity=10)
+    r.forget_report("a", "connection refused by 10.0.0.1")
+    assert [u.id for u in r.candidates()] == ["b"]
+    assert r.units["a"].view(clock.now, 5.0) == ("LOST", "connection refused")
+    report(r, "a", 0, seq=3)
+    assert {u.id for u in r.candidates()} == {"a", "b"}
+
+
+# -- the herd correction -------------------------------------------------------------
+
+
+def test_the_estimate_corrects_the_report_by_our_own_starts_and_finishes() -> None:
+    r, _ = fleet("a", "b", capacity=10)
+    report(r, "a", 3)
+    report(r, "b", 6)
+    a = r.units["a"]
+    for _ in range(3):
+        assert r.pick() is a  # a is less loaded until our own starts make it 6
+    assert a.estimate() == 6 and AS_REPORTED.estimate(a) == 3
+    r.release(a, Outcome.OK)
+    assert a.estimate() == 5
+    report(r, "a", 4, seq=3)  # a fresh report replaces the correction
+    assert a.estimate() == 4
+
+
+def test_the_estimate_never_drops_below_our_own_requests_in_flight() -> None:
+    # A stale low report (0) must not make every request herd onto the unit.
+    r, _ = fleet("a", capacity=10)
+    a = r.units["a"]
+    for _ in range(4):
+        r.pick()
+    report(r, "a", 0, seq=3)  # it was sent before our 4 requests arrived there
+    assert a.started_since_report == 0 and a.estimate() == 4
+
+
+def test_without_the_correction_a_stale_report_herds_every_request_onto_one_unit() -> None:
+    # What correct_load (default true) is for: both read from the same reports.
+    for correct in (True, False):
+        r, _ = fleet("a", "b", capacity=100, correct_load=correct)
+        report(r, "a", 0)
+        report(r, "b", 6)
+        chosen = Counter(r.pick().id for _ in range(12))  # type: ignore[union-attr]
+        if correct:  # a takes 6 to even up, then the two share: 9 each
+            assert r.units["a"].estimate() == r.units["b"].estimate() == 9, chosen
+        else:
+            assert chosen == {"a": 12}
+
+
+def test_a_unit_full_by_the_estimate_is_no_candidate() -> None:
+    r, _ = fleet("a", "b", capacity=2)
+    a = r.units["a"]
+    r.pick(exclude={"b"})
+    r.pick(exclude={"b"})
+    assert a.estimate() == 2 and [u.id for u in r.candidates()] == ["b"]
+
+
+# -- tie-breaking and the choosers, on a seeded generator ----------------------------
+
+
+def units(*loads: tuple[int, int]) -> list[Unit]:
+    made = []
+    for i, (outstanding, capacity) in enumerate(loads):
+        u = Unit(f"u{i}", "", "")
+        u.apply(LoadReport(u.id, UnitState.SERVING, outstanding, capacity), 0.0)
+        made.append(u)
+    return made
+
+
+def test_least_outstanding_compares_load_over_capacity_and_draws_among_ties() -> None:
+    small, big = units((1, 2), (3, 8))
+    assert least_outstanding([small, big], random.Random(0), 0, CORRECTED) is big  # 3/8 < 1/2
+    tied = units((1, 4), (2, 8), (1, 4), (5, 8))
+    rng = random.Random(4)
+    chosen = Counter(least_outstanding(tied, rng, 0, CORRECTED).id for _ in range(300))  # type: ignore[union-attr]
+    assert set(chosen) == {"u0", "u1", "u2"}  # never u3; each tie drawn
+    assert min(chosen.values()) > 50
+    assert least_outstanding([], rng, 0, CORRECTED) is None
+
+
+def test_the_same_seed_makes_the_same_choices() -> None:
+    tied = units((0, 4), (0, 4), (0, 4), (0, 4))
+    a, b = random.Random(9), random.Random(9)
+    first = [least_outstanding(tied, a, 0, CORRECTED).id for _ in range(20)]  # type: ignore[union-attr]
+    assert first == [least_outstanding(tied, b, 0, CORRECTED).id for _ in range(20)]  # type: ignore[union-attr]
+
+
+def test_power_of_two_takes_the_less_loaded_of_two_and_tosses_a_coin_on_a_tie() -> None:
+    light, heavy = units((1, 10), (9, 10))
+    rng = random.Random(2)
+    assert {power_of_two([light, heavy], rng, 0, CORRECTED).id for _ in range(50)} == {"u0"}  # type: ignore[union-attr]
+    even = units((3, 10), (3, 10))
+    chosen = Counter(power_of_two(even, rng, 0, CORRECTED).id for _ in range(200))  # type: ignore[union-attr]
+    assert set(chosen) == {"u0", "u1"} and min(chosen.values()) > 60
+    assert power_of_two(even[:1], rng, 0, CORRECTED) is even[0]
+
+
+def test_every_policy_the_settings_name_has_a_chooser() -> None:
+    named = typing.get_args(GatewaySettings.model_fields["policy"].annotation)
+    assert set(POLICIES) == set(named)
+
+
+def test_round_robin_keeps_its_turn_across_a_unit_that_cannot_take_one() -> None:
+    r, _ = fleet("a", "b", "c", capacity=10, policy="round_robin")
+    report(r, "b", 10)  # b is full
+    assert [r.pick().id for _ in range(4)] == ["a", "c", "a", "c"]  # type: ignore[union-attr]
+
+
+# -- models --------------------------------------------------------------------------
+
+
+def test_an_unknown_model_is_not_found_and_a_known_one_routes_to_its_units() -> None:
+    r, _ = fleet("a", "b", capacity=10)
+    report(r, "a", 0, models=("m1",))
+    report(r, "b", 0, models=("m2",))
+    with pytest.raises(NotFound) as missing:
+        r.check_model("m3")
+    assert missing.value.code == "model_not_found"
+    r.check_model("m2")
+    assert [u.id for u in r.candidates(model="m2")] == ["b"]
+
+
+def test_whether_any_unit_reports_serving_is_kept_as_reports_arrive() -> None:
+    r = router("a", "b")
+    assert r.any_reported_serving
+    r.apply_report("a", LoadReport("a", UnitState.NOT_SERVING, 0, 1, seq=2))
+    assert r.any_reported_serving  # b still serves
+    r.forget_report("b", "load stream broke")
+    assert not r.any_reported_serving
+    r.forget_report("b", "load stream broke")  # again: no report to uncount
+    r.apply_report("a", LoadReport("a", UnitState.NOT_SERVING, 0, 1, seq=1))  # late: dropped
+    assert not r.any_reported_serving
+    r.apply_report("b", LoadReport("b", UnitState.SERVING, 0, 1, seq=1))
+    assert r.any_reported_serving
+
+
+def test_the_serving_count_matches_a_pass_over_every_unit() -> None:
+    ids = [f"u{i}" for i in range(12)]
+    r = router(*ids)
+    rng = random.Random(7)
+    seqs = dict.fromkeys(ids, 1)
+    for _ in range(2_000):
+        unit = rng.choice(ids)
+        if rng.random() < 0.1:
+            r.forget_report(unit, "gone")
+        else:
+            seqs[unit] += rng.choice((1, 1, 1, -3))  # now and then a late, older report
+            state = rng.choice(list(UnitState))
+            r.apply_report(unit, LoadReport(unit, state, 0, 1, seq=seqs[unit]))
+        assert r.any_reported_serving == any(u.state is UnitState.SERVING for u in r.units.values())

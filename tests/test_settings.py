@@ -243,6 +243,27 @@ def test_cli_sidecar_help_lists_the_contract_flags() -> None:
         assert choice in run.stdout
 
 
+def test_flags_with_a_literal_setting_take_exactly_its_values() -> None:
+    # The flag tables name no values: each comes from its setting's Literal, so a policy
+    # or engine kind added to the settings is a valid flag value with nothing else edited.
+    import typing
+
+    from proxy.flags import COMMON, ENGINE, GATEWAY, SIDECAR, choices_of, field_of
+
+    for flag in COMMON + ENGINE + SIDECAR + GATEWAY:
+        annotation = field_of(flag.key).annotation
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) is typing.Literal:
+            assert choices_of(flag) == typing.get_args(annotation), flag.flag
+        elif args and typing.get_origin(args[0]) is typing.Literal:  # Literal[...] | None
+            assert choices_of(flag) == typing.get_args(args[0]), flag.flag
+    by_flag = {f.flag: f for f in GATEWAY + ENGINE}
+    assert choices_of(by_flag["--policy"]) == ("lor", "prefix", "p2c", "round_robin", "random")
+    assert choices_of(by_flag["--device"]) == ("neuron", "cuda", "cpu")
+    assert choices_of(by_flag["--correct-load"]) == ("true", "false")  # a bool: its own list
+    assert choices_of(by_flag["--model"]) is None
+
+
 def test_gateway_role_needs_units_or_redis() -> None:
     with pytest.raises(config.ConfigError) as info:
         config.check_role("gateway", config.load({}))

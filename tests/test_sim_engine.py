@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from engine import tokens
 from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
+from engine.errors import EngineDeadError, EngineError
+from engine.settings import SimSettings
 from engine.sim import SimEngine
-from proxy.errors import EngineDeadError, EngineError
-from proxy.settings import SimSettings
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -148,7 +148,7 @@ def test_same_text_across_processes() -> None:
         "import asyncio\n"
         "from engine.base import EngineRequest, SamplingParams\n"
         "from engine.sim import SimEngine\n"
-        "from proxy.settings import SimSettings\n"
+        "from engine.settings import SimSettings\n"
         "async def main():\n"
         "    async with SimEngine(SimSettings(decode_step_ms=0, seed=3)) as e:\n"
         "        sampling = SamplingParams(max_tokens=12)\n"
@@ -584,3 +584,47 @@ async def test_a_small_cache_evicts_the_least_recent_chain_from_its_end(
     await collect(engine, req(SYSTEM_PROMPT, max_tokens=1))
     # the first prompt lost the end of its chain; its leading blocks still hit
     assert cache.hits == (30 - blocks) * 16
+
+
+# -- chunked prefill --------------------------------------------------------------------
+
+
+async def tokens_before_first(engine: SimEngine, prompt: str) -> int:
+    """Tokens a decoding request makes while ``prompt`` is prefilled (until its first
+    token). Both are read by tasks that the engine wakes in the same step, so what one
+    sees of the other is exact to a token."""
+    made = 0
+
+    async def decode() -> None:
+        nonlocal made
+        async for delta in engine.generate(req("go", rid="a", max_tokens=10_000)):
+            made = delta.completion_tokens
+
+    async def prefill() -> int:
+        while made == 0:  # the decoding request is running
+            await asyncio.sleep(0)
+        before = made
+        async for _ in engine.generate(req(prompt, rid="b", max_tokens=1)):
+            break
+        return made - before
+
+    async with asyncio.timeout(LIMIT_S):
+        decoding = asyncio.create_task(decode())
+        try:
+            return await prefill()
+        finally:
+            decoding.cancel()
+            await asyncio.gather(decoding, return_exceptions=True)
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(
+    make_engine: Factory,
+) -> None:
+    prompt = " ".join(["word"] * 2000)  # 2,000 tokens
+    chunked = await make_engine(max_num_batched_tokens=101, decode_step_ms=0.0)
+    # 100 prompt tokens a step beside the decoding request's token: 20 steps of prefill,
+    # and the decoding request makes a token in each
+    assert await tokens_before_first(chunked, prompt) >= 18
+    whole = await make_engine(max_num_batched_tokens=0, decode_step_ms=0.0)
+    # the whole prompt in the step after it arrived (and a token of reading lag)
+    assert await tokens_before_first(whole, prompt) <= 3

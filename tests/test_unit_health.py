@@ -110,7 +110,7 @@ async def test_supervised_worker_exit_makes_node_not_serving(
     async with aiohttp.ClientSession() as http, http.get(f"{follower.http_url}/ready") as resp:
         assert resp.status == 503
         assert "status 3" in (await resp.json())["failing"]["worker"]
-    assert follower.proc.returncode is None, "the agent stays up to say so"
+    assert follower.returncode is None, "the agent stays up to say so"
 
 
 async def test_follower_forwards_sigterm_to_its_worker(procs: Procs, tmp_path: Path) -> None:

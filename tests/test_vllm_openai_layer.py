@@ -361,3 +361,43 @@ async def test_a_resumed_stream_continues_the_unfailed_one(sidecar: Sidecar) -> 
     assert {c["id"] for c in rest} == {whole[0]["id"]} == {"chatcmpl-resume-1"}
     assert rest[-1]["usage"] == whole[-1]["usage"]
     assert sidecar.core.outstanding == 0
+
+
+@with_vllm
+async def test_a_resume_with_nothing_left_is_the_finish_alone(sidecar: Sidecar) -> None:
+    """Every token was delivered before the cut: the resumed answer is the finish
+    (length) and the usage of the unfailed stream."""
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    headers = {"x-request-id": "resume-2"}
+    async with aiohttp.ClientSession() as http:
+        whole = await _sse(http, sidecar.http_url, body, headers)
+        delivered = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in whole if c["choices"]
+        )
+        resumed_body = {
+            **body,
+            "messages": [*MESSAGES, {"role": "assistant", "content": delivered}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        }
+        hint = {"created": whole[0]["created"], "delivered_chars": len(delivered)}
+        rest = await _sse(
+            http,
+            sidecar.http_url,
+            resumed_body,
+            {**headers, "x-unitproxy-resume": json.dumps(hint, separators=(",", ":"))},
+        )
+    assert rest[0]["choices"][0]["finish_reason"] == "length"
+    assert rest[0]["choices"][0]["delta"] == {"content": ""}
+    assert {c["id"] for c in rest} == {"chatcmpl-resume-2"}
+    assert {c["created"] for c in rest} == {whole[0]["created"]}
+    assert rest[-1]["usage"] == whole[-1]["usage"]
+    assert sidecar.core.outstanding == 0

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
@@ -43,12 +42,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the bench package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -56,10 +55,12 @@ if __package__ in (None, ""):  # run as a file: make the bench package importabl
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.common import cpu_model, loop_name, run_loop
+from bench.common import Interrupted, cpu_model, loop_name, run_loop, until_signal
+from proxy import procutil
 from proxy.checks import CheckPolicy
 from proxy.load import LoadReport
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
+from proxy.procutil import Child, ChildFailed, python_m
 from proxy.settings import HealthSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,8 +76,6 @@ KILL_GOAL_S = 0.100
 FOLLOWER_LINE = re.compile(rb"follower \S+: gRPC health (\S+), HTTP (\S+),")
 SIDECAR_LINE = re.compile(rb"sidecar \S+: HTTP (\S+), gRPC (\S+),")
 ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+")  # in failure reasons, to group them
-
-T = TypeVar("T")
 
 
 # -- scenarios ------------------------------------------------------------------------
@@ -176,71 +175,18 @@ def all_scenarios() -> dict[str, Scenario]:
 
 
 # -- child processes ------------------------------------------------------------------
+# One follower and one sidecar a repetition, on ports 0, with no gateway: ``unitproxy
+# up`` would add a gateway and take CPU from the timings; the shared launcher starts them.
 
-
-class ChildFailed(Exception):
-    """A child process exited or did not start; the message says which and why."""
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    argv: list[str]
-    log: Path
-    proc: asyncio.subprocess.Process
-    exit_code: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, sig)
-
-    def tail(self, lines: int = 15) -> str:
-        text = self.log.read_text(errors="replace").splitlines()[-lines:]
-        return "\n".join(f"    {line}" for line in text)
-
-    def problems(self) -> list[str]:
-        text = self.log.read_text(errors="replace").splitlines()
-        return [line for line in text if " ERROR " in line or line.startswith("Traceback")]
-
-    async def wait_for_line(self, pattern: re.Pattern[bytes]) -> re.Match[bytes]:
-        async with asyncio.timeout(START_TIMEOUT_S):
-            while not (match := pattern.search(self.log.read_bytes())):
-                if self.proc.returncode is not None:
-                    raise ChildFailed(f"{self.name} exited early ({self.proc.returncode}):\n"
-                                      f"{self.tail()}")  # fmt: skip
-                await asyncio.sleep(0.01)
-        return match
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            self.signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT_S):
-                    await self.proc.wait()
-            except TimeoutError:
-                self.signal(signal.SIGKILL)
-                await self.proc.wait()
-        self.exit_code = self.proc.returncode
+PROBLEM_MARKS = (" ERROR ", "Traceback")
 
 
 @asynccontextmanager
 async def running(name: str, args: Sequence[str], log: Path) -> AsyncIterator[Child]:
     """``python -m proxy ARGS``, output to ``log``; stopped on the way out, whatever happened."""
-    argv = [sys.executable, "-m", "proxy", *args]
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=REPO, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
-        )
-    child = Child(name, argv, log, proc)
-    try:
+    argv = python_m(*args)
+    async with procutil.running(name, argv, log, cwd=REPO, stop_timeout_s=STOP_TIMEOUT_S) as child:
         yield child
-    finally:
-        await child.stop()
 
 
 def follower_args() -> list[str]:
@@ -383,12 +329,12 @@ async def measure(
     follower = children["follower"] = await stack.enter_async_context(
         running("follower", follower_args(), workdir / f"{tag}.follower.log")
     )
-    target = (await follower.wait_for_line(FOLLOWER_LINE))[1].decode()
+    target = (await follower.wait_for_line(FOLLOWER_LINE, START_TIMEOUT_S))[1].decode()
     args = sidecar_args(scenario, f"bench-{tag}", target)
     sidecar = children["sidecar"] = await stack.enter_async_context(
         running("sidecar", args, workdir / f"{tag}.sidecar.log")
     )
-    grpc_target = (await sidecar.wait_for_line(SIDECAR_LINE))[2].decode()
+    grpc_target = (await sidecar.wait_for_line(SIDECAR_LINE, START_TIMEOUT_S))[2].decode()
     # Entered after the sidecar, so closed before it stops: no stream holds its grace.
     channel = await stack.enter_async_context(grpc.aio.insecure_channel(grpc_target))
     load, health = await observe(channel, stack)
@@ -408,7 +354,7 @@ def record_exits(rep: Repetition, children: dict[str, Child]) -> None:
         rep.follower_exit = children["follower"].exit_code
     if "sidecar" in children:
         rep.sidecar_exit = children["sidecar"].exit_code
-        rep.log_problems = children["sidecar"].problems()
+        rep.log_problems = children["sidecar"].log_problems(PROBLEM_MARKS)
 
 
 async def repetition(
@@ -608,17 +554,6 @@ async def run_all(settings: BenchSettings, workdir: Path) -> list[ScenarioResult
     return results
 
 
-async def until_signal(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main``; SIGTERM cancels it like Ctrl-C does, so every ``finally`` runs."""
-    task = asyncio.ensure_future(main)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    try:
-        return await task
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-
-
 def _scenario_names(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in all_scenarios()]
@@ -651,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         results = run_loop(until_signal(run_all(settings, workdir)))
-    except (KeyboardInterrupt, asyncio.CancelledError):
+    except (KeyboardInterrupt, Interrupted):
         print(f"interrupted; every child was stopped; logs in {workdir}", file=sys.stderr)
         return 130
     failed = any(len(r.ok()) != len(r.repetitions) for r in results)

@@ -60,19 +60,21 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the bench package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
 
-from bench.common import cpu_model, free_ports, loop_name, run_loop
+from bench.common import Interrupted, cpu_model, free_ports, loop_name, run_loop, until_signal
+from proxy import procutil
+from proxy.procutil import Child, ChildFailed, python_m
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "failover_under_load.json"
@@ -90,77 +92,21 @@ AWAY = re.compile(
     r"(?:SERVING -> (\S+)|no load report \((.*)\))"
 )
 
-T = TypeVar("T")
-
 
 # -- child processes ------------------------------------------------------------------
-
-
-class ChildFailed(Exception):
-    """A child exited early or did not come up; the message says which and why."""
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    log: Path
-    proc: asyncio.subprocess.Process
-
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, sig)
-
-    def tail(self, lines: int = 10) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    async def stop(self) -> int:
-        if self.proc.returncode is None:
-            self.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            self.signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT_S):
-                    await self.proc.wait()
-            except TimeoutError:
-                self.signal(signal.SIGKILL)
-                await self.proc.wait()
-        assert self.proc.returncode is not None
-        return self.proc.returncode
+# The shared launcher, not ``unitproxy up``: a scenario kills one process of a unit and
+# starts a drained sidecar again on its ports, which up does not do on demand.
 
 
 @asynccontextmanager
 async def running(name: str, args: Sequence[str], log: Path) -> AsyncIterator[Child]:
-    """``python -m proxy ARGS``, output to ``log``; stopped on the way out, whatever happened."""
-    with log.open("ab") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", *args,
-            cwd=REPO, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-        )  # fmt: skip
-    child = Child(name, log, proc)
-    try:
+    """``python -m proxy ARGS``, output added to ``log`` (a restarted sidecar's goes on
+    after the last one's); stopped on the way out, whatever happened."""
+    argv = python_m(*args)
+    async with procutil.running(
+        name, argv, log, cwd=REPO, stop_timeout_s=STOP_TIMEOUT_S, append=True
+    ) as child:
         yield child
-    finally:
-        await child.stop()
-
-
-async def until_ready(http: aiohttp.ClientSession, child: Child, url: str) -> None:
-    async with asyncio.timeout(START_TIMEOUT_S):
-        while True:
-            if child.proc.returncode is not None:
-                raise ChildFailed(f"{child.name} exited ({child.proc.returncode}):\n{child.tail()}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{url}/ready") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.05)
-
-
-async def follower_target(child: Child) -> str:
-    async with asyncio.timeout(START_TIMEOUT_S):
-        while not (match := FOLLOWER_LINE.search(child.log.read_bytes())):
-            if child.proc.returncode is not None:
-                raise ChildFailed(f"{child.name} exited early:\n{child.tail()}")
-            await asyncio.sleep(0.02)
-    return match[1].decode()
 
 
 # -- the cell -------------------------------------------------------------------------
@@ -201,7 +147,8 @@ class Cell:
         unit.sidecar = await self.stack.enter_async_context(
             running(f"sidecar {unit.id}", unit.sidecar_args(), log)
         )
-        await until_ready(http, unit.sidecar, unit.http_url)
+        unit.sidecar.http_url = unit.http_url
+        await unit.sidecar.until_ready(START_TIMEOUT_S)
 
 
 async def start_cell(
@@ -214,7 +161,7 @@ async def start_cell(
         args = ["follower", "--host", HOST, "--http-port", "0", "--grpc-port", "0",
                 "--node-name", "f1"]  # fmt: skip
         follower = await stack.enter_async_context(running(f"follower u{i}", args, log))
-        target = await follower_target(follower)
+        target = (await follower.wait_for_line(FOLLOWER_LINE, START_TIMEOUT_S))[1].decode()
         unit = UnitProcs(f"u{i}", ports[2 * i], ports[2 * i + 1], target, step_ms)
         unit.follower = follower
         units.append(unit)
@@ -224,10 +171,11 @@ async def start_cell(
             *flags]  # fmt: skip
     # Entered before the sidecars, so stopped after them: it sees every drain.
     gateway = await stack.enter_async_context(running("gateway", args, workdir / "gateway.log"))
-    cell = Cell(units, gateway, f"http://{HOST}:{gw_http}", workdir, stack)
+    gateway.http_url = f"http://{HOST}:{gw_http}"
+    cell = Cell(units, gateway, gateway.http_url, workdir, stack)
     for unit in units:
         await cell.start_sidecar(http, unit)
-    await until_ready(http, gateway, cell.gateway_url)
+    await gateway.until_ready(START_TIMEOUT_S)
     await every_unit_serving(http, cell.gateway_url)
     return cell
 
@@ -487,7 +435,7 @@ async def rolling_restart(
         assert unit.sidecar is not None
         old = unit.sidecar
         fault = inject(unit, old, signal.SIGTERM, "SIGTERM sidecar (drain), restart")
-        fault.exit_code = await old.proc.wait()
+        fault.exit_code = await old.wait()
         fault.drain_s = time.monotonic() - fault.at
         restarted = fault.down_until = time.monotonic()
         await cell.start_sidecar(http, unit)
@@ -600,9 +548,9 @@ async def reference_url(http: aiohttp.ClientSession, stack: AsyncExitStack, work
             "--unit-id", "reference", "--capacity", "256", "--sim-decode-step-ms", "0",
             "--sim-max-num-seqs", "256"]  # fmt: skip
     child = await stack.enter_async_context(running("reference", args, workdir / "ref.log"))
-    url = f"http://{HOST}:{port}"
-    await until_ready(http, child, url)
-    return url
+    child.http_url = f"http://{HOST}:{port}"
+    await child.until_ready(START_TIMEOUT_S)
+    return child.http_url
 
 
 async def repetition(settings: BenchSettings, name: str, index: int, workdir: Path) -> Repetition:
@@ -621,13 +569,13 @@ async def repetition(settings: BenchSettings, name: str, index: int, workdir: Pa
             await asyncio.sleep(settings.settle_s)
             results = await load.stop()
             for fault in rep.faults:
-                measure(fault, observer, results, cell.gateway.log)
+                measure(fault, observer, results, cell.gateway.log_path)
             rep.outcomes = dict(Counter(r.kind for r in results))
             await check_references(http, await reference_url(http, stack, tag), results)
             rep.checks = dict(Counter(r.check for r in results if r.check))
             first = rep.faults[0].wall
             rep.gateway_events = [(round((at - first) * 1000, 1), unit, why)
-                                  for at, unit, why in gateway_away_lines(cell.gateway.log)]  # fmt: skip
+                                  for at, unit, why in gateway_away_lines(cell.gateway.log_path)]  # fmt: skip
             rep.gateway_retries = await gateway_counters(
                 http, cell.gateway_url, "unitproxy_retries_total"
             )
@@ -879,17 +827,6 @@ async def run_all(settings: BenchSettings, workdir: Path) -> list[Repetition]:
     return reps
 
 
-async def until_signal(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main``; SIGTERM cancels it like Ctrl-C does, so every child is stopped."""
-    task = asyncio.ensure_future(main)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    try:
-        return await task
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-
-
 def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
@@ -935,7 +872,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         reps = run_loop(until_signal(run_all(settings, workdir)))
-    except (KeyboardInterrupt, asyncio.CancelledError):
+    except (KeyboardInterrupt, Interrupted):
         print(f"interrupted; every child was stopped; logs in {workdir}", file=sys.stderr)
         return 130
     failed = any(r.error for r in reps)

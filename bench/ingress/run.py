@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -48,7 +47,8 @@ if __package__ in (None, ""):  # run as a file: make the bench package importabl
 
 import aiohttp
 
-from bench.common import code_version, cpu_model, loop_name, run_loop, until_signal
+from bench.common import code_version, cpu_model, free_ports, loop_name, run_loop, until_signal
+from proxy.procutil import python_m, running
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "ingress.json"
@@ -105,50 +105,11 @@ class Streams:
 # -- processes -------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-async def wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
-    async with aiohttp.ClientSession() as http, asyncio.timeout(START_TIMEOUT_S):
-        while True:
-            if proc.returncode is not None:
-                raise RuntimeError(f"{url}: exited with {proc.returncode}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{url}/ready") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-
-
-@asynccontextmanager
-async def child(
-    args: list[str], log: Path, env: dict[str, str]
-) -> AsyncIterator[asyncio.subprocess.Process]:
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", *args, stdin=asyncio.subprocess.DEVNULL,
-            stdout=out, stderr=out, env={**os.environ, **env}, cwd=REPO,
-        )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(5):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
-
 @asynccontextmanager
 async def cell(limits: Limits, workdir: Path) -> AsyncIterator[tuple[str, int]]:
-    """A sidecar and a gateway; yields the gateway's URL and pid."""
-    s_http, s_grpc, g_http, g_grpc = (free_port() for _ in range(4))
+    """A sidecar and a gateway; yields the gateway's URL and pid. Started by the shared
+    launcher, not ``unitproxy up``: up gives its gateway neither these limits nor keys."""
+    s_http, s_grpc, g_http, g_grpc = free_ports(4)
     sidecar = ["sidecar", "--host", HOST, "--http-port", str(s_http), "--grpc-port", str(s_grpc),
                "--unit-id", "u0", "--capacity", "256", "--sim-max-num-seqs", "256",
                "--sim-decode-step-ms", "5", "--sim-prefill-ms-per-token", "0",
@@ -157,12 +118,16 @@ async def cell(limits: Limits, workdir: Path) -> AsyncIterator[tuple[str, int]]:
                "--unit", f"u0=http://{HOST}:{s_http},{HOST}:{s_grpc}", "--log-level", "warning",
                "--max-connections", "4096", *limits.flags()]  # fmt: skip
     keys = {"UNITPROXY_SERVER__API_KEYS": json.dumps([KEY])}
-    async with child(sidecar, workdir / "sidecar.log", {}) as unit:
-        await wait_ready(f"http://{HOST}:{s_http}", unit)
-        async with child(gateway, workdir / "gateway.log", keys) as gw:
-            url = f"http://{HOST}:{g_http}"
-            await wait_ready(url, gw)
-            yield url, gw.pid
+    stop_s = 5.0  # SIGTERM, then SIGKILL after this
+    async with running("sidecar", python_m(*sidecar), workdir / "sidecar.log", cwd=REPO,
+                       stop_timeout_s=stop_s) as unit:  # fmt: skip
+        unit.http_url = f"http://{HOST}:{s_http}"
+        await unit.until_ready(START_TIMEOUT_S)
+        async with running("gateway", python_m(*gateway), workdir / "gateway.log", env=keys,
+                           cwd=REPO, stop_timeout_s=stop_s) as gw:  # fmt: skip
+            gw.http_url = f"http://{HOST}:{g_http}"
+            await gw.until_ready(START_TIMEOUT_S)
+            yield gw.http_url, gw.pid
 
 
 def rss_mb(pid: int) -> float:

@@ -1,40 +1,17 @@
-"""The load: scenarios, one request of each kind, and one closed-loop measured window.
-
-The client is this process: asyncio on uvloop, one aiohttp session (or one gRPC
-channel) per run, C workers that each send the next request when the last finished.
-SSE bodies are not split into lines: the client counts ``data: `` markers in the raw
-pieces as they arrive (TTFT is the first piece that holds one) and checks the end of
-the stream once (64 chunks, finish_reason "length", then ``data: [DONE]``), so the
-client's own cost per chunk stays small. Only requests that finish inside the window
-count (with all their chunks); errors count over the whole run.
-"""
+"""The load: the scenarios, and a client for one run of each (bench/loadgen.py makes
+the requests and measures the window)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
-import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 
-import aiohttp
-import grpc
+from bench import loadgen
+from bench.loadgen import RequestFn, measure
 
-from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+__all__ = ["SCENARIOS", "Scenario", "measure", "open_client"]
 
 PROMPT = "Benchmark the router overhead with this short prompt"
-REQUEST_TIMEOUT_S = 10.0  # one request, end to end; also the drain bound after a window
-JSON_HEADERS = {"Content-Type": "application/json"}
-DATA = b"data: "
-DONE = b"data: [DONE]"
-TAIL_BYTES = 2048  # the end of a stream kept for its checks
-FINISH_LENGTH = re.compile(rb'"finish_reason"\s*:\s*"length"')
-
-# Every timestamp: uvloop's loop.time() has only millisecond resolution.
-now = time.perf_counter
 
 
 @dataclass(frozen=True)
@@ -60,121 +37,12 @@ SCENARIOS = {
 }  # fmt: skip
 
 
-# -- one request ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One finished request: time to first chunk, chunks seen, or what was wrong.
-
-    ``chunks`` are token deltas: SSE events, or the tokens the gRPC messages carried;
-    ``messages`` what came on the wire (gRPC merges deltas while the reader is behind).
-    """
-
-    ttft_s: float = 0.0
-    chunks: int = 0
-    messages: int = 0
-    error: str | None = None
-
-
-RequestFn = Callable[[], Awaitable[Outcome]]
-
-
-async def _http_error(resp: aiohttp.ClientResponse) -> Outcome:
-    text = (await resp.read())[:80].decode(errors="replace")
-    return Outcome(error=f"http {resp.status} {text}")
-
-
-async def complete(session: aiohttp.ClientSession, url: str, body: bytes, want: int) -> Outcome:
-    """A non-streaming completion; its TTFT is the time to the whole response."""
-    sent = now()
-    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
-        if resp.status != 200:
-            return await _http_error(resp)
-        raw = await resp.read()
-    ttft = now() - sent
-    data = json.loads(raw)
-    got = data["usage"]["completion_tokens"]
-    reason = data["choices"][0]["finish_reason"]
-    if got != want or reason != "length":
-        return Outcome(error=f"completion: {got} tokens, finish {reason!r}")
-    return Outcome(ttft, 0)
-
-
-async def stream_completion(
-    session: aiohttp.ClientSession, url: str, body: bytes, want: int
-) -> Outcome:
-    """A streamed completion: counts SSE data events in the raw pieces, [DONE] aside."""
-    sent = now()
-    ttft, events, carry, tail = 0.0, 0, b"", b""
-    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
-        if resp.status != 200:
-            return await _http_error(resp)
-        async for piece in resp.content.iter_any():
-            # A marker split between pieces is found in carry + piece, and only there:
-            # the carry is too short to hold a whole one.
-            joined = carry + piece
-            found = joined.count(DATA)
-            if found and not events:
-                ttft = now() - sent
-            events += found
-            carry = joined[1 - len(DATA) :]
-            tail = (tail + piece)[-TAIL_BYTES:]
-    return _check_stream(ttft, events - 1, tail, want)
-
-
-def _check_stream(ttft: float, chunks: int, tail: bytes, want: int) -> Outcome:
-    end = tail.rstrip()
-    if not end.endswith(DONE):
-        return Outcome(error=f"stream: no [DONE] at the end ({end[-60:]!r})")
-    if chunks != want:
-        return Outcome(error=f"stream: {chunks} chunks, want {want}")
-    last = end[: -len(DONE)].rstrip().rsplit(DATA, 1)[-1]
-    if not FINISH_LENGTH.search(last):
-        return Outcome(error=f"stream: last chunk without finish_reason 'length' ({last[:80]!r})")
-    return Outcome(ttft, chunks, chunks)
-
-
-async def generate(
-    stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest, want: int
-) -> Outcome:
-    """One gRPC Generate stream: counts messages and the tokens they carry, checks the
-    last one and the status."""
-    sent = now()
-    ttft, tokens, messages = 0.0, 0, 0
-    last: inference_pb2.GenerateChunk | None = None
-    try:
-        async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-            if messages == 0:
-                ttft = now() - sent
-            messages += 1
-            tokens += len(chunk.token_ids)
-            last = chunk
-    except grpc.aio.AioRpcError as exc:
-        return Outcome(error=f"grpc {exc.code().name}: {exc.details()}"[:120])
-    if tokens != want or last is None:
-        return Outcome(error=f"grpc: {tokens} tokens in {messages} messages, want {want}")
-    if last.finish_reason != "length" or last.usage.completion_tokens != want:
-        return Outcome(error=f"grpc: last finish_reason {last.finish_reason!r}")
-    return Outcome(ttft, tokens, messages)
-
-
-# -- a client for one run -------------------------------------------------------------
-
-
 def open_client(
     scenario: Scenario, address: str, model: str, concurrency: int
 ) -> AbstractAsyncContextManager[RequestFn]:
     """``address``: the base HTTP URL, or the gRPC target for the grpc scenario."""
     if scenario.protocol == "grpc":
-        return _grpc_client(scenario, address)
-    return _http_client(scenario, address, model, concurrency)
-
-
-@asynccontextmanager
-async def _http_client(
-    scenario: Scenario, base_url: str, model: str, concurrency: int
-) -> AsyncIterator[RequestFn]:
+        return loadgen.grpc_client(address, PROMPT, scenario.max_tokens)
     # "model" is in every body: sglang-router refuses a completion without one.
     body = {
         "model": model,
@@ -182,118 +50,4 @@ async def _http_client(
         "max_tokens": scenario.max_tokens,
         "stream": scenario.stream,
     }
-    data, url, want = json.dumps(body).encode(), f"{base_url}/v1/completions", scenario.max_tokens
-    send = stream_completion if scenario.stream else complete
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        yield lambda: send(session, url, data, want)
-
-
-@asynccontextmanager
-async def _grpc_client(scenario: Scenario, target: str) -> AsyncIterator[RequestFn]:
-    # One channel (one HTTP/2 connection) carries all workers' streams.
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        request = inference_pb2.GenerateRequest(
-            prompt=PROMPT, sampling=inference_pb2.SamplingParams(max_tokens=scenario.max_tokens)
-        )
-        yield lambda: generate(stub, request, scenario.max_tokens)
-
-
-# -- one run: closed loop, warm-up, measured window -----------------------------------
-
-
-@dataclass(slots=True)
-class Tally:
-    """What one run saw. Successes count only when they finish inside the window."""
-
-    window_start: float
-    window_end: float
-    max_requests: int
-    started: int = 0
-    requests: int = 0
-    chunks: int = 0
-    messages: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    errors: Counter[str] = field(default_factory=Counter)
-
-    def record(self, outcome: Outcome, finished_at: float) -> None:
-        if outcome.error is not None:
-            self.errors[outcome.error] += 1
-        elif self.window_start <= finished_at <= self.window_end:
-            self.requests += 1
-            self.chunks += outcome.chunks
-            self.messages += outcome.messages
-            self.ttfts.append(outcome.ttft_s)
-
-
-async def worker(request: RequestFn, tally: Tally) -> None:
-    while now() < tally.window_end and tally.started < tally.max_requests:
-        tally.started += 1
-        try:
-            outcome = await request()
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError) as exc:
-            outcome = Outcome(error=f"{type(exc).__name__}: {exc}"[:120])
-        tally.record(outcome, now())
-
-
-CpuReader = Callable[[], dict[str, float]]  # CPU seconds used so far, by process role
-
-
-@dataclass(frozen=True)
-class Window:
-    """One measured window: counts, TTFTs in seconds, CPU seconds by role."""
-
-    window_s: float
-    requests: int
-    chunks: int
-    messages: int
-    ttfts: list[float]
-    cpu_s: dict[str, float]
-    errors: dict[str, int]
-
-
-async def measure(
-    request: RequestFn,
-    concurrency: int,
-    warmup_s: float,
-    duration_s: float,
-    max_requests: int,
-    read_cpu: CpuReader,
-) -> Window:
-    start = now() + warmup_s
-    tally = Tally(start, start + duration_s, max_requests)
-    workers = [asyncio.create_task(worker(request, tally)) for _ in range(concurrency)]
-    try:
-        await asyncio.sleep(start - now())
-        t0, cpu0 = now(), read_cpu()
-        # Returns early only when the request cap stopped every worker.
-        await asyncio.wait(workers, timeout=tally.window_end - now())
-        t1, cpu1 = now(), read_cpu()
-        await _drain(workers, REQUEST_TIMEOUT_S)
-    finally:
-        await _cancel(workers)
-    return Window(
-        window_s=t1 - t0,
-        requests=tally.requests,
-        chunks=tally.chunks,
-        messages=tally.messages,
-        ttfts=tally.ttfts,
-        cpu_s={role: cpu1[role] - cpu0[role] for role in cpu0},
-        errors=dict(tally.errors),
-    )
-
-
-async def _drain(workers: list[asyncio.Task[None]], grace_s: float) -> None:
-    """Let requests in flight at the window's end finish (uncounted), within a bound."""
-    await asyncio.wait(workers, timeout=grace_s)
-    for task in workers:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]  # a bug in this benchmark
-
-
-async def _cancel(workers: list[asyncio.Task[None]]) -> None:
-    for task in workers:
-        task.cancel()
-    await asyncio.gather(*workers, return_exceptions=True)
+    return loadgen.http_client(address, body, concurrency)

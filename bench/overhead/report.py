@@ -9,21 +9,14 @@ how much the machine's noise moved it.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench.loadgen import percentile
+
 Run = dict[str, Any]  # one measured window: see run.py's run_one
 Row = dict[str, Any]
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
 def _per(value: float, count: int, scale: float) -> float | None:

@@ -46,7 +46,6 @@ the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shlex
@@ -63,15 +62,22 @@ from typing import Any, TypeVar
 if __package__ in (None, ""):  # run as a file: make the bench.overhead package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import aiohttp
 
-from bench.common import Interrupted, code_version, interrupt, run_loop, until_signal
+from bench.common import (
+    MODEL,
+    Interrupted,
+    code_version,
+    interrupt,
+    machine_busy_s,
+    run_loop,
+    tree_cpu_s,
+    until_signal,
+)
+from bench.loadgen import outstanding_when_idle
 from bench.overhead import goals, output, report
 from bench.overhead.load import SCENARIOS, Scenario, measure, open_client
-from bench.overhead.procs import ChildFailed, machine_busy_s
 from bench.overhead.targets import (
     ALL_TARGETS,
-    MODEL,
     Backend,
     Target,
     TargetStatus,
@@ -80,6 +86,7 @@ from bench.overhead.targets import (
     start_backend,
     start_target,
 )
+from proxy.procutil import ChildFailed
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "overhead.json"
@@ -130,8 +137,8 @@ async def run_one(
 
     def read_cpu() -> dict[str, float]:
         return {
-            "router": target.router.cpu_s() if target.router else 0.0,
-            "sidecar": backend.child.cpu_s(),
+            "router": tree_cpu_s(target.router.pid) if target.router else 0.0,
+            "sidecar": tree_cpu_s(backend.child.pid),
             "client": time.process_time(),
             "machine": machine_busy_s(),
         }
@@ -151,24 +158,8 @@ async def run_one(
         "target": target.name,
         "repeat": repeat,
         **asdict(window),
-        "outstanding_after": await outstanding_when_idle(backend.http_url),
+        "outstanding_after": await outstanding_when_idle(backend.http_url, IDLE_TIMEOUT_S),
     }
-
-
-async def outstanding_when_idle(http_url: str) -> int | None:
-    """The sidecar's outstanding count, polled until 0 or IDLE_TIMEOUT_S; None if unreadable."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + IDLE_TIMEOUT_S
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-        while True:
-            try:
-                async with session.get(f"{http_url}/load") as resp:
-                    outstanding = int((await resp.json())["outstanding"])
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
-                return None
-            if outstanding == 0 or loop.time() > deadline:
-                return outstanding
-            await asyncio.sleep(0.05)
 
 
 def _progress(text: str) -> None:

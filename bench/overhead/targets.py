@@ -30,23 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import Callable, Sequence
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import aiohttp
-
-from bench.common import free_ports
-from bench.overhead.procs import HOST, Child, ChildFailed, running
+from bench.common import answers, free_ports
+from proxy.procutil import Child, ChildFailed, python_m
+from proxy.procutil import running as _running
 
 REPO = Path(__file__).resolve().parents[2]
 VENVS = REPO / "bench" / ".venvs"
 SETUP = "bash bench/overhead/setup_peers.sh"
 READY_TIMEOUT_S = 60.0  # a child must answer a real request within this
-MODEL = "unitproxy-sim"  # the sim engine's served model
+HOST = "127.0.0.1"
+STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL after this
 
 
 @dataclass
@@ -89,45 +87,20 @@ class Unavailable(Exception):
     """This target cannot run here; the message says why."""
 
 
-# -- readiness ------------------------------------------------------------------------
+# -- the children ----------------------------------------------------------------------
 
 
-async def _poll(
-    child: Child, probe: Callable[[aiohttp.ClientSession], Any], timeout_s: float
-) -> None:
-    """Call ``probe`` until it returns True, within ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    last = ""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-        while loop.time() < deadline:
-            child.check_alive()
-            try:
-                if await probe(session):
-                    return
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            await asyncio.sleep(0.1)
-    raise ChildFailed(f"{child.name} not ready in {timeout_s:g} s ({last}); see {child.log_path}")
-
-
-def _ready(url: str) -> Callable[[aiohttp.ClientSession], Any]:
-    async def probe(session: aiohttp.ClientSession) -> bool:
-        async with session.get(f"{url}/ready") as resp:
-            return resp.status == 200
-
-    return probe
-
-
-def _answers(url: str) -> Callable[[aiohttp.ClientSession], Any]:
-    """Ready when a real completion comes back through it."""
-    body = {"model": MODEL, "prompt": "ready?", "max_tokens": 2}
-
-    async def probe(session: aiohttp.ClientSession) -> bool:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            return resp.status == 200 and bool((await resp.json())["choices"])
-
-    return probe
+def running(
+    name: str,
+    argv: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> AbstractAsyncContextManager[Child]:
+    """The shared launcher, each child's signals to its process group: a peer router may
+    fork workers. Not ``unitproxy up``: a target is one router over its own backend, and
+    ``unitproxy@REF`` runs the gateway of another tree."""
+    return _running(name, argv, log, env=env, cwd=cwd, stop_timeout_s=STOP_TIMEOUT_S, group=True)
 
 
 # -- the backend ----------------------------------------------------------------------
@@ -139,7 +112,7 @@ async def start_backend(
     """The sidecar behind target ``owner``."""
     http_port, grpc_port = free_ports(2)
     argv = [
-        sys.executable, "-m", "proxy", "sidecar",
+        *python_m("sidecar"),
         "--host", HOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--engine", "sim", "--unit-id", "u0",
         "--sim-decode-step-ms", f"{decode_step_ms:g}",
@@ -149,9 +122,9 @@ async def start_backend(
     ]  # fmt: skip
     log = log_dir / f"sidecar-{owner}-{decode_step_ms:g}ms.log"
     child = await stack.enter_async_context(running(f"sidecar of {owner}", argv, log))
-    url = f"http://{HOST}:{http_port}"
-    await _poll(child, _ready(url), READY_TIMEOUT_S)
-    return Backend(child, url, f"{HOST}:{grpc_port}", decode_step_ms)
+    child.http_url = f"http://{HOST}:{http_port}"
+    await child.until_ready(READY_TIMEOUT_S)
+    return Backend(child, child.http_url, f"{HOST}:{grpc_port}", decode_step_ms)
 
 
 # -- the targets ----------------------------------------------------------------------
@@ -255,17 +228,17 @@ async def _start_gateway(
         version = f"commit {sha[:12]}"
     http_port, grpc_port = free_ports(2)
     argv = [
-        sys.executable, "-m", "proxy", "gateway",
+        *python_m("gateway"),
         "--host", HOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--unit", f"u0={backend.http_url},{backend.grpc_target}",
         "--log-level", "warning", *extra,
     ]  # fmt: skip
     log = log_dir / f"{name.replace('/', '_')}-{backend.decode_step_ms:g}ms.log"
     child = await stack.enter_async_context(running(name, argv, log, cwd=cwd))
-    url = f"http://{HOST}:{http_port}"
-    await _poll(child, _ready(url), READY_TIMEOUT_S)
-    await _poll(child, _answers(url), READY_TIMEOUT_S)
-    return Target(name, url, f"{HOST}:{grpc_port}", child, backend, version)
+    child.http_url = f"http://{HOST}:{http_port}"
+    await child.until_ready(READY_TIMEOUT_S)
+    await child.until(answers(child.http_url), READY_TIMEOUT_S, "answering")
+    return Target(name, child.http_url, f"{HOST}:{grpc_port}", child, backend, version)
 
 
 async def _start_peer(
@@ -275,9 +248,9 @@ async def _start_peer(
     argv, env, version = PEERS[name](backend, port, metrics_port)
     log = log_dir / f"{name}-{backend.decode_step_ms:g}ms.log"
     child = await stack.enter_async_context(running(name, argv, log, env))
-    url = f"http://{HOST}:{port}"
-    await _poll(child, _answers(url), READY_TIMEOUT_S)
-    return Target(name, url, None, child, backend, version), env
+    child.http_url = f"http://{HOST}:{port}"
+    await child.until(answers(child.http_url), READY_TIMEOUT_S, "answering")
+    return Target(name, child.http_url, None, child, backend, version), env
 
 
 async def start_target(

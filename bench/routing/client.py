@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -109,9 +109,15 @@ class OpenLoopRun:
 
 
 async def open_loop(
-    session: aiohttp.ClientSession, url: str, arrivals: list[Arrival], drain_s: float
+    session: aiohttp.ClientSession,
+    url: str | Sequence[str],
+    arrivals: list[Arrival],
+    drain_s: float,
 ) -> OpenLoopRun:
-    """Send each arrival at its time, as its own task; then wait for all, within drain_s."""
+    """Send each arrival at its time, as its own task; then wait for all, within drain_s.
+    With several URLs (gateway replicas), arrival i goes to the (i mod n)-th: clients
+    spread over them with no stickiness."""
+    urls = [url] if isinstance(url, str) else list(url)
     outcomes = [Outcome(a.at_s, a.spec.max_tokens) for a in arrivals]
     tasks: list[asyncio.Task[None]] = []
     lags: list[float] = []
@@ -122,7 +128,8 @@ async def open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)
             lags.append(now() - t0 - arrival.at_s)
-            tasks.append(asyncio.create_task(stream_one(session, url, arrival.body, t0, out)))
+            target = urls[arrival.index % len(urls)]
+            tasks.append(asyncio.create_task(stream_one(session, target, arrival.body, t0, out)))
         pending: set[asyncio.Task[None]] = set()
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=drain_s)

@@ -1,20 +1,14 @@
 """The processes: a heterogeneous fleet of simulated units and one gateway per run.
 
 Every child is ``python -m proxy ...`` on 127.0.0.1 with ports 0, read back from its
-log line; it runs in its own session (Ctrl-C reaches only the benchmark, which stops
-it) and gets SIGTERM if the benchmark dies (``die_with_parent``). Stopping is SIGTERM,
-then SIGKILL after a bound, also when the stop itself is interrupted.
+log line, started and stopped by the shared launcher (``proxy.procutil``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import re
-import signal
-import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +16,14 @@ from typing import Any
 
 import aiohttp
 
-from proxy.procutil import die_with_parent
+from bench.common import answers
+from proxy.procutil import Child, ChildFailed, Probe, python_m, running
 
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 30.0  # a child must log its endpoints and be ready within this
 STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL after this
 IDLE_TIMEOUT_S = 30.0  # after a run, every unit must show 0 outstanding within this
 ENDPOINTS = re.compile(rb"(?:sidecar \S+|gateway): HTTP (http://\S+), gRPC (\S+?),")
-PROBLEM_MARKS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback")
 
 
 # -- the fleet's shape ----------------------------------------------------------------
@@ -93,10 +87,16 @@ class UnitSpec:
 
 # Base costs of a fast unit; half the fleet is 1.25-1.5x slower, every other unit has
 # half the slots. Chosen to keep a 2-core machine well below saturation by itself.
+# Prefill against decode as on real hardware: prefill is compute-bound (2 x parameters
+# FLOPs a token), a decode step memory-bound (the weights read once a step), so one
+# prompt token costs about 1/250-1/400 of a full decode step (70B on 8 H100s: about
+# 0.045 ms a token at 40 % of peak, a step of 11-15 ms). Here a full step of 16
+# sequences is 34 ms and a prompt token 0.1 ms (1/340): a 4k-token prompt is 400 ms of
+# prefill, chunked over steps of at most 2,048 tokens (the simulator's default).
 BASE_SLOTS = 16
 BASE_DECODE_STEP_MS = 30.0
 BASE_DECODE_MS_PER_SEQ = 0.25
-BASE_PREFILL_MS_PER_TOKEN = 0.04
+BASE_PREFILL_MS_PER_TOKEN = 0.1
 CAPACITY_PER_SLOT = 4
 
 
@@ -132,110 +132,28 @@ def fleet_specs(units: int, seed: int, kind: str = "mixed") -> list[UnitSpec]:
     return specs
 
 
-# -- one child process ----------------------------------------------------------------
-
-
-class ChildFailed(Exception):
-    pass
+# -- the children ---------------------------------------------------------------------
+# The shared launcher, not ``unitproxy up``: every unit has flags of its own (slots,
+# costs, seed), and up gives all its sidecars the same; each run has a fresh gateway
+# over the same fleet.
 
 
 class GatewayFailed(ChildFailed):
     """A run's gateway did not start; the fleet may be fine."""
 
 
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    process: asyncio.subprocess.Process
-    log_path: Path
-    http_url: str = ""
-    grpc_target: str = ""
-    exit_code: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def check_alive(self) -> None:
-        if self.process.returncode is not None:
-            raise ChildFailed(
-                f"{self.name} exited with {self.process.returncode}; see {self.log_path}"
-            )
-
-    def log_problems(self) -> list[str]:
-        """Lines at WARNING or above, and tracebacks, from the child's log."""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return [line for line in lines if any(m in line for m in PROBLEM_MARKS)]
-
-    def cpu_s(self) -> float:
-        """utime + stime of the child (all its threads), in seconds; 0 once it is gone."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return 0.0
-        fields = stat.rsplit(")", 1)[1].split()  # utime, stime: fields 14, 15
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+async def start(name: str, args: Sequence[str], log_path: Path, stack: AsyncExitStack) -> Child:
+    """``python -m proxy ARGS`` on ports 0, stopped with ``stack``."""
+    argv = python_m(*args)
+    return await stack.enter_async_context(
+        running(name, argv, log_path, stop_timeout_s=STOP_TIMEOUT_S)
+    )
 
 
-@asynccontextmanager
-async def running(name: str, args: Sequence[str], log_path: Path) -> AsyncIterator[Child]:
-    """Start ``python -m proxy ARGS`` with its output to ``log_path``; always stop it."""
-    argv = [sys.executable, "-m", "proxy", *args]
-    with log_path.open("wb") as log:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-            preexec_fn=die_with_parent(),
-        )
-    child = Child(name, argv, process, log_path)
-    try:
-        yield child
-    finally:
-        child.exit_code = await stop(process, STOP_TIMEOUT_S)
-
-
-async def read_endpoints(child: Child, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait for the child's log line with its HTTP URL and gRPC target (ports were 0)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        match = ENDPOINTS.search(child.log_path.read_bytes())
-        if match:
-            child.http_url, child.grpc_target = match[1].decode(), match[2].decode()
-            return
-        child.check_alive()
-        await asyncio.sleep(0.05)
-    raise ChildFailed(f"{child.name} logged no endpoints in {timeout_s:g} s; see {child.log_path}")
-
-
-async def stop(process: asyncio.subprocess.Process, timeout_s: float) -> int:
-    """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
-    try:
-        if process.returncode is None:
-            _signal(process, signal.SIGTERM)
-            async with asyncio.timeout(timeout_s):
-                return await process.wait()
-        return process.returncode
-    except TimeoutError:
-        print(f"pid {process.pid} ignored SIGTERM for {timeout_s:g} s; killing it", file=sys.stderr)
-        _signal(process, signal.SIGKILL)
-        return await process.wait()
-    except BaseException:  # interrupted while stopping: do not leave it behind
-        _signal(process, signal.SIGKILL)
-        raise
-
-
-def _signal(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(sig)
-
-
-# -- readiness and idleness -----------------------------------------------------------
+async def read_endpoints(child: Child) -> None:
+    """Its HTTP URL and gRPC target, from its log line (its ports were 0)."""
+    match = await child.wait_for_line(ENDPOINTS, READY_TIMEOUT_S)
+    child.http_url, child.grpc_target = match[1].decode(), match[2].decode()
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
@@ -244,54 +162,14 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]
         return resp.status, await resp.json(content_type=None)
 
 
-async def wait_until(
-    session: aiohttp.ClientSession,
-    child: Child,
-    path: str,
-    ready: Callable[[int, Any], bool],
-    timeout_s: float = READY_TIMEOUT_S,
-) -> Any:
-    """Poll ``GET path`` until ``ready(status, body)`` holds; returns the last body."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    body: Any = None
-    while loop.time() < deadline:
-        child.check_alive()
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-            status, body = await _get_json(session, f"{child.http_url}{path}")
-            if ready(status, body):
-                return body
-        await asyncio.sleep(0.05)
-    raise ChildFailed(f"{child.name}: GET {path} not ready in {timeout_s:g} s (last: {body})")
+def serving_units(url: str, units: int) -> Probe:
+    """A probe: the gateway's /ready counts every unit serving."""
 
+    async def probe(session: aiohttp.ClientSession) -> bool:
+        _, body = await _get_json(session, f"{url}/ready")
+        return bool(body.get("serving_units") == units)
 
-READY_BODY = b'{"model":"unitproxy-sim","prompt":"ready?","max_tokens":2}'
-
-
-async def answers(
-    session: aiohttp.ClientSession, child: Child, timeout_s: float = READY_TIMEOUT_S
-) -> None:
-    """Wait until a real completion comes back through the child (a gateway whose
-    /ready holds can still fail every request, say in a tree that is mid-edit)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    last = ""
-    while loop.time() < deadline:
-        child.check_alive()
-        try:
-            async with session.post(
-                f"{child.http_url}/v1/completions",
-                data=READY_BODY,
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=5.0),
-            ) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            last = type(exc).__name__
-        await asyncio.sleep(0.2)
-    raise ChildFailed(f"{child.name}: no completion through it in {timeout_s:g} s (last: {last})")
+    return probe
 
 
 PREFIX_CACHE = re.compile(r"^unitproxy_engine_prefix_cache_(queries|hits)_total ([0-9.e+]+)$", re.M)
@@ -354,16 +232,12 @@ async def running_fleet(
     specs: Sequence[UnitSpec], session: aiohttp.ClientSession, log_dir: Path
 ) -> AsyncIterator[Fleet]:
     async with AsyncExitStack() as stack:
-        sidecars = [
-            await stack.enter_async_context(
-                running(s.id, s.args(), log_dir / f"sidecar-{s.id}.log")
-            )
-            for s in specs
-        ]
+        sidecars = [await start(s.id, s.args(), log_dir / f"sidecar-{s.id}.log", stack)
+                    for s in specs]  # fmt: skip
         # Started one after another, waited for together: they boot in parallel.
         await asyncio.gather(*(read_endpoints(c) for c in sidecars))
         for child in sidecars:
-            await wait_until(session, child, "/ready", lambda status, _: status == 200)
+            await child.until_ready(READY_TIMEOUT_S)
         yield Fleet(list(specs), sidecars)
 
 
@@ -376,25 +250,14 @@ async def running_gateway(
 ) -> AsyncIterator[Child]:
     """A fresh gateway over the fleet, once every unit's report reached it and a
     completion came back through it."""
-    args = [
-        "gateway",
-        "--host",
-        HOST,
-        "--http-port",
-        "0",
-        "--grpc-port",
-        "0",
-        *fleet.unit_flags(),
-        *policy_args,
-    ]
-    units = len(fleet.specs)
-    async with running("gateway", args, log_path) as gateway:
+    args = ["gateway", "--host", HOST, "--http-port", "0", "--grpc-port", "0",
+            *fleet.unit_flags(), *policy_args]  # fmt: skip
+    async with AsyncExitStack() as stack:
         try:
+            gateway = await start("gateway", args, log_path, stack)
             await read_endpoints(gateway)
-            await wait_until(
-                session, gateway, "/ready", lambda _, body: body.get("serving_units") == units
-            )
-            await answers(session, gateway)
+            await gateway.until(serving_units(gateway.http_url, len(fleet.specs)), READY_TIMEOUT_S)
+            await gateway.until(answers(gateway.http_url), READY_TIMEOUT_S, "answering")
         except ChildFailed as exc:
             fleet.check_alive()  # a dead unit is the fleet's failure, not the gateway's
             raise GatewayFailed(str(exc)) from exc

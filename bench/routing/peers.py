@@ -59,7 +59,7 @@ choice is a hash of the request), sglang-router's manual (sticky keys).
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,10 +67,10 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import free_ports
-from bench.overhead import procs
-from bench.overhead.targets import SETUP, VENVS, _answers, _peer_version, _poll
+from bench.common import answers, free_ports, tree_cpu_s
+from bench.overhead.targets import SETUP, VENVS, _peer_version
 from bench.routing import fleet
+from proxy.procutil import PROBLEM_MARKS, Child, ChildFailed, Probe, running
 
 READY_TIMEOUT_S = 60.0  # every worker healthy in the router, and a completion through it
 # Warnings the routers log on every start or stop against the sidecar; not problems.
@@ -189,11 +189,11 @@ class RunningPeer:
     """What a run needs of its router: the URL, CPU, and how it ended."""
 
     policy: PeerPolicy
-    child: procs.Child
+    child: Child
     http_url: str
 
     def cpu_s(self) -> float:
-        return self.child.cpu_s()  # the whole process tree
+        return tree_cpu_s(self.child.pid)  # the whole process tree
 
     @property
     def exit_code(self) -> int | None:
@@ -216,7 +216,7 @@ def unit_log_problems(path: Path) -> tuple[list[str], int]:
         for record in records
         if HTTP2_PREFACE not in record
         for line in record.splitlines()
-        if any(mark in line for mark in fleet.PROBLEM_MARKS)
+        if any(mark in line for mark in PROBLEM_MARKS)
     ]
     return lines, probes
 
@@ -236,7 +236,7 @@ async def get_load_answer(session: aiohttp.ClientSession, unit_url: str) -> str:
     return f"GET /get_load on a unit answered {status}: the peers may use it"
 
 
-def _all_healthy(url: str, units: int) -> Callable[[aiohttp.ClientSession], Any]:
+def _all_healthy(url: str, units: int) -> Probe:
     """Ready when the router's GET /workers lists every unit as healthy."""
 
     async def probe(session: aiohttp.ClientSession) -> bool:
@@ -258,11 +258,12 @@ async def running_peer(
     worker_urls = [child.http_url for child in units.sidecars]
     argv = policy.argv(worker_urls, port, metrics_port)
     url = f"http://{fleet.HOST}:{port}"
-    async with procs.running(policy.name, argv, log_path) as child:
+    # The shared launcher, signals to the process group: a router may fork workers.
+    async with running(policy.name, argv, log_path, group=True) as child:
         try:
-            await _poll(child, _all_healthy(url, len(worker_urls)), READY_TIMEOUT_S)
-            await _poll(child, _answers(url), READY_TIMEOUT_S)
-        except procs.ChildFailed as exc:
+            await child.until(_all_healthy(url, len(worker_urls)), READY_TIMEOUT_S)
+            await child.until(answers(url), READY_TIMEOUT_S, "answering")
+        except ChildFailed as exc:
             units.check_alive()  # a dead unit is the fleet's failure, not the router's
             raise fleet.GatewayFailed(str(exc)) from exc
         yield RunningPeer(policy, child, url)

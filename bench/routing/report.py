@@ -19,19 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen import percentile
 from bench.routing.client import OpenLoopRun, Outcome
 
 SLOS_S = {"1s": 1.0, "300ms": 0.3}
 GOAL = ("lor", "round_robin", 85, 1.5)  # lor goodput@1s >= 1.5x round_robin's at 85 % load
 PEER_GOAL = ("lor", 85)  # lor goodput@1s >= every peer policy's at 85 % load (and at each load)
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -65,6 +58,8 @@ class RunMetrics:
     # p99 over the run's samples of the most loaded unit's outstanding / capacity over
     # the fleet's mean (samples with work only): 1.0 is a perfectly even fleet
     peak_over_mean_p99: float | None = None
+    peak_over_mean_p50: float | None = None
+    load_samples: int = 0  # samples the max/mean figures are over
 
     @property
     def error_count(self) -> int:
@@ -139,6 +134,7 @@ COLUMNS: tuple[tuple[str, Callable[[RunMetrics], str]], ...] = (
         "cache hit %",
         lambda m: _fmt(None if m.prefix_hit_rate is None else 100 * m.prefix_hit_rate, 0),
     ),
+    ("max/mean p50", lambda m: _fmt(m.peak_over_mean_p50, 2)),
     ("max/mean p99", lambda m: _fmt(m.peak_over_mean_p99, 2)),
     ("errors", lambda m: str(m.error_count)),
     ("unfinished", lambda m: str(m.unfinished)),

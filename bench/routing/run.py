@@ -67,13 +67,17 @@ from bench.common import (
     run_loop,
     until_signal,
 )
+from bench.loadgen import percentile
 from bench.routing import client, fleet, peers, report, workload
+from proxy.procutil import Child, ChildFailed
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
-OWN_POLICIES = ("lor", "prefix", "prefix-strict", "p2c", "round_robin", "random", "lor-delayed",
-                "lor-delayed-corrected", "lor-unbudgeted", "lor-as-at-1000")  # fmt: skip
+OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
+                "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
+                "lor-as-at-1000", "lor-2gw", "prefix-2gw")  # fmt: skip
+REPLICAS = 2  # gateways of the -2gw policies, each with its own index
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
 RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected requests (+100)
@@ -121,8 +125,13 @@ class BenchSettings:
         return {
             "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
             "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
-            # bounded load with no slack: at most 1.2 x the least loaded, however few
+            # bounded load with no slack: at most (1 + balance) x the mean, however few
             "prefix-strict": ["--policy", "prefix", "--prefix-slack", "0"],
+            # the index not corrected by the units' prefix-cache counters
+            "prefix-unfed": ["--policy", "prefix", "--prefix-engine-feedback", "false"],
+            # two gateway replicas, each its own index and counts; clients spread over both
+            "lor-2gw": ["--policy", "lor"],
+            "prefix-2gw": ["--policy", "prefix"],
             # Every unit at its own report rate (no report budget), and every unit asked
             # for a report every 4 s, as the default budget asks of a fleet of 1,000.
             "lor-unbudgeted": ["--policy", "lor", "--report-budget", "0"],
@@ -173,7 +182,7 @@ async def measure_saturation(
             s.saturation_window_s,
         )
     if run.tokens_per_s == 0:
-        raise fleet.ChildFailed(
+        raise ChildFailed(
             f"the saturation run streamed no tokens (errors {dict(run.errors)}); see {log}"
         )
     return Saturation(
@@ -191,7 +200,7 @@ async def measure_saturation(
 
 
 class RouterProcess(Protocol):
-    """A run's router: the gateway (fleet.Child) or a peer (peers.RunningPeer)."""
+    """A run's router: the gateway (a procutil.Child) or a peer (peers.RunningPeer)."""
 
     @property
     def http_url(self) -> str: ...
@@ -214,7 +223,53 @@ def running_router(
     peer = peers.PEER_POLICIES.get(policy)
     if peer is not None:
         return peers.running_peer(peer, units, log)
+    if policy.endswith("-2gw"):
+        return running_replicas(s.gateway_args(policy), units, session, log)
     return fleet.running_gateway(units, s.gateway_args(policy), session, log)
+
+
+class Replicas:
+    """Several gateways over one fleet, as one router: clients spread over them."""
+
+    def __init__(self, gateways: Sequence[Child]) -> None:
+        self.gateways = list(gateways)
+
+    @property
+    def http_url(self) -> str:
+        return self.gateways[0].http_url
+
+    @property
+    def http_urls(self) -> list[str]:
+        return [g.http_url for g in self.gateways]
+
+    @property
+    def exit_code(self) -> int | None:
+        codes = [g.exit_code for g in self.gateways]
+        return next((c for c in codes if c), codes[0])
+
+    def cpu_s(self) -> float:
+        return sum(g.cpu_s() for g in self.gateways)
+
+    def log_problems(self) -> list[str]:
+        return [p for g in self.gateways for p in g.log_problems()]
+
+
+@contextlib.asynccontextmanager
+async def running_replicas(
+    args: list[str], units: fleet.Fleet, session: aiohttp.ClientSession, log: Path
+) -> AsyncIterator[Replicas]:
+    async with contextlib.AsyncExitStack() as stack:
+        gateways = [
+            await stack.enter_async_context(
+                fleet.running_gateway(units, args, session, log.with_suffix(f".{k}.log"))
+            )
+            for k in range(REPLICAS)
+        ]
+        yield Replicas(gateways)
+
+
+def router_urls(router: RouterProcess) -> list[str]:
+    return router.http_urls if isinstance(router, Replicas) else [router.http_url]
 
 
 @dataclass(frozen=True)
@@ -273,15 +328,16 @@ async def policy_run(
         cache_before = await units.prefix_cache(session)
         before = CpuSample.take(gateway, units)
         async with sampling_loads(units, session) as peaks:
-            run = await client.open_loop(
-                session, f"{gateway.http_url}/v1/completions", arrivals, s.drain_s
-            )
+            urls = [f"{url}/v1/completions" for url in router_urls(gateway)]
+            run = await client.open_loop(session, urls, arrivals, s.drain_s)
         after = CpuSample.take(gateway, units)
         cache_after = await units.prefix_cache(session)
     metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)
     queries, hits = (a - b for a, b in zip(cache_after, cache_before, strict=True))
     metrics.prefix_hit_rate = hits / queries if queries else None
-    metrics.peak_over_mean_p99 = report.percentile(peaks, 99)
+    metrics.peak_over_mean_p99 = percentile(peaks, 99)
+    metrics.peak_over_mean_p50 = percentile(peaks, 50)
+    metrics.load_samples = len(peaks)
     metrics.cpu = after.percent_since(before)
     metrics.timing_s = {
         "gateway_ready": round(before.at - started, 2),
@@ -336,8 +392,8 @@ class Results:
 
     specs: list[fleet.UnitSpec]
     means: tuple[float, float]
-    saturation: Saturation | None = None  # the reference of the loads
-    saturation_lor: Saturation | None = None  # with shared prefixes: lor's, when prefix ran too
+    saturation: Saturation | None = None  # the reference of the loads: through lor
+    saturation_prefix: Saturation | None = None  # with shared prefixes, when prefix runs too
     rows: list[report.RunMetrics] = field(default_factory=list)
     failed_runs: list[dict[str, Any]] = field(default_factory=list)
     sidecar_exits: dict[str, int | None] = field(default_factory=dict)
@@ -369,13 +425,12 @@ async def bench(s: BenchSettings, results: Results) -> None:
                 f"completions in the window {sat.completions_per_s:.1f} r/s)"
             )
         if s.mix.shares_prefixes and "prefix" in s.policies:
-            # What the fleet sustains when its caches are used: the higher is 100 %.
+            # What the fleet sustains through prefix, for the record only: the loads are
+            # % of lor's saturation for every policy (one offered rate per load).
             async with fleet_for(s, results, session) as cold:
                 by_prefix = await measure_saturation(s, cold, session, results.means, "prefix")
-            results.saturation_lor = sat
-            progress(f"saturation through prefix {by_prefix.measured:.1f} r/s")
-            if by_prefix.measured > sat.measured:
-                results.saturation = sat = by_prefix
+            results.saturation_prefix = by_prefix
+            progress(f"saturation through prefix {by_prefix.measured:.1f} r/s (for the record)")
         for load_pct, policy in _runs(s, results):
             async with fleet_for(s, results, session) as cold:
                 await one_run(s, policy, load_pct, sat.measured, cold, session, results)
@@ -481,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--loads",
         type=_loads,
         metavar="PCT[,PCT...]",
-        help="loads in %% of the measured saturation throughput. Default 50,70,85,95 "
+        help="loads in %% of the saturation throughput measured through lor (one offered rate "
+        "per load for every policy). Default 50,70,85,95 "
         "(--quick: 50,85).",
     )
     add(
@@ -613,7 +669,7 @@ def build_report(
         "complete": r.stopped_by is None and not r.failed_runs,
         "stopped_by": r.stopped_by,
         "saturation": asdict(r.saturation) if r.saturation else None,
-        "saturation_lor": asdict(r.saturation_lor) if r.saturation_lor else None,
+        "saturation_prefix": asdict(r.saturation_prefix) if r.saturation_prefix else None,
         "runs": [m.to_json() for m in r.rows],
         "failed_runs": r.failed_runs,
         "goal": report.goal(r.rows, PREFIX_GOAL if s.mix.shares_prefixes else report.GOAL),
@@ -673,12 +729,16 @@ def print_report(data: dict[str, Any], r: Results) -> None:
             f"{sat.completions_per_s:.2f} r/s); model {sat.model:.2f} r/s; "
             f"errors {sat.errors or 0}"
         )
-    if r.saturation_lor is not None:
+    if sat is not None:
         print(
-            f"saturation through lor: {r.saturation_lor.measured:.2f} r/s (loads are % of the "
-            f"higher, {sat.policy}'s)"
-            if sat is not None
-            else ""
+            f"load: every policy is offered the same rate, load % x {sat.measured:.2f} r/s "
+            f"(the saturation through {sat.policy}, the default policy)"
+        )
+    if r.saturation_prefix is not None and sat is not None:
+        by_prefix = r.saturation_prefix.measured
+        print(
+            f"saturation through prefix: {by_prefix:.2f} r/s, {by_prefix / sat.measured:.2f}x "
+            f"lor's (not the loads' reference)"
         )
     s = data["settings"]
     print(
@@ -781,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_loop(until_signal(bench(s, results)))
     except Interrupted as exc:
         results.stopped_by = f"interrupted by {exc}"
-    except fleet.ChildFailed as exc:
+    except ChildFailed as exc:
         results.stopped_by = f"failed: {exc}"
     if results.stopped_by:
         print(

@@ -258,7 +258,7 @@ async def load_watch(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """A few chunks at once (or one body): the unit's share of a request's cost is not
+    """A few chunks (or one body), ``--chunk-ms`` apart: the unit's share of a request's cost is not
     what bench/scale measures; the gateway's is."""
     unit = unit_of(request)
     body = await request.json()
@@ -266,6 +266,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     unit.changes.notify()
     unit.fleet.stats["requests"] += 1
     chunks = unit.fleet.args.chunks
+    gap_s = unit.fleet.args.chunk_ms / 1000
     headers = {"x-unitproxy-unit": unit.id}
     try:
         if not body.get("stream"):
@@ -283,6 +284,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                      "choices": [{"index": 0, "text": "x",
                                   "finish_reason": "length" if last else None}]}  # fmt: skip
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if gap_s and not last:
+                await asyncio.sleep(gap_s)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -426,6 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coalesce-ms", type=float, default=5.0, help="tick and coalescing")
     p.add_argument("--report-interval-s", type=float, default=1.0, help="heartbeat")
     p.add_argument("--chunks", type=int, default=8, help="chunks per streamed answer")
+    p.add_argument("--chunk-ms", type=float, default=0.0, help="pause between two chunks")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--cluster", default=f"scale-{os.getpid()}")

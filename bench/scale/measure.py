@@ -13,8 +13,8 @@ from typing import Any
 
 import aiohttp
 
+from proxy.gateway.policies import POLICIES
 from proxy.gateway.router import Outcome, Router
-from proxy.gateway.select import POLICIES
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 

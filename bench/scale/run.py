@@ -13,7 +13,9 @@ unit, then:
 2. requests (the first load source only, unless ``--request-sources``): streamed
    ``/v1/completions`` at concurrency 64 through the gateway, then the same straight
    to the units: added TTFT p50 and the gateway's CPU per request (less what reports
-   cost it meanwhile).
+   cost it meanwhile). The units pace their chunks (``--chunk-ms``, 20 ms) so that
+   concurrency 64 does not fill the two cores: the added TTFT is the gateway's latency,
+   not the queue of a saturated machine.
 
 Besides, in this process: the router's selection cost per request (``Router.pick`` +
 ``release`` while reports arrive) for each ``--policies`` name at each fleet size; a
@@ -57,11 +59,12 @@ from bench.common import (
     cpu_model,
     free_ports,
     run_loop,
+    tree_cpu_s,
     until_signal,
 )
-from bench.overhead.procs import running, tree_cpu_s
 from bench.scale import measure, report
 from bench.scale.fleet import SOURCES
+from proxy.procutil import python_m, running
 
 DEFAULT_OUT = REPO / "bench" / "results" / "scale.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")
@@ -78,6 +81,7 @@ class Plan:
     request_s: float
     concurrency: int
     selection_s: float
+    chunk_ms: float
     out: Path
     extra_gateway: list[str]
 
@@ -98,14 +102,17 @@ def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster
 
 
 async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
-    """One fleet and one gateway: reports only, then (for some sources) requests."""
+    """One fleet and one gateway: reports only, then (for some sources) requests.
+
+    Started by the shared launcher, not ``unitproxy up``: the units are the emulator's,
+    not sidecars, and the gateway reads them from a config file written here."""
     tag = f"{size}-{source}"
     ready = plan.log_dir / f"fleet-{tag}.json"
     ready.unlink(missing_ok=True)
     cluster = f"scale-{os.getpid()}-{tag}"
     fleet_argv = [sys.executable, "-m", "bench.scale.fleet", "--units", str(size),
                   "--source", source, "--ready-file", str(ready), "--cluster", cluster,
-                  "--redis-url", REDIS_URL]  # fmt: skip
+                  "--redis-url", REDIS_URL, "--chunk-ms", str(plan.chunk_ms)]  # fmt: skip
     cell: dict[str, Any] = {"units": size, "source": source}
     async with running(
         f"fleet {tag}", fleet_argv, plan.log_dir / f"fleet-{tag}.log", cwd=REPO
@@ -120,7 +127,7 @@ async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
         config = plan.log_dir / f"gateway-{tag}.toml"
         gateway_config(config, spec["units"], source, cluster)
         http_port, grpc_port = free_ports(2)
-        gateway_argv = [sys.executable, "-m", "proxy", "gateway", "--config", str(config),
+        gateway_argv = [*python_m("gateway"), "--config", str(config),
                         "--host", "127.0.0.1", "--http-port", str(http_port),
                         "--grpc-port", str(grpc_port), "--log-level", "warning",
                         *(["--redis-url", REDIS_URL] if source == "redis" else []),
@@ -262,6 +269,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
     p.add_argument("--window", type=float, help="seconds of reports only (default 10; quick 3)")
     p.add_argument("--request-window", type=float, help="seconds of requests (default 8; quick 3)")
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--chunk-ms", type=float, default=20.0,
+                   help="the units' pause between two chunks of a stream (default 20): "
+                        "paced so that concurrency 64 does not fill the cores, as in "
+                        "bench/overhead's stream-5ms; 0: as fast as they go")  # fmt: skip
     p.add_argument("--out", type=Path)
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra argument for every gateway (repeatable), e.g. --gateway-arg=--policy=p2c")  # fmt: skip
@@ -281,6 +292,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
         request_s=a.request_window or (3.0 if quick else 8.0),
         concurrency=a.concurrency,
         selection_s=0.3 if quick else 1.0,
+        chunk_ms=a.chunk_ms,
         out=a.out or (QUICK_OUT if quick else DEFAULT_OUT),
         extra_gateway=a.gateway_arg,
     )

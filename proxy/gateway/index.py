@@ -28,7 +28,7 @@ import itertools
 import random
 from collections.abc import Callable, Collection, Sequence
 
-from proxy.gateway.units import Unit
+from proxy.gateway.units import CORRECTED, LoadView, Unit
 
 SAMPLE_TRIES = 16  # draws before falling back to the full list
 
@@ -36,13 +36,18 @@ Entry = tuple[float, float, int, Unit]  # load, random tie-break, push number, u
 
 
 class LeastLoaded:
-    def __init__(self, rng: random.Random, correct: bool = True):
+    def __init__(self, rng: random.Random, view: LoadView = CORRECTED):
         self._rng = rng
-        self._correct = correct
+        self._view = view
         self._heap: list[Entry] = []
         self._live: dict[str, int] = {}  # unit id -> push number of its current entry
         self._pushes = itertools.count()
         self._held: list[tuple[float, Unit]] = []  # ejected units, until when
+        # Over the live units: their estimated outstanding and capacity, and the sums
+        # (policy prefix bounds a unit's load by the fleet's mean).
+        self._sums: dict[str, tuple[int, int]] = {}
+        self.outstanding = 0
+        self.capacity = 0
 
     def __len__(self) -> int:
         return len(self._live)
@@ -55,13 +60,33 @@ class LeastLoaded:
         # just released does not win its tie again at once (a fresh uniform key would:
         # the keys left behind are the larger ones).
         tie = n + self._rng.random() * len(self._live)
-        heapq.heappush(self._heap, (unit.load(self._correct), tie, n, unit))
+        estimate, capacity = self._view.estimate(unit), unit.capacity
+        self._count(unit.id, (estimate, capacity))
+        load = estimate / capacity if capacity else float("inf")
+        heapq.heappush(self._heap, (load, tie, n, unit))
         if len(self._heap) > 2 * len(self._live) + 64:
             self._rebuild()
 
     def remove(self, unit: Unit) -> None:
         """Until ``update``: the unit takes no requests before it reports again."""
         self._live.pop(unit.id, None)
+        self._count(unit.id, None)
+
+    def _count(self, unit_id: str, now: tuple[int, int] | None) -> None:
+        before = self._sums.pop(unit_id, None) if now is None else self._sums.get(unit_id)
+        if now is not None:
+            self._sums[unit_id] = now
+            self.outstanding += now[0]
+            self.capacity += now[1]
+        if before is not None:
+            self.outstanding -= before[0]
+            self.capacity -= before[1]
+
+    def mean_load(self, extra: int = 1) -> float:
+        """The live units' estimated outstanding (plus ``extra``) over their capacity:
+        the fleet's mean load, weighted by capacity. A unit that went stale counts
+        until the heap drops it (when it reaches the top, or reports again)."""
+        return (self.outstanding + extra) / self.capacity if self.capacity > 0 else float("inf")
 
     def hold(self, unit: Unit, until: float) -> None:
         """Out until ``until`` (ejected), then back at its estimate then."""
@@ -75,7 +100,7 @@ class LeastLoaded:
         age_at: float,
         exclude: Collection[str] = (),
     ) -> Unit | None:
-        """The least loaded unit that can take a request (``Unit.available``)."""
+        """The least loaded unit that can take a request (``LoadView.available``)."""
         if self._held:
             self._release_held(now)
         heap, live = self._heap, self._live
@@ -90,7 +115,7 @@ class LeastLoaded:
                     return None  # the least loaded is full: so is every unit after it
                 if unit.id in exclude:
                     skipped.append(heapq.heappop(heap))  # for this choice only
-                elif unit.available(now, stale_after_s, self._correct, age_at):
+                elif self._view.available(unit, now, stale_after_s, age_at):
                     return unit
                 elif now < unit.ejected_until:
                     self.hold(unit, unit.ejected_until)

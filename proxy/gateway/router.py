@@ -19,9 +19,9 @@ from enum import Enum
 
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.index import LeastLoaded, sample_available
-from proxy.gateway.prefix import PrefixIndex, Want
-from proxy.gateway.select import POLICIES, prefix_affinity
-from proxy.gateway.units import Unit, reason
+from proxy.gateway.policies import POLICIES, prefix_affinity
+from proxy.gateway.prefix import EngineFeedback, PrefixIndex, Want
+from proxy.gateway.units import AS_REPORTED, CORRECTED, LoadView, Unit, reason
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 
@@ -78,6 +78,8 @@ class Router:
         self.settings = settings
         self.units: dict[str, Unit] = {}
         self._select = POLICIES[settings.policy]
+        # How every choice reads a unit's load (gauges and /units read it too).
+        self.view = CORRECTED if settings.correct_load else AS_REPORTED
         self._rng = rng or random.Random()
         self._clock = clock
         self._turn = 0
@@ -86,20 +88,25 @@ class Router:
         self._on_change = on_change
         self._aging_paused_at: float | None = None
         self.prefix: PrefixIndex | None = None
+        self.feedback: EngineFeedback | None = None
+        self._mean = 0.0  # policy prefix: the fleet's mean load at this choice
         if settings.policy == "prefix":
             self.prefix = PrefixIndex(
                 settings.prefix_chunk_chars, settings.prefix_max_blocks, settings.prefix_ttl_s
             )
+            if settings.prefix_engine_feedback:
+                self.feedback = EngineFeedback(self.prefix)
         # How many units list each model, and how many list none (serve any): the
         # gateway reads a request's model only when the units differ.
         self._models: Counter[str] = Counter()
         self._model_sets: Counter[tuple[str, ...]] = Counter()
         self._held_back: set[str] = set()  # units the ejection cap kept in (logged once)
+        self._serving_reports = 0  # units whose last report says SERVING (fresh or not)
         # Large fleets: lor keeps its units in a heap; p2c and random draw from all units
         # (proxy.gateway.index); round_robin walks on from where it stopped. None passes
         # over every unit per request.
         self._index = (
-            LeastLoaded(self._rng, settings.correct_load)
+            LeastLoaded(self._rng, self.view)
             if settings.policy in ("lor", "prefix")  # prefix: the least loaded bounds it
             else None
         )
@@ -125,7 +132,7 @@ class Router:
             u
             for u in self.units.values()
             if u.id not in exclude
-            and u.available(now, s.stale_after_s, s.correct_load, age_at)
+            and self.view.available(u, now, s.stale_after_s, age_at)
             and u.serves(model)
         ]
 
@@ -153,6 +160,16 @@ class Router:
         if model is None or self._models[model] or self._model_sets[()]:
             return
         raise NotFound(f"the model '{model}' does not exist", param="model", code="model_not_found")
+
+    @property
+    def any_reported_serving(self) -> bool:
+        """Whether some unit's last report says SERVING, however old: kept as a count
+        as reports arrive, not a pass over every unit."""
+        return self._serving_reports > 0
+
+    def _count_serving(self, report: LoadReport | None, n: int) -> None:
+        if report is not None and report.state is UnitState.SERVING:
+            self._serving_reports += n
 
     def _count_models(self, report: LoadReport | None, n: int) -> None:
         if report is None:
@@ -182,12 +199,16 @@ class Router:
         return unit
 
     def _choose(self, exclude: Collection[str], want: Want) -> Unit | None:
-        s, correct = self.settings, self.settings.correct_load
+        s, view = self.settings, self.view
         if want.model is not None and len(self._model_sets) > 1:
             # Units of different models: a pass over those serving this one (the index
             # and the samples are over every unit).
             candidates = self.candidates(exclude, want.model)
-            return self._select(candidates, self._rng, self._turn, correct)
+            if self.prefix is not None:
+                self._mean = _mean_load(candidates, view)
+            return self._select(candidates, self._rng, self._turn, view)
+        if self._index is not None and self.prefix is not None:
+            self._mean = self._index.mean_load()
         if self._index is not None:
             now = self._clock()
             return self._index.least(now, s.stale_after_s, self._age_at(now), exclude)
@@ -196,14 +217,14 @@ class Router:
             age_at = self._age_at(now)
 
             def can_take(u: Unit) -> bool:
-                return u.id not in exclude and u.available(now, s.stale_after_s, correct, age_at)
+                return u.id not in exclude and view.available(u, now, s.stale_after_s, age_at)
 
             drawn = sample_available(self._all, self._sample_k, can_take, self._rng)
             if drawn is not None:
-                return self._select(drawn, self._rng, self._turn, correct)
+                return self._select(drawn, self._rng, self._turn, view)
         if s.policy == "round_robin":
             return self._next_in_turn(exclude)
-        return self._select(self.candidates(exclude), self._rng, self._turn, correct)
+        return self._select(self.candidates(exclude), self._rng, self._turn, view)
 
     def _next_in_turn(self, exclude: Collection[str]) -> Unit | None:
         """round_robin: the next unit after the last one chosen that can take a request."""
@@ -211,9 +232,7 @@ class Router:
         age_at = self._age_at(now)
         for k in range(len(units)):
             unit = units[(self._cursor + k) % len(units)]
-            if unit.id not in exclude and unit.available(
-                now, s.stale_after_s, s.correct_load, age_at
-            ):
+            if unit.id not in exclude and self.view.available(unit, now, s.stale_after_s, age_at):
                 self._cursor = (self._cursor + k + 1) % len(units)
                 return unit
         return None
@@ -235,7 +254,7 @@ class Router:
             return (
                 unit is not None
                 and unit_id not in exclude
-                and unit.available(now, s.stale_after_s, s.correct_load, age_at)
+                and self.view.available(unit, now, s.stale_after_s, age_at)
                 and unit.serves(want.model)
             )
 
@@ -243,7 +262,11 @@ class Router:
             [units[i] for i in ids if can_take(i)]
             for _, ids in self.prefix.matches(want.blocks, now)
         )
-        unit = prefix_affinity(least, holders, s.correct_load, s.prefix_balance, s.prefix_slack)
+        unit = prefix_affinity(
+            least, holders, self.view, self._mean, s.prefix_balance, s.prefix_slack
+        )
+        if self.feedback is not None:
+            self.feedback.sent(unit.id, want.blocks, want.chars)
         self.prefix.record(unit.id, want.blocks, now)
         return unit
 
@@ -320,6 +343,18 @@ class Router:
                 waiter.future.set_result(None)
                 return
 
+    def release_stranded(self) -> None:
+        """Wake the waiters that no SERVING unit is left for (the last one stopped, went
+        stale or lost its reports): they raise NoUnit at once, a 503 rather than a
+        queue_timeout after waiting for a unit that cannot come."""
+        if not self._waiters:
+            return
+        serving = self.serving()
+        for waiter in list(self._waiters):
+            if not waiter.future.done() and not any(waiter.may_take(u) for u in serving):
+                self._waiters.remove(waiter)
+                waiter.future.set_result(None)
+
     @property
     def waiting(self) -> int:
         return len(self._waiters)
@@ -389,12 +424,26 @@ class Router:
             unit.lost = None
         if self.prefix is not None and _cache_lost(unit.report, report):
             self.prefix.forget(unit_id)
+            if self.feedback is not None:
+                self.feedback.forget(unit_id)
+        if self.feedback is not None:
+            self.feedback.report(
+                unit_id,
+                report.prefix_cache_queries,
+                report.prefix_cache_hits,
+                report.prefix_cache_resets,
+                self._clock(),
+            )
         self._count_models(unit.report, -1)
         self._count_models(report, +1)
+        self._count_serving(unit.report, -1)
+        self._count_serving(report, +1)
         unit.apply(report, self._clock())
         self._moved(unit)
         if report.state != before:
             log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
+            if before is UnitState.SERVING:
+                self.release_stranded()
         self.wake()
         self._changed(unit)
 
@@ -437,7 +486,9 @@ class Router:
         self.unreachable(unit, why)
         if unit.report is not None:
             self._count_models(unit.report, -1)
+            self._count_serving(unit.report, -1)
             unit.report = None
+            self.release_stranded()
             self._changed(unit)
 
     def unreachable(self, unit: Unit, why: str) -> None:
@@ -451,6 +502,15 @@ class Router:
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:
             self._on_change(unit)
+
+
+def _mean_load(units: Iterable[Unit], view: LoadView) -> float:
+    """The units' estimated outstanding, plus one request, over their capacity."""
+    outstanding, capacity = 1, 0
+    for unit in units:
+        outstanding += view.estimate(unit)
+        capacity += unit.capacity
+    return outstanding / capacity if capacity else float("inf")
 
 
 def _none_serving(model: str | None) -> str:

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -46,7 +46,6 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.ingress import Limits
-from proxy.load import UnitState
 from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics
 from proxy.serving import (
     Drain,
@@ -64,6 +63,8 @@ from proxy.tls import ClientTLS, ServerTLS, server_tls
 
 log = logging.getLogger(__name__)
 
+# What only time changes (a report ageing, an ejection ending) is looked at this often, in s.
+TICK_S = 0.5
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -77,9 +78,11 @@ UNIT_CHANNEL_OPTIONS = (
 class Gateway(Service):
     """A running gateway: ``async with Gateway(settings) as gateway`` serves until exit."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.settings = settings
+        # The clock reports age by: the router's, and the views of units (gauges, /units).
+        self.clock = clock
         self.registry = CollectorRegistry()
         self.metrics = ServingMetrics(self.registry, tokens=False)
         self.gateway_metrics = GatewayMetrics(self.registry)
@@ -87,8 +90,9 @@ class Gateway(Service):
         self.discovery = Discovery(settings.gateway, self.gateway_metrics.discovery_refused)
         # The router gets the staleness bound and poll interval the report budget needs.
         self.router = Router(
-            scaled(settings.gateway), settings.gateway.units, on_change=self._unit_changed
-        )
+            scaled(settings.gateway), settings.gateway.units, clock=clock,
+            on_change=self._unit_changed,
+        )  # fmt: skip
         self.health_service = HealthServicer()
         self.http_url = ""
         self.grpc_target = ""
@@ -113,7 +117,7 @@ class Gateway(Service):
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
-        now = time.monotonic()
+        now = self.clock()
         for unit in self.router.units.values():
             self._connect(unit)
             self.gateway_metrics.add_unit(unit.id)
@@ -143,11 +147,15 @@ class Gateway(Service):
         self.http_url, self.grpc_target = f"{scheme}://{host}:{bound_http}", f"{host}:{bound_grpc}"
         stack.push_async_callback(cancel_tasks, self._tasks)
         self._start_load_source()
-        self._tasks.append(asyncio.create_task(self._health_loop(), name="gateway gauges"))
+        self._tasks.append(asyncio.create_task(self._gauges_loop(), name="gateway gauges"))
+        self._tasks.append(asyncio.create_task(self._wake_queue_loop(), name="gateway queue"))
         self._tasks.append(asyncio.create_task(self._health_watch(), name="gateway health"))
+        source: str = s.gateway.load_source
+        if source == "watch" and self.watches_over_http:
+            source = f"watch over HTTP (more than {s.gateway.watch_grpc_max_units} units)"
         log.info("gateway: HTTP %s, gRPC %s, %d units, policy %s, load from %s",
                  self.http_url, self.grpc_target, len(self.router.units),
-                 s.gateway.policy, s.gateway.load_source)  # fmt: skip
+                 s.gateway.policy, source)  # fmt: skip
         log.info("gateway: %s", describe_admin(self._admin_token()))
 
     # --- drain ----------------------------------------------------------------------
@@ -220,18 +228,27 @@ class Gateway(Service):
             self._tasks.append(asyncio.create_task(self.redis_source.run(), name="load redis"))
             return
         units = list(self.router.units.values())
-        if s.load_source == "watch":
-            watch = WatchSource(self.router, self._channel)
-            runs = [watch.run(u) for u in units]
-        elif s.load_source == "watch-http":
+        if self.watches_over_http:
             quiet_s = self.router.settings.stale_after_s
             http_watch = HttpWatchSource(self.router, lambda u: self._pools[u.id], quiet_s)
             runs = [http_watch.run(u) for u in units]
+        elif s.load_source == "watch":
+            watch = WatchSource(self.router, self._channel)
+            runs = [watch.run(u) for u in units]
         else:
             poll = PollSource(self.router, self._poll_pool)
             runs = [poll.run(u) for u in units]
         for unit, run in zip(units, runs, strict=True):
             self._tasks.append(asyncio.create_task(run, name=f"load {unit.id}"))
+
+    @property
+    def watches_over_http(self) -> bool:
+        """Whether the load reports come as server-sent events: watch-http, or watch for a
+        fleet too large to hold a gRPC channel per unit (``watch_grpc_max_units``)."""
+        s = self.settings.gateway
+        return s.load_source == "watch-http" or (
+            s.load_source == "watch" and len(self.router.units) > s.watch_grpc_max_units
+        )
 
     def _poll_pool(self, unit: Unit) -> Pool:
         tls = self._client_tls
@@ -252,8 +269,8 @@ class Gateway(Service):
     # --- health -------------------------------------------------------------------
 
     def _unit_changed(self, unit: Unit) -> None:
-        self._refresh_gauges(unit, time.monotonic())
-        serving = any(u.state is UnitState.SERVING for u in self.router.units.values())
+        self._refresh_gauges(unit, self.clock())
+        serving = self.router.any_reported_serving
         if serving != self._served:
             self._served = serving
             self._serving_changed.set()
@@ -267,7 +284,7 @@ class Gateway(Service):
         m.set_unit_state(unit.id, state)
         m.set_report_age(unit.id, unit.report_age(now))
         lost = state in ("LOST", "UNKNOWN")
-        m.set_unit_load(unit.id, None if lost else unit.estimate(g.correct_load))
+        m.set_unit_load(unit.id, None if lost else self.router.view.estimate(unit))
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -284,15 +301,25 @@ class Gateway(Service):
         await self.health_service.set(SERVICE, serving if can_serve else not_serving)
         await self.health_service.set("", not_serving if draining else serving)
 
-    async def _health_loop(self) -> None:
-        """Refresh the per-unit gauges; a unit whose reports stopped is no longer serving."""
+    async def _gauges_loop(self) -> None:
+        """Refresh the per-unit gauges and the queue's length twice a second: a report
+        ages, and a unit whose reports stopped is no longer serving, with no event to
+        say so."""
         while True:
-            now = time.monotonic()
+            now = self.clock()
             for unit in self.router.units.values():
                 self._refresh_gauges(unit, now)
             self.gateway_metrics.queue_waiting.set(self.router.waiting)
+            await asyncio.sleep(TICK_S)
+
+    async def _wake_queue_loop(self) -> None:
+        """Twice a second, offer the queue's waiters a unit (an ejection that ends frees
+        one with no event to say so), and tell those that no unit is left for (the last
+        one's reports went stale, again with no event)."""
+        while True:
+            self.router.release_stranded()
             self.router.wake()
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(TICK_S)
 
     # --- HTTP ---------------------------------------------------------------------
 
@@ -331,8 +358,10 @@ class Gateway(Service):
         stack.push_async_callback(stop)
         return int(server.sockets[0].getsockname()[1])
 
-    async def _serve_front(self, response: front.Response, head: front.Head, body: bytes) -> None:
-        await self._inference(response, head.route, head.path, body, head.headers)
+    def _serve_front(
+        self, response: front.Response, head: front.Head, body: bytes
+    ) -> Coroutine[Any, Any, None]:
+        return self._inference(response, head.route, head.path, body, head.headers)
 
     async def _inference(
         self,
@@ -424,7 +453,7 @@ class Gateway(Service):
         return json_response(body, status=200 if body["state"] == "SERVING" else 503)
 
     def _ready_body(self) -> dict[str, Any]:
-        now, stale = time.monotonic(), self.settings.gateway.stale_after_s
+        now, stale = self.clock(), self.settings.gateway.stale_after_s
         counts = Counter(u.view(now, stale)[0] for u in self.router.units.values())
         serving = len(self.router.serving())
         state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
@@ -432,7 +461,7 @@ class Gateway(Service):
                 "in_flight": self.gate.in_flight}  # fmt: skip
 
     async def _units(self, request: web.Request) -> web.Response:
-        now = time.monotonic()
+        now = self.clock()
         units = [self._unit_json(u, now) for u in self.router.units.values()]
         return json_response({"units": units, "waiting": self.router.waiting})
 
@@ -446,7 +475,7 @@ class Gateway(Service):
             "grpc_target": u.grpc_target,
             "state": state,
             "reason": why,
-            "outstanding": u.estimate(g.correct_load),
+            "outstanding": self.router.view.estimate(u),
             "reported_outstanding": u.report.outstanding if u.report else None,
             "inflight_here": u.inflight,
             "capacity": u.capacity,

@@ -1,8 +1,10 @@
-"""What a gateway knows about one unit, and the one definition of "can take a request"."""
+"""What a gateway knows about one unit, how its load is read, and the one definition
+of "can take a request" (``LoadView.available``)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.load import LoadReport, UnitState
@@ -68,13 +70,11 @@ class Unit:
         """Seconds since the last report arrived, growing while none comes; -1: none yet."""
         return -1.0 if math.isinf(self.report_at) else now - self.report_at
 
-    def estimate(self, correct: bool = True) -> int:
+    def estimate(self) -> int:
         """Outstanding requests now: the last report, corrected by what this gateway
         started and finished there since, and never below this gateway's own in-flight
         count (so a stale report cannot make every request herd onto this unit)."""
         reported = self.report.outstanding if self.report else 0
-        if not correct:
-            return reported
         return max(reported + self.started_since_report - self.finished_since_report, self.inflight)
 
     def serving(self, now: float, stale_after_s: float, age_at: float | None = None) -> bool:
@@ -90,25 +90,44 @@ class Unit:
             and now >= self.ejected_until
         )
 
-    def available(
-        self, now: float, stale_after_s: float, correct: bool = True, age_at: float | None = None
-    ) -> bool:
-        """Can take a request now: serving, and below capacity by our estimate."""
-        return self.serving(now, stale_after_s, age_at) and self.estimate(correct) < self.capacity
-
     def serves(self, model: str | None) -> bool:
         """Serves ``model`` by its last report (a report that lists none: any model)."""
         report = self.report
         return model is None or report is None or not report.models or model in report.models
-
-    def load(self, correct: bool = True) -> float:
-        return self.estimate(correct) / self.capacity if self.capacity else float("inf")
 
     def apply(self, report: LoadReport, now: float) -> None:
         self.report = report
         self.report_at = now
         self.started_since_report = 0
         self.finished_since_report = 0
+
+
+def as_reported(unit: Unit) -> int:
+    """Outstanding requests by the last report alone, not corrected by this gateway's
+    own counts (``gateway.correct_load`` false: a baseline in benchmarks)."""
+    return unit.report.outstanding if unit.report else 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """How the gateway reads a unit's load. The router holds one, picked once from
+    ``gateway.correct_load``, and every policy and the index read load through it."""
+
+    estimate: Callable[[Unit], int]  # outstanding requests now
+
+    def load(self, unit: Unit) -> float:
+        """Estimated outstanding over capacity (infinite with no capacity)."""
+        return self.estimate(unit) / unit.capacity if unit.capacity else float("inf")
+
+    def available(
+        self, unit: Unit, now: float, stale_after_s: float, age_at: float | None = None
+    ) -> bool:
+        """Can take a request now: serving, and below capacity by this estimate."""
+        return unit.serving(now, stale_after_s, age_at) and self.estimate(unit) < unit.capacity
+
+
+CORRECTED = LoadView(Unit.estimate)  # the default
+AS_REPORTED = LoadView(as_reported)
 
 
 def reason(error: str) -> str:

@@ -58,7 +58,9 @@ async def serve(
             if hint is not None and route in ("chat", "completions"):
                 fields, resumed = await _resume(frontend, route, fields, hint, request_id)
             fr = FrontendRequest(route, fields, request_id, request.headers)
-            if fields.get("stream") is True:
+            if isinstance(resumed, FrontendReply):
+                reply, resumed = resumed, None  # nothing left to generate
+            elif fields.get("stream") is True:
                 reply = await frontend.serve(fr)  # returns at once: progress is in the chunks
             else:
                 reply = await core.wait_whole(frontend.serve(fr), frontend.steps)
@@ -83,7 +85,9 @@ async def _resume(
     fields: dict[str, Any],
     hint: frontend_resume.ResumeHint,
     request_id: str,
-) -> tuple[dict[str, Any], frontend_resume.ResumedAnswer]:
+) -> tuple[dict[str, Any], frontend_resume.ResumedAnswer | FrontendReply]:
+    """The body to send the engine, and what rewrites its answer; or, when the delivered
+    output already reaches the token limit, the whole answer, made here."""
     if hint.delivered_chars is None:  # token ids are a gRPC input; this layer has text
         raise InvalidRequest(
             f"header {frontend_resume.RESUME_HEADER}: delivered_chars is required here",
@@ -93,12 +97,8 @@ async def _resume(
     delivered = await frontend_resume.count_tokens(frontend, text, request_id)
     reduced = frontend_resume.reduce_limits(fields, delivered)
     if reduced is None:
-        # Open: end at once with finish_reason "length" (needs the prompt's count).
-        raise InvalidRequest(
-            f"header {frontend_resume.RESUME_HEADER}: the delivered output already "
-            "reaches max_tokens",
-            param=frontend_resume.RESUME_HEADER,
-        )
+        done = await frontend_resume.finished(frontend, route, fields, hint, delivered, request_id)
+        return fields, done
     return reduced, frontend_resume.ResumedAnswer(route, hint, delivered)
 
 

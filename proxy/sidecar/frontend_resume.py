@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from engine.frontend import FrontendReply, FrontendRequest, FrontendRoute, OpenAIFrontend
+from engine.frontend import FrontendReply, FrontendRequest, FrontendRoute, OpenAIFrontend, Tokens
 from proxy.errors import InvalidRequest, NotFound
 from proxy.httputil import RESUME_HEADER
 from proxy.resume import ResumeHint, parse_hint
@@ -64,15 +65,18 @@ def delivered_text(route: FrontendRoute, body: dict[str, Any], chars: int) -> st
     return text[len(text) - chars :]
 
 
-async def count_tokens(frontend: OpenAIFrontend, text: str, request_id: str) -> int:
+async def count_tokens(
+    frontend: OpenAIFrontend, text: str, request_id: str, body: dict[str, Any] | None = None
+) -> int:
     """The engine's token count of ``text``, from its own /tokenize.
 
-    An upstream without /tokenize (a server other than vLLM's) gets an estimate: one
-    token per 4 characters, OpenAI's rule of thumb for English text.
+    ``body`` replaces the tokenize request (a chat's messages, counted through its
+    template). An upstream without /tokenize (a server other than vLLM's) gets an
+    estimate: one token per 4 characters, OpenAI's rule of thumb for English text.
     """
     if not text:
         return 0
-    body = {"prompt": text, "add_special_tokens": False}
+    body = body or {"prompt": text, "add_special_tokens": False}
     try:
         reply = await frontend.serve(FrontendRequest("tokenize", body, f"{request_id}-resume"))
         return int(json.loads(reply.body or b"{}")["count"])
@@ -92,6 +96,61 @@ def reduce_limits(body: dict[str, Any], delivered: int) -> dict[str, Any] | None
     if _count(body.get("min_tokens")):
         body["min_tokens"] = max(0, body["min_tokens"] - delivered)
     return body
+
+
+async def finished(
+    frontend: OpenAIFrontend,
+    route: FrontendRoute,
+    fields: dict[str, Any],
+    hint: ResumeHint,
+    delivered: int,
+    request_id: str,
+) -> FrontendReply:
+    """The answer of a resumed request whose delivered output already reaches its token
+    limit: no engine work, one chunk with finish_reason "length" (and the usage, counted
+    as for one request, where the client asked for it)."""
+    chat = route == "chat"
+    if chat:
+        messages = fields.get("messages") or []
+        text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+        body = {"messages": messages, "add_generation_prompt": False}
+        body["continue_final_message"] = True
+        total = await count_tokens(frontend, text, request_id, body)
+    else:
+        total = await count_tokens(frontend, fields["prompt"], request_id)
+    prompt = max(0, total - delivered)
+    usage = {"prompt_tokens": prompt, "completion_tokens": delivered}
+    usage["total_tokens"] = prompt + delivered
+    created = hint.created if hint.created is not None else int(time.time())
+    head: dict[str, Any] = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": fields.get("model"),
+    }
+    if fields.get("stream") is not True:
+        content = {"message": {"role": "assistant", "content": ""}} if chat else {"text": ""}
+        choice = {"index": 0, **content, "logprobs": None, "finish_reason": "length"}
+        answer = {**head, "choices": [choice], "usage": usage}
+        return FrontendReply(200, body=json.dumps(answer, separators=(",", ":")).encode())
+    if chat:
+        head["object"] = "chat.completion.chunk"
+    content = {"delta": {"content": ""}} if chat else {"text": ""}
+    last = {
+        **head,
+        "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": "length"}],
+    }
+    events = [last]
+    options = fields.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        events.append({**head, "choices": [], "usage": usage})
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        for event in events:
+            yield b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return FrontendReply(200, chunks=chunks(), tokens=Tokens(0))
 
 
 class ResumedAnswer:

@@ -22,20 +22,20 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import httptools
 
-from proxy.errors import UnitProxyError
+from proxy.errors import Unavailable, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     FORM_TYPES,
-    MAX_REQUEST_ID,
     MIGRATE_HEADER,
     REQUEST_ID_HEADER,
     ClientClosed,
+    bad_request_id,
 )
-from proxy.ingress import Guard, Limits, request_timeout_response
+from proxy.ingress import BODY_BUFFER_FULL, Guard, Limits, request_timeout_response
 from proxy.timers import Timer
 
 log = logging.getLogger(__name__)
@@ -76,19 +76,37 @@ class Producer(Protocol):
 
 
 class _Collect:
-    """httptools callbacks: the URL and the headers of one request head."""
+    """httptools callbacks: the URL and the headers the gateway reads, checked as they
+    come (one pass; httptools calls ``on_header`` once per whole header)."""
 
-    __slots__ = ("headers", "url")
+    __slots__ = ("count", "headers", "refuse", "url")
 
     def __init__(self) -> None:
         self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers: dict[str, str] = {}  # lower-case names; only USED_HEADERS
+        self.count = 0
+        self.refuse = False  # a header the lean path leaves to aiohttp
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        self.count += 1
+        if len(name) + len(value) > MAX_FIELD:
+            self.refuse = True
+            return
+        name = name.lower()
+        key = _USED_NAMES.get(name)
+        if key is not None:
+            if key in self.headers:
+                self.refuse = True  # which one counts is aiohttp's to say
+            self.headers[key] = value.decode("utf-8", "surrogateescape")
+        elif name in HANDOFF_HEADERS:
+            self.refuse = True
+
+
+_USED_NAMES = {name: name.decode() for name in USED_HEADERS}
+_HTTP11 = b" HTTP/1.1"
 
 
 def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None:
@@ -99,42 +117,30 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
         parser.feed_data(raw)
     except httptools.HttpParserError:
         return None
-    if parser.get_method() != b"POST" or parser.get_http_version() != "1.1":
+    # The request line is valid (httptools said so): its version is its last word.
+    if (
+        found.refuse
+        or parser.get_method() != b"POST"
+        or not raw.startswith(_HTTP11, raw.find(b"\r\n") - len(_HTTP11))
+    ):
         return None
-    if len(found.url) > MAX_FIELD or len(found.headers) > MAX_HEADERS:
+    if len(found.url) > MAX_FIELD or found.count > MAX_HEADERS:
         return None
     path = found.url.split(b"?", 1)[0].decode("latin-1")
     route = routes.get(path)
     if route is None:
         return None
-    headers: dict[str, str] = {}
-    for name, value in found.headers:
-        if name in HANDOFF_HEADERS or len(name) + len(value) > MAX_FIELD:
-            return None
-        if name in USED_HEADERS:
-            key = name.decode()
-            if key in headers:
-                return None  # which one counts is aiohttp's to say
-            headers[key] = value.decode("utf-8", "surrogateescape")
+    headers = found.headers
     length = headers.get("content-length", "")
     if not length.isdigit() or int(length) > max_body:
         return None
-    if headers.get("content-type", "").split(";", 1)[0].strip().lower() in FORM_TYPES:
+    content_type = headers.get("content-type")
+    if content_type is not None and content_type.split(";", 1)[0].strip().lower() in FORM_TYPES:
         return None
     request_id = headers.get(REQUEST_ID_HEADER)
-    if request_id is not None and not _echoable(request_id):
-        return None
+    if request_id is not None and bad_request_id(request_id) is not None:
+        return None  # aiohttp answers it with the 400
     return Head(route, path, headers, int(length), len(raw), parser.should_keep_alive())
-
-
-def _echoable(request_id: str) -> bool:
-    if len(request_id) > MAX_REQUEST_ID:
-        return False
-    try:
-        request_id.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _STATUS_LINES: dict[int, bytes] = {}
@@ -278,9 +284,11 @@ class ClientConnection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self._timer: Timer | None = None  # the read timer of the phase
         self._phase = "idle"
+        self._idle_since = 0.0  # loop time the connection last went idle
         self._head_deadline = 0.0
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
+        self._held = 0  # bytes of the body coming in, held in the limits' body budget
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
@@ -297,6 +305,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._counted = True
         self._front.connections.add(self)
+        self._idle_since = self._loop.time()
         self._arm("idle", self._limits.keepalive_s)
 
     def data_received(self, data: bytes) -> None:
@@ -322,6 +331,7 @@ class ClientConnection(asyncio.Protocol):
         if self._counted:
             self._counted = False
             self._limits.release()
+        self._free_body()  # gone while a body came
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
         self._wake_writer()
@@ -354,7 +364,19 @@ class ClientConnection(asyncio.Protocol):
 
     def _expired(self) -> None:
         self._timer = None
-        if self.closed or self.task is not None:
+        if self.closed:
+            return
+        if self._phase in ("idle", "serve"):
+            # The keep-alive timer stays armed across requests (no cancel and re-arm per
+            # request): when it fires it looks at when the connection last went idle.
+            if self.task is not None:
+                left = self._limits.keepalive_s  # serving: idle starts when it ends
+            else:
+                left = self._idle_since + self._limits.keepalive_s - self._loop.time()
+            if left > 0:
+                self._timer = self._limits.after(left, self._expired)
+                return
+        if self.task is not None:
             return
         if self._phase == "closing":
             pass  # answered already (a refusal from the head): just close
@@ -385,15 +407,18 @@ class ClientConnection(asyncio.Protocol):
             return
         head = self._head
         if head is None:
+            # The head and body timers are armed only when a request is not whole in
+            # the bytes at hand (most come in one read): the idle timer covers it till then.
             if self._phase == "idle":
                 self._head_deadline = self._loop.time() + self._limits.head_timeout_s
-                self._arm("head", self._limits.head_timeout_s)
             end = buf.find(b"\r\n\r\n")
             bare = buf.find(b"\n\n")  # a head with bare LF line ends: aiohttp's to judge
             if (end < 0 and (bare >= 0 or len(buf) > MAX_HEAD)) or 0 <= bare < end:
                 self._handoff()
                 return
             if end < 0:
+                if self._phase == "idle":
+                    self._arm("head", self._limits.head_timeout_s)
                 return
             head = parse_head(bytes(buf[: end + 4]), self._front.routes, self._front.max_body)
             if head is None:
@@ -401,12 +426,23 @@ class ClientConnection(asyncio.Protocol):
                 return
             if not self._authorized(head):
                 return
-            self._head = head
-            self._arm("body", self._limits.body_timeout_s)
-        total = head.size + head.length
-        if len(buf) < total:
-            return
-        self._disarm()
+            if not self._limits.hold_body(head.length):
+                refusal = Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
+                self._refuse(head, refusal.http_status, refusal.body(), {"Retry-After": "1"})
+                return
+            self._held = head.length
+            total = head.size + head.length
+            if len(buf) < total:
+                self._head = head
+                self._arm("body", self._limits.body_timeout_s)
+                return
+        else:
+            total = head.size + head.length
+            if len(buf) < total:
+                return
+        if self._phase != "idle":
+            self._disarm()  # a head or body timer; the idle one stays (see _expired)
+        self._free_body()
         self._phase = "serve"
         self._head = None
         if len(buf) == total:
@@ -422,20 +458,30 @@ class ClientConnection(asyncio.Protocol):
         try:
             self._front.authorize(head)
         except UnitProxyError as exc:
-            error = json.dumps(exc.body()).encode()
-            headers = {"Content-Type": "application/json"}
-            Response(self, close=True).respond(exc.http_status, headers, error)
-            # Drop the body as it comes (a close with unread bytes would reset the
-            # connection before the client reads the answer), within the body timer.
-            self._discard = head.size + head.length - len(self._buf)
-            self._buf.clear()
-            if self._discard <= 0:
-                self._discard = 0
-                self.close()
-            else:
-                self._arm("closing", self._limits.body_timeout_s)
+            self._refuse(head, exc.http_status, exc.body())
             return False
         return True
+
+    def _refuse(
+        self, head: Head, status: int, error: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
+        """Answer from the head alone and close once the body is dropped."""
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        Response(self, close=True).respond(status, headers, json.dumps(error).encode())
+        # Drop the body as it comes (a close with unread bytes would reset the
+        # connection before the client reads the answer), within the body timer.
+        self._discard = head.size + head.length - len(self._buf)
+        self._buf.clear()
+        if self._discard <= 0:
+            self._discard = 0
+            self.close()
+        else:
+            self._arm("closing", self._limits.body_timeout_s)
+
+    def _free_body(self) -> None:
+        if self._held:
+            self._limits.free_body(self._held)
+            self._held = 0
 
     async def _serve(self, head: Head, body: bytes) -> None:
         response = Response(self, close=not head.keep_alive)
@@ -462,7 +508,10 @@ class ClientConnection(asyncio.Protocol):
         if self._read_paused and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
-        self._arm("idle", self._limits.keepalive_s)
+        self._phase = "idle"
+        self._idle_since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._limits.after(self._limits.keepalive_s, self._expired)
         if self._buf:
             self._next()
 

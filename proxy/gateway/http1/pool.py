@@ -32,6 +32,17 @@ IDLE_KEEP_S = 50.0  # an idle connection older than this is closed, not reused (
 # servers close keep-alive connections after 75 s by default)
 
 
+# The response header names units send, as the lower-case str a response is keyed by.
+_NAMES = {
+    name.encode(): name.lower()
+    for name in ("Content-Type", "Content-Length", "Date", "Server", "Transfer-Encoding",
+                 "Connection", "Cache-Control", "X-Request-Id", "X-Unitproxy-Unit",
+                 "x-request-id", "x-unitproxy-unit", "content-type", "content-length", "date",
+                 "server", "transfer-encoding", "connection", "cache-control", "Retry-After",
+                 "retry-after")
+}  # fmt: skip
+
+
 class UpstreamError(Exception):
     pass
 
@@ -106,7 +117,10 @@ class UnitConnection(asyncio.Protocol):
         self._chunks = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key = _NAMES.get(name)
+        if key is None:
+            key = name.decode("latin-1").lower()
+        self.headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
@@ -142,13 +156,6 @@ class UnitConnection(asyncio.Protocol):
         self._error = None
         self._head = self._loop.create_future()
         self.transport.write(data)
-
-    async def head(self) -> None:
-        """Wait for the response head (``status`` and ``headers``)."""
-        assert self._head is not None
-        if not self._head.done():
-            await self._head
-        self._head.result()
 
     async def read_some(self) -> bytes | None:
         """The body bytes that arrived since the last call, joined; None at its end."""
@@ -204,6 +211,8 @@ class UnitConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     async def read(self) -> bytes:
+        if self._complete:  # most bodies: whole in the read that brought the head
+            return self._take() if self._chunks else b""
         parts = []
         while (data := await self.read_some()) is not None:
             parts.append(data)
@@ -286,7 +295,11 @@ class Pool:
             conn = await self._get()
             try:
                 conn.send(data)
-                await conn.head()
+                head = conn._head
+                assert head is not None
+                if not head.done():
+                    await head
+                head.result()  # raises what the protocol failed with
                 return conn
             except ConnectFailed:
                 conn.close()

@@ -49,7 +49,7 @@ class NodeStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., since_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models")
+    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_resets")
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,9 @@ class LoadReport(_message.Message):
     GRPC_TARGET_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_RESETS_FIELD_NUMBER: _ClassVar[int]
     unit_id: str
     state: UnitState
     outstanding: int
@@ -78,4 +81,7 @@ class LoadReport(_message.Message):
     grpc_target: str
     prefix_cache_hit_rate: float
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_resets: int
+    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ...) -> None: ...
