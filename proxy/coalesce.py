@@ -9,17 +9,35 @@ and a client that falls behind gets fewer, larger messages instead of a growing 
 
 ``put`` returns at once unless ``limit`` items already wait: then it waits for the
 write in flight, which is the backpressure a stalled client puts on its producer.
+``offer`` is ``put`` for a producer that is a protocol callback: it never waits, and
+pauses the producer's reading instead until the writer has taken what waits.
+
+``interval_s`` spaces the writes: after one, the next waits until that much time has
+passed (or ``close``), merging what comes meanwhile. The first item still goes out at
+once, and an item that comes after a quiet spell of that length waits for nothing;
+under a fast producer each write carries about ``interval_s`` of its items. Where a
+write costs far more than an item (a message on a socket against a token), that is
+fewer writes for the same items, at the price of holding an item back up to
+``interval_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
 DEFAULT_LIMIT = 256
+
+
+class Reader(Protocol):
+    """What ``offer`` pauses: a connection's reading."""
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
 
 
 class Coalescer(Generic[T]):
@@ -28,15 +46,19 @@ class Coalescer(Generic[T]):
         write: Callable[[T], Awaitable[object]],
         merge: Callable[[Sequence[T]], T],
         limit: int = DEFAULT_LIMIT,
+        interval_s: float = 0.0,
     ):
         self._write = write
         self._merge = merge
         self._limit = limit
+        self._interval_s = interval_s
         self._pending: list[T] = []
         self._closing = False
         self._loop = asyncio.get_running_loop()
         self._wake: asyncio.Future[None] | None = None  # the writer waits for items
         self._room: asyncio.Future[None] | None = None  # a producer waits for the writer
+        self._paused: Reader | None = None  # a producer that offer paused
+        self._spacing: asyncio.Future[None] | None = None  # the writer waits out interval_s
         self._task = self._loop.create_task(self._run())
         self.writes = 0
 
@@ -53,10 +75,28 @@ class Coalescer(Generic[T]):
             if self._task.done():
                 self._task.result()
 
+    def offer(self, item: T, reader: Reader) -> None:
+        """Queue ``item`` without waiting; past ``limit`` items waiting, ``reader`` is
+        paused until the writer takes them. After the writer stopped (its error is
+        raised by ``close``) items are dropped."""
+        if self._task.done():
+            return
+        self._pending.append(item)
+        _wake(self._wake)
+        if len(self._pending) >= self._limit and self._paused is None:
+            self._paused = reader
+            reader.pause_reading()
+
+    @property
+    def stopped(self) -> bool:
+        """The writer is done: closed, cancelled or failed."""
+        return self._task.done()
+
     async def close(self) -> None:
         """Write what waits, then return; raises the writer's error."""
         self._closing = True
         _wake(self._wake)
+        _wake(self._spacing)
         await self._task
 
     def cancel(self) -> None:
@@ -79,9 +119,23 @@ class Coalescer(Generic[T]):
                 continue
             self._pending = []
             _wake(self._room)
+            if self._paused is not None:
+                reader, self._paused = self._paused, None
+                reader.resume_reading()
             item = pending[0] if len(pending) == 1 else self._merge(pending)
             self.writes += 1
             await self._write(item)
+            if self._interval_s > 0 and not self._closing:
+                await self._space()
+
+    async def _space(self) -> None:
+        self._spacing = spacing = self._loop.create_future()
+        timer = self._loop.call_later(self._interval_s, _wake, spacing)
+        try:
+            await spacing
+        finally:
+            timer.cancel()
+            self._spacing = None
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:

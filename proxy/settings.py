@@ -404,6 +404,16 @@ class GatewaySettings(_Section):
         gt=0,
         description="Most open HTTP connections from this gateway to one unit. Default 512.",
     )
+    grpc_unit_wire: Literal["http", "grpc"] = Field(
+        "http",
+        description="How gRPC Generate calls reach units: http (the unit's HTTP port, gRPC-Web framing: about half the CPU per streamed message) or grpc (its gRPC port). A unit that does not serve the http form is called over gRPC. Default http.",
+    )
+    grpc_interval_ms: float = Field(
+        5.0,
+        ge=0,
+        le=1000,
+        description="With grpc_unit_wire http: a unit sends the messages of one gRPC Generate stream at most this often, in ms, each carrying every token made since the last (the first at once; a token waits at most this long). Fewer, larger messages cost the unit, this gateway and the client less per token. 0: each token as it comes. Default 5.",
+    )
     response_timeout_s: float = Field(
         300.0,
         gt=0,

@@ -132,6 +132,73 @@ async def test_cancel_drops_what_waits() -> None:
         await out.put([3])
 
 
+async def test_interval_holds_later_items_and_close_does_not_wait_it_out() -> None:
+    written: list[list[int]] = []
+
+    async def write(item: list[int]) -> None:
+        written.append(item)
+
+    out = Coalescer(write, concat, interval_s=60.0)
+    await out.put([1])
+    await settle()
+    assert written == [[1]], "the first item goes at once"
+    await out.put([2])
+    await out.put([3])
+    await asyncio.sleep(0.05)
+    assert written == [[1]], "later items wait out the interval"
+    async with asyncio.timeout(5):
+        await out.close()  # not 60 s: what waits goes out now
+    assert written == [[1], [2, 3]]
+
+
+async def test_an_item_after_a_quiet_interval_goes_at_once() -> None:
+    written: list[list[int]] = []
+
+    async def write(item: list[int]) -> None:
+        written.append(item)
+
+    out = Coalescer(write, concat, interval_s=0.01)
+    await out.put([1])
+    await asyncio.sleep(0.1)  # the interval has passed: the writer waits for items
+    await out.put([2])
+    await settle()
+    assert written == [[1], [2]]
+    out.cancel()
+
+
+class Reading:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def pause_reading(self) -> None:
+        self.calls.append("pause")
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume")
+
+
+async def test_offer_pauses_the_reader_past_the_limit_and_resumes_it() -> None:
+    w = GatedWriter()
+    out = Coalescer(w.write, concat, limit=2)
+    reader = Reading()
+    out.offer([1], reader)
+    await settle()  # [1] is in flight
+    out.offer([2], reader)
+    assert reader.calls == []
+    out.offer([3], reader)
+    assert reader.calls == ["pause"], "two items wait: reading stops"
+    out.offer([4], reader)
+    assert reader.calls == ["pause"], "paused once"
+    w.release()  # [1] written; the writer takes [2, 3, 4]
+    await settle()
+    assert reader.calls == ["pause", "resume"]
+    w.release()
+    await out.close()
+    assert w.written == [[1], [2, 3, 4]]
+    out.offer([5], reader)  # after the end: dropped, not an error
+    assert out.stopped
+
+
 def test_merge_deltas_keeps_order_and_takes_the_last_counts() -> None:
     merged = merge_deltas(
         [

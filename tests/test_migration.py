@@ -276,6 +276,34 @@ async def test_a_killed_or_silent_unit_is_invisible_to_the_client(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "stop"])
+async def test_a_killed_or_silent_unit_is_invisible_to_a_grpc_client(
+    procs: Procs, http: aiohttp.ClientSession, how: str
+) -> None:
+    # The gateway's leg to the unit is HTTP (gRPC-Web framing): a connection lost and a
+    # unit gone silent read as they do for SSE.
+    sidecars, gateway = await cell(procs, 2, "--stream-idle-timeout", "0.5")
+    request = inference_pb2.GenerateRequest(
+        prompt="tell me a story", sampling=inference_pb2.SamplingParams(max_tokens=200)
+    )
+    chunks: list[inference_pb2.GenerateChunk] = []
+    async with grpc.aio.insecure_channel(gateway.grpc_target) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=20)
+        async for chunk in call:
+            chunks.append(chunk)
+            if len(chunks) == 5:
+                victim = sidecars[int(chunk.unit_id[1:])]
+                victim.signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    assert sum(len(c.token_ids) for c in chunks) == 200
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 200
+    assert len({c.unit_id for c in chunks}) == 2, "continued on the other unit"
+    async with http.get(f"{gateway.http_url}/metrics") as metrics:
+        text = await metrics.text()
+    reason = "broken" if how == "kill" else "idle"
+    assert f'unitproxy_migrations_total{{reason="{reason}"}} 1.0' in text
+
+
+@pytest.mark.slow
 async def test_a_second_sigterm_ends_open_streams_with_an_error_event(
     procs: Procs, http: aiohttp.ClientSession
 ) -> None:

@@ -1,10 +1,13 @@
 """Inference.Generate through the gateway: the gRPC wire of ``core.GatewayCore``.
 
 The gateway registers a generic handler for the method with no (de)serializers and
-calls units the same way, so each chunk is forwarded as the bytes the unit sent;
-messages that arrive while a write to the client is in flight are decoded only to be
-merged into the next one (``proxy.coalesce``). Every message that went toward the
-client is kept (``resume.GrpcTranscript``) in case its unit fails.
+calls units on their HTTP port in the gRPC-Web framing (``proxy.grpcweb``: a socket
+read per batch of messages instead of a grpc.aio read per message), or over gRPC where
+a unit does not serve that (or ``gateway.grpc_unit_wire`` is grpc), so each chunk is
+forwarded as the bytes the unit sent; messages that arrive while a write to the client
+is in flight are decoded only to be merged into the next one (``proxy.coalesce``).
+Every message that went toward the client is kept (``resume.GrpcTranscript``) in case
+its unit fails.
 
 An attempt ends as on HTTP: RESOURCE_EXHAUSTED, or UNAVAILABLE before the first
 message (the unit's refusal or no connection), is a RETRY; UNAVAILABLE after it, or a
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from proxy import grpcweb
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
 from proxy.errors import GRPC_CODE_KEY, Unavailable, UnitProxyError
@@ -38,15 +43,16 @@ from proxy.gateway.core import (
     deadline_passed,
     shutting_down,
 )
+from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
-from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
+from proxy.httputil import DEADLINE_HEADER, MIGRATE_HEADER, RESUME_HEADER, timeout_header
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.serving import Gate
 from proxy.settings import GatewaySettings
-from proxy.timers import Timer, Wheel
+from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,8 @@ FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCo
 ERROR_OF_CODE = {cls.grpc_code: cls for cls in reversed(ERROR_CLASSES)}
 
 UnaryStream = Callable[..., Any]  # grpc.aio.UnaryStreamMultiCallable, bytes in and out
+MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed
+POST = b"POST"
 
 
 def merge_chunks(messages: Sequence[bytes]) -> bytes:
@@ -82,6 +90,7 @@ class GenerateProxy:
         wheel: Wheel,
         api_keys: ApiKeys | None = None,
         unit_key: str | None = None,
+        pool_for: Callable[[Unit], Pool | None] | None = None,
     ):
         self.core = core
         self.settings = settings
@@ -92,6 +101,11 @@ class GenerateProxy:
         self._gate = gate
         self._api_keys = api_keys or ApiKeys()
         self.unit_auth = None if unit_key is None else f"Bearer {unit_key}"
+        # Units are called on their HTTP port (proxy.grpcweb) where there is a pool,
+        # except those found not to serve it (an older sidecar): gRPC for them.
+        self.pool_for = pool_for if settings.grpc_unit_wire == "http" else None
+        self.grpc_only: set[str] = set()
+        self.interval = f"{settings.grpc_interval_ms:g}"
 
     def handler(self) -> grpc.GenericRpcHandler:
         method = grpc.unary_stream_rpc_method_handler(
@@ -153,9 +167,12 @@ class GrpcJob:
         self._transcript = GrpcTranscript()
         self._sent = False  # a message went toward the client
         self._call: Any = None
+        self._conn: UnitConnection | None = None
+        self._bad: str | None = None  # what was wrong with a unit's frames
         self._failed_at: float | None = None
         self._last = 0.0
         self._putting = False
+        self._received = False  # a message of this attempt's unit came
         self._watch: Timer | None = None
         self._idle = False
         self._stopping = False
@@ -170,6 +187,8 @@ class GrpcJob:
         self._stopping = True
         if self._call is not None:
             self._call.cancel()
+        if self._conn is not None:
+            self._conn.close()
 
     async def give_up(self, last: Tried) -> None:
         error = last.error or Unavailable("no unit could serve the request")
@@ -192,6 +211,16 @@ class GrpcJob:
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None
         request, hint = self._next
+        pool_for = self._proxy.pool_for
+        if pool_for is not None and unit.id not in self._proxy.grpc_only:
+            pool = pool_for(unit)
+            if pool is not None:
+                tried = await self._attempt_http(unit, pool, request, hint)
+                if tried is not None:
+                    return tried
+        return await self._attempt_grpc(unit, request, hint)
+
+    async def _attempt_grpc(self, unit: Unit, request: bytes, hint: str | None) -> Tried:
         metadata = self._auth if hint is None else (*self._auth, (RESUME_HEADER, hint))
         timeout = None
         if self._deadline is not None:
@@ -211,7 +240,7 @@ class GrpcJob:
                 await self._deliver(message)
             return DONE_OK
         except grpc.aio.AioRpcError as exc:
-            return self._ended(unit, exc, received)
+            return self._ended(unit, exc.code(), _error_of(exc, unit), _trailer_code(exc), received)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -221,6 +250,133 @@ class GrpcJob:
             self._unwatch()
             self._call = None
             call.cancel()
+
+    async def _attempt_http(
+        self, unit: Unit, pool: Pool, request: bytes, hint: str | None
+    ) -> Tried | None:
+        """The call over the unit's HTTP port; None: the unit does not serve it there."""
+        settings = self._proxy.settings
+        headers = {
+            "Content-Type": grpcweb.CONTENT_TYPE,
+            grpcweb.INTERVAL_HEADER: self._proxy.interval,
+        }
+        for _, value in self._auth:
+            headers["Authorization"] = value
+        if hint is not None:
+            headers[RESUME_HEADER] = hint
+        now = self._loop.time()
+        end = None
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left < MIN_LEFT_S:
+                return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+            headers[DEADLINE_HEADER] = timeout_header(left)
+            end = now + left
+        head_by = now + settings.response_timeout_s
+        frames = grpcweb.Frames()
+        self._received = False
+        self._idle, self._bad = False, None
+        conn: UnitConnection | None = None
+        try:
+            async with Deadline(
+                self._proxy.wheel, head_by if end is None else min(head_by, end)
+            ) as scope:
+                try:
+                    conn = await pool.request(POST, grpcweb.PATH, headers, grpcweb.frame(request))
+                except ConnectFailed as exc:
+                    return self._unreachable(unit, exc)
+                scope.reschedule(end)
+                if conn.status != 200 or not conn.headers.get("content-type", "").startswith(
+                    grpcweb.CONTENT_TYPE
+                ):
+                    return await self._http_answer(unit, conn)
+                self._conn = conn
+                self._watch_idle(settings.stream_idle_timeout_s)
+                await conn.splice(self._sink(conn, frames))
+        except TimeoutError:
+            if self._stopping:
+                return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+            if conn is None and (end is None or head_by < end):
+                return self._silent(unit, False)
+            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+        except Broken as exc:
+            return await self._broken(unit, str(exc))
+        finally:
+            self._unwatch()
+            self._conn = None
+            if conn is not None:
+                conn.done()  # kept for reuse only when its response was read to the end
+        status = frames.status
+        if status is None:
+            return await self._broken(unit, "the stream ended without a status")
+        if status.code is grpc.StatusCode.OK:
+            return DONE_OK
+        error = _status_error(status, unit)
+        return self._ended(unit, status.code, error, status.error_code, self._received)
+
+    async def _http_answer(self, unit: Unit, conn: UnitConnection) -> Tried | None:
+        """A plain HTTP answer (an error before the call began)."""
+        data = await conn.read()
+        if conn.status == 404 and not _error_code(data):
+            # No such route: a unit that predates it. Over gRPC from now on.
+            log.info("unit %s: no gRPC-Web route; calling it over gRPC", unit.id)
+            self._proxy.grpc_only.add(unit.id)
+            return None
+        error = _http_error(conn.status, data, unit)
+        return self._ended(unit, error.grpc_code, error, _error_code(data), False)
+
+    def _unreachable(self, unit: Unit, exc: ConnectFailed) -> Tried:
+        if self._stopping:
+            return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        log.info("unit %s: %s", unit.id, exc)
+        error = Unavailable(f"unit {unit.id} could not be reached")
+        return Tried(Next.RETRY, Outcome.FAILED, "connect", error)
+
+    async def _broken(self, unit: Unit, why: str) -> Tried:
+        if self._out.stopped:
+            await self._out.close()  # the client is gone: its error ends the call
+        if self._stopping:
+            return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if self._idle:
+            return self._silent(unit, self._received)
+        why = self._bad or why
+        if self._received:
+            return self._failed(unit, "broken", f"unit {unit.id} broke the stream: {why}")
+        log.info("unit %s: %s", unit.id, why)
+        error = Unavailable(f"unit {unit.id} failed: {why}")
+        return Tried(Next.RETRY, Outcome.FAILED, "unavailable", error)
+
+    def _sink(self, conn: UnitConnection, frames: grpcweb.Frames) -> Callable[[bytes], None]:
+        """What takes the unit's body in the connection's callback: each message to the
+        client's writer, which merges those that wait on a write."""
+        offer = self._out.offer
+
+        def sink(data: bytes) -> None:
+            try:
+                messages = frames.feed(data)
+            except grpcweb.FrameError as exc:
+                self._bad = str(exc)
+                conn.close()
+                return
+            for message in messages:
+                self._delivered(message)
+                offer(message, conn)
+            if messages:
+                self._last = self._loop.time()
+
+        return sink
+
+    def _delivered(self, message: bytes) -> None:
+        if not self._sent:
+            self._sent = True
+            self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)
+        if not self._received:
+            self._received = True
+        if self._failed_at is not None:
+            pause = time.monotonic() - self._failed_at
+            self._proxy.gateway_metrics.migration_pause.observe(pause)
+            self._failed_at = None
+        self._transcript.add(message)
 
     async def _deliver(self, message: bytes) -> None:
         if not self._sent:
@@ -240,17 +396,22 @@ class GrpcJob:
 
     # -- how an attempt ended ------------------------------------------------------------
 
-    def _ended(self, unit: Unit, exc: grpc.aio.AioRpcError, received: bool) -> Tried:
+    def _ended(
+        self,
+        unit: Unit,
+        code: grpc.StatusCode,
+        error: UnitProxyError,
+        why: str | None,
+        received: bool,
+    ) -> Tried:
+        """The unit's status ``code`` (``why``: its error code) ended the attempt."""
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
-        code = exc.code()
-        error = _error_of(exc, unit)
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not received:
             return Tried(Next.RETRY, Outcome.REFUSED, "resource_exhausted", error)
         if code is grpc.StatusCode.UNAVAILABLE:
-            why = _trailer_code(exc)
             if why in UNIT_FAILED or received:
                 return self._failed(unit, "unit_failed", error.message)
             health = Outcome.REFUSED if why in NOT_TAKING_WORK else Outcome.FAILED
@@ -291,18 +452,21 @@ class GrpcJob:
 
     def _check(self, limit_s: float) -> None:
         self._watch = None
-        call = self._call
-        if call is None:
+        call, conn = self._call, self._conn
+        if call is None and conn is None:
             return
         now = self._loop.time()
-        if self._putting:
+        if self._putting or (conn is not None and conn.paused):
             self._last = now  # the client is not reading: the unit is not silent
         due = self._last + limit_s
         if due > now:
             self._watch = self._proxy.wheel.call_at(due, lambda: self._check(limit_s))
             return
         self._idle = True
-        call.cancel()
+        if call is not None:
+            call.cancel()
+        if conn is not None:
+            conn.close()
 
     def _unwatch(self) -> None:
         if self._watch is not None:
@@ -336,3 +500,33 @@ def _error_of(exc: grpc.aio.AioRpcError, unit: Unit) -> UnitProxyError:
     if code is None:
         return cls(f"unit {unit.id} failed: {exc.code().name}")
     return cls(exc.details() or exc.code().name, code=code)
+
+
+def _status_error(status: grpcweb.Status, unit: Unit) -> UnitProxyError:
+    """The status a unit's trailers gave, as ``_error_of`` reads a gRPC status."""
+    cls = ERROR_OF_CODE.get(status.code, UnitProxyError)
+    if status.error_code is None:
+        return cls(f"unit {unit.id} failed: {status.code.name}")
+    return cls(status.message or status.code.name, code=status.error_code)
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+def _http_error(status: int, body: bytes, unit: Unit) -> UnitProxyError:
+    """A unit's plain HTTP error answer (its OpenAI error body) as an error of ours."""
+    try:
+        error = json.loads(body)["error"]
+        message, code = str(error["message"]), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = f"unit {unit.id} answered {status}", None
+    code = code if isinstance(code, str) else None
+    for cls in ERROR_CLASSES[1:]:
+        if cls.http_status == status:
+            return cls(message, code=code)
+    return UnitProxyError(message, code=code)

@@ -127,7 +127,7 @@ class Gateway(Service):
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.metrics, self.gateway_metrics,
-            self.gate, self.wheel, self.api_keys, self._unit_key(),
+            self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.metrics, self.gateway_metrics, self.gate,

@@ -1,11 +1,15 @@
-"""The sidecar's gRPC services: Inference.Generate and LoadReporting."""
+"""The sidecar's gRPC services: Inference.Generate and LoadReporting.
+
+Generate is also served on the HTTP port in the gRPC-Web framing (``proxy.grpcweb``,
+``sidecar.http``): both wires go through ``InferenceService.serve``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -79,22 +83,50 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
+        try:
+            await self.serve(
+                request,
+                context.invocation_metadata(),
+                _metadata(context, RESUME_HEADER),
+                context.time_remaining(),
+                context.write,
+            )
+        except UnitProxyError as exc:
+            await context.abort(exc.grpc_code, exc.message, ((GRPC_CODE_KEY, exc.code),))
+
+    async def serve(
+        self,
+        request: inference_pb2.GenerateRequest,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        resume_hint: str | None,
+        time_remaining: float | None,
+        write: Callable[[inference_pb2.GenerateChunk], Awaitable[object]],
+        interval_s: float = 0.0,
+    ) -> None:
+        """One Generate call, whatever wire it came on (gRPC, or gRPC-Web from a
+        gateway): ``write`` takes each chunk, at most one per ``interval_s`` after the
+        first (``Coalescer``); errors raise UnitProxyError."""
         code = "OK"
         try:
-            await self._generate(request, context)
+            self._api_keys.check_metadata(metadata)
+            await self._generate(request, resume_hint, time_remaining, write, interval_s)
         except UnitProxyError as exc:
             code = exc.grpc_code.name
-            await context.abort(exc.grpc_code, exc.message, ((GRPC_CODE_KEY, exc.code),))
-        except asyncio.CancelledError:
-            code = "CANCELLED"
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            code = "CANCELLED"  # the client went away
             raise
         finally:
             self._metrics.requests.labels(ROUTE, code).inc()
 
     async def _generate(
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.GenerateRequest,
+        resume_hint: str | None,
+        remaining: float | None,
+        write_chunk: Callable[[inference_pb2.GenerateChunk], Awaitable[object]],
+        interval_s: float,
     ) -> None:
-        self._api_keys.check_metadata(context.invocation_metadata())
         core = self._core
         request_id = request.request_id or uuid.uuid4().hex
         route, fields = request_fields(request)
@@ -105,11 +137,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             served_model=core.engine.served_models(),
             max_prompt_chars=self._max_prompt_chars,
         )
-        hint = resume.parse_hint(_metadata(context, RESUME_HEADER))
+        hint = resume.parse_hint(resume_hint)
         if hint is not None:
             parsed = await resume.resume(parsed, hint, core.engine.count_tokens)
         delivered = parsed.delivered_tokens or 0
-        remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         lease = core.admit()
         unit_id = core.unit_id
@@ -126,9 +157,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 chunk.usage.prompt_tokens = delta.prompt_tokens
                 chunk.usage.completion_tokens = delta.completion_tokens
                 chunk.usage.total_tokens = delta.prompt_tokens + delta.completion_tokens
-            await context.write(chunk)
+            await write_chunk(chunk)
 
-        out = Coalescer(write, merge_deltas)
+        out = Coalescer(write, merge_deltas, interval_s=interval_s)
 
         async def send(delta: TokenDelta) -> None:
             await out.put(delta)

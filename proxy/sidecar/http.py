@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.base import TokenDelta
 from engine.frontend import FrontendRoute
-from proxy import ingress, openai_api, resume
+from proxy import grpcweb, ingress, openai_api, resume
 from proxy.auth import ApiKeys
-from proxy.errors import NotFound, UnitProxyError
+from proxy.errors import InvalidRequest, NotFound, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
@@ -30,7 +32,8 @@ from proxy.httputil import (
 )
 from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
-from proxy.sidecar import frontend_http
+from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
+from proxy.sidecar import frontend_http, grpc_api
 from proxy.sidecar.core import SidecarCore
 from proxy.sidecar.frontend_http import OUTCOME
 from proxy.sidecar.watch import ReportWatch
@@ -80,6 +83,8 @@ def build_app(
     # Served where the engine's own layer has them (engines vllm and openai), else 404.
     app.router.add_post("/tokenize", _inference("tokenize"))
     app.router.add_post("/detokenize", _inference("detokenize"))
+    inference = grpc_api.InferenceService(core, metrics, max_prompt_chars, keys)
+    app.router.add_post(grpcweb.PATH, _grpc_web(inference, core))
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/load", _load)
@@ -208,6 +213,45 @@ async def _stream(
     except ConnectionResetError as exc:
         raise ClientGone(response) from exc
     return response
+
+
+def _grpc_web(inference: grpc_api.InferenceService, core: SidecarCore) -> Handler:
+    """Inference.Generate in the gRPC-Web framing (``proxy.grpcweb``): a gateway's unit
+    leg. Every answer is a 200 whose last frame is the status, as on gRPC."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": grpcweb.CONTENT_TYPE, UNIT_HEADER: core.unit_id}
+        )
+
+        async def write(chunk: GenerateChunk) -> None:
+            if not response.prepared:
+                await response.prepare(request)  # the head goes with the first chunk
+            await response.write(grpcweb.frame(chunk.SerializeToString()))
+
+        try:
+            try:
+                message = GenerateRequest.FromString(grpcweb.one_message(await request.read()))
+            except (grpcweb.FrameError, DecodeError) as exc:
+                raise InvalidRequest(f"not a GenerateRequest: {exc}") from None
+            budget = timeout_s(request.headers.get(DEADLINE_HEADER))
+            metadata = [(k.lower(), v) for k, v in request.headers.items()]
+            hint = request.headers.get(RESUME_HEADER)
+            interval_s = grpcweb.interval_s(request.headers.get(grpcweb.INTERVAL_HEADER))
+            await inference.serve(message, metadata, hint, budget, write, interval_s)
+            end = grpcweb.OK_TRAILERS
+        except UnitProxyError as exc:
+            end = grpcweb.trailers(exc.grpc_code, exc.message, exc.code)
+        except ConnectionResetError:
+            return response  # the gateway went away: nothing to tell it
+        with contextlib.suppress(ConnectionResetError):
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write(end)
+            await response.write_eof()
+        return response
+
+    return handle
 
 
 def _headers(core: SidecarCore, request_id: str) -> dict[str, str]:
