@@ -14,9 +14,10 @@ passes them on as the bytes that came; the client still speaks real gRPC.
 
 A token costs little next to a message (a socket write and read in the unit, the
 gateway and the client, each about a tenth of a millisecond on gRPC), so the gateway
-asks the unit (``INTERVAL_HEADER``, ``gateway.grpc_interval_ms``) to send a stream's
-messages at most that often: the first at once, and each later one with every token
-made meanwhile.
+asks the unit (``INTERVAL_HEADER``; ``gateway.grpc_interval_ms`` and, with many
+streams in flight, ``gateway.grpc_messages_per_s``) to send a stream's messages at
+most that often: the first at once, and each later one with every token made
+meanwhile.
 """
 
 from __future__ import annotations

@@ -414,6 +414,11 @@ class GatewaySettings(_Section):
         le=1000,
         description="With grpc_unit_wire http: a unit sends the messages of one gRPC Generate stream at most this often, in ms, each carrying every token made since the last (the first at once; a token waits at most this long). Fewer, larger messages cost the unit, this gateway and the client less per token. 0: each token as it comes. Default 5.",
     )
+    grpc_messages_per_s: float = Field(
+        3000.0,
+        ge=0,
+        description="With grpc_unit_wire http: about how many messages a second all of this gateway's gRPC Generate streams together should come to. A stream's interval is its share, the streams in flight when it starts over this rate (at 64 streams and 3,000: 21 ms), never below grpc_interval_ms nor above 50 ms; the first message still goes at once. 0: grpc_interval_ms for every stream. Default 3000.",
+    )
     response_timeout_s: float = Field(
         300.0,
         gt=0,

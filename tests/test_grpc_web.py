@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from proxy import grpcweb
+from proxy.gateway.grpc_proxy import stream_interval_ms
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
 
@@ -62,6 +63,18 @@ def test_an_ok_status_and_garbage() -> None:
 )  # fmt: skip
 def test_interval_header(raw: str | None, seconds: float) -> None:
     assert grpcweb.interval_s(raw) == seconds
+
+
+@pytest.mark.parametrize(
+    ("floor_ms", "rate", "streams", "ms"),
+    [(5, 3000, 1, 5), (5, 3000, 15, 5), (5, 3000, 30, 10), (5, 3000, 64, 64 / 3),
+     (5, 3000, 150, 50), (5, 3000, 5000, 50), (80, 3000, 5000, 80), (0, 1000, 2, 2),
+     (5, 0, 5000, 5)],
+)  # fmt: skip
+def test_a_stream_interval_is_its_share_of_the_message_rate(
+    floor_ms: float, rate: float, streams: int, ms: float
+) -> None:
+    assert stream_interval_ms(floor_ms, rate, streams) == pytest.approx(ms)
 
 
 async def call(
@@ -176,3 +189,31 @@ async def test_the_gateway_calls_units_over_http_and_falls_back_to_grpc(
     assert units == {"new", "old"}
     assert posts == [grpcweb.PATH], "tried over HTTP once, then over gRPC"
     assert gw.router.units["old"].failures == 0, "a unit without the route is no failure"
+
+
+async def test_streams_come_in_fewer_messages_while_many_share_the_gateway(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    # 100 messages a second: a lone stream 10 ms apart, one of five 50 ms apart.
+    sidecar = await start_sidecar(sim={"decode_step_ms": 2.0})
+    gw = await start_gateway([sidecar], grpc_interval_ms=0, grpc_messages_per_s=100)
+
+    async def generate(stub: inference_pb2_grpc.InferenceStub, tokens: int) -> list[int]:
+        msg = inference_pb2.GenerateRequest.FromString(grpcweb.one_message(request(tokens)))
+        return [len(c.token_ids) async for c in stub.Generate(msg, timeout=20)]
+
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        alone = await generate(stub, 100)
+        others = [asyncio.create_task(generate(stub, 5000)) for _ in range(4)]
+        try:
+            await wait_until(lambda: sidecar.core.outstanding == 4, what="four streams running")
+            shared = await generate(stub, 100)
+        finally:
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+    assert sum(alone) == sum(shared) == 100
+    # However slow the machine, the same tokens over the same time: 5x the spacing.
+    assert 2 * len(shared) < len(alone), (alone, shared)
+    await wait_until(lambda: sidecar.core.outstanding == 0, what="leases released")

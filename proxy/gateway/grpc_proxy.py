@@ -65,6 +65,17 @@ ERROR_OF_CODE = {cls.grpc_code: cls for cls in reversed(ERROR_CLASSES)}
 UnaryStream = Callable[..., Any]  # grpc.aio.UnaryStreamMultiCallable, bytes in and out
 MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed
 POST = b"POST"
+MAX_SHARED_INTERVAL_MS = 50.0  # a share of the message rate never spaces a stream wider
+
+
+def stream_interval_ms(floor_ms: float, messages_per_s: float, streams: int) -> float:
+    """The spacing of a stream's messages when ``streams`` are in flight (itself
+    included): its share of ``messages_per_s``, at least ``floor_ms`` and at most
+    ``MAX_SHARED_INTERVAL_MS`` (``floor_ms`` itself may be above that)."""
+    if messages_per_s <= 0:
+        return floor_ms
+    share_ms = min(streams * 1000 / messages_per_s, MAX_SHARED_INTERVAL_MS)
+    return max(floor_ms, share_ms)
 
 
 def merge_chunks(messages: Sequence[bytes]) -> bytes:
@@ -105,7 +116,15 @@ class GenerateProxy:
         # except those found not to serve it (an older sidecar): gRPC for them.
         self.pool_for = pool_for if settings.grpc_unit_wire == "http" else None
         self.grpc_only: set[str] = set()
-        self.interval = f"{settings.grpc_interval_ms:g}"
+        self.streams = 0  # Generate calls in flight, which share grpc_messages_per_s
+
+    def interval(self) -> str:
+        """The ``grpcweb.INTERVAL_HEADER`` of a stream that starts now."""
+        settings = self.settings
+        ms = stream_interval_ms(
+            settings.grpc_interval_ms, settings.grpc_messages_per_s, self.streams
+        )
+        return f"{ms:.4g}"
 
     def handler(self) -> grpc.GenericRpcHandler:
         method = grpc.unary_stream_rpc_method_handler(
@@ -123,6 +142,7 @@ class GenerateProxy:
             self.metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
             await context.abort(exc.grpc_code, exc.message)
         job = GrpcJob(self, request, context, started)
+        self.streams += 1
         try:
             await self.core.run(job, self.core.grpc_want(request))
             await job.finish()
@@ -134,6 +154,7 @@ class GenerateProxy:
             code = "CANCELLED"
             raise
         finally:
+            self.streams -= 1
             job.close()
             self._gate.exit()
             self.metrics.requests.labels(ROUTE, code).inc()
@@ -258,7 +279,7 @@ class GrpcJob:
         settings = self._proxy.settings
         headers = {
             "Content-Type": grpcweb.CONTENT_TYPE,
-            grpcweb.INTERVAL_HEADER: self._proxy.interval,
+            grpcweb.INTERVAL_HEADER: self._proxy.interval(),
         }
         for _, value in self._auth:
             headers["Authorization"] = value
