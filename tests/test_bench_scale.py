@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     argv = [sys.executable, "-m", "bench.scale.run", "--quick", "--sizes", "30",
-            "--sources", "watch,watch-http,poll,redis", "--policies", "lor,p2c,no-such-policy",
+            "--sources", "watch,watch-grpc,watch-http,poll,redis", "--policies", "lor,p2c,no-such-policy",
             "--window", "1.5", "--request-window", "1", "--out", str(out)]  # fmt: skip
     # 30 units on a budget of 60 reports/s: each asked for one every 0.5 s.
     env = {**os.environ, "UNITPROXY_GATEWAY__REPORT_BUDGET_PER_S": "60"}
@@ -27,7 +27,7 @@ def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     cells = result["cells"]
     assert [(c["units"], c["source"]) for c in cells] == [
-        (30, s) for s in ("watch", "watch-http", "poll", "redis")
+        (30, s) for s in ("watch", "watch-grpc", "watch-http", "poll", "redis")
     ]
     for cell in cells:
         assert "error" not in cell, cell

@@ -29,6 +29,9 @@ them less, but it still shares caches and cores.
     .venv/bin/python -m bench.scale.run --quick         # 100 and 500 units, short windows
     .venv/bin/python -m bench.scale.run --sizes 1000 --sources watch,redis --policies lor,p2c
 
+Load source ``watch-grpc`` is ``watch`` held over gRPC whatever the fleet's size (above
+``gateway.watch_grpc_max_units`` units ``watch`` holds its streams over HTTP).
+
 Writes a table to stdout, JSON to bench/results/scale.json (``scale.quick.json`` with
 --quick), a PNG beside it, and the children's logs to bench/results/scale-logs/.
 """
@@ -69,6 +72,9 @@ from proxy.procutil import python_m, running
 DEFAULT_OUT = REPO / "bench" / "results" / "scale.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")
 REDIS_URL = "redis://127.0.0.1:6379/0"
+# Besides the fleet's: watch-grpc, load_source watch held over gRPC at any fleet size
+# (gateway.watch_grpc_max_units out of the way), to compare with what watch does there.
+BENCH_SOURCES = (*SOURCES, "watch-grpc")
 
 
 @dataclass
@@ -92,13 +98,21 @@ class Plan:
 
 def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster: str) -> None:
     # A fleet this size is over the gateway's default max_units (256), on purpose.
-    lines = ["[gateway]", f'load_source = "{source}"', f"max_units = {len(units) + 8}"]
+    lines = ["[gateway]", f"max_units = {len(units) + 8}"]
+    if source == "watch-grpc":
+        lines += ['load_source = "watch"', f"watch_grpc_max_units = {len(units)}"]
+    else:
+        lines += [f'load_source = "{source}"']
     if source == "redis":  # the units register themselves: let those of this host in
         lines += ['discover_allow = ["http://127.0.0.1:*"]', "units = ["]
     else:
         lines += ["units = ["] + [f'  "{u["id"]}={u["http"]},{u["grpc"]}",' for u in units]
     lines += ["]", "", "[redis]", f'cluster = "{cluster}"', ""]
     path.write_text("\n".join(lines))
+
+
+def fleet_source(source: str) -> str:
+    return "watch" if source == "watch-grpc" else source
 
 
 async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
@@ -111,7 +125,7 @@ async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
     ready.unlink(missing_ok=True)
     cluster = f"scale-{os.getpid()}-{tag}"
     fleet_argv = [sys.executable, "-m", "bench.scale.fleet", "--units", str(size),
-                  "--source", source, "--ready-file", str(ready), "--cluster", cluster,
+                  "--source", fleet_source(source), "--ready-file", str(ready), "--cluster", cluster,
                   "--redis-url", REDIS_URL, "--chunk-ms", str(plan.chunk_ms)]  # fmt: skip
     cell: dict[str, Any] = {"units": size, "source": source}
     async with running(
@@ -260,7 +274,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
     p.add_argument("--quick", action="store_true", help="100 and 500 units, short windows")
     p.add_argument("--sizes", help="fleet sizes, comma-separated (default 8,100,1000,5000)")
     p.add_argument(
-        "--sources", help=f"load sources (default {','.join(SOURCES)}; none: selection only)"
+        "--sources",
+        help=f"load sources (default {','.join(SOURCES)}; also watch-grpc; none: selection only)",
     )
     p.add_argument("--request-sources", default="watch",
                    help="sources whose cells also measure requests (default watch)")  # fmt: skip
@@ -280,9 +295,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
     quick = a.quick
     sizes = [int(s) for s in (a.sizes or ("100,500" if quick else "8,100,1000,5000")).split(",")]
     sources = [] if a.sources == "none" else (a.sources or ",".join(SOURCES)).split(",")
-    unknown = [s for s in sources if s not in SOURCES]
+    unknown = [s for s in sources if s not in BENCH_SOURCES]
     if unknown:
-        p.error(f"unknown load sources {unknown}; choose from {SOURCES}")
+        p.error(f"unknown load sources {unknown}; choose from {BENCH_SOURCES}")
     plan = Plan(
         sizes=sizes,
         sources=sources,

@@ -7,7 +7,9 @@ interval. A broken stream means the sidecar is gone or restarting: the unit gets
 new requests until it reports again, and the stream is re-opened with exponential
 backoff and jitter. Measured in bench/overhead: over HTTP, non-streamed requests cost
 the gateway about 7 % less CPU (no gRPC traffic, no grpcio poller thread, on the HTTP
-path), but SSE streams at saturation went about 15 % slower, so gRPC stays the default.
+path), but SSE streams at saturation went about 15 % slower, so gRPC stays the default
+for small fleets; above ``watch_grpc_max_units`` units ``watch`` reads over HTTP (per
+report, an HTTP stream costs about half the CPU of a gRPC one in bench/scale).
 ``poll``: GET /load every interval.
 ``redis``: one subscription to the cluster's load channel for every unit; units that
 register in Redis are discovered and routed to (see ``RedisSource``).

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -46,7 +46,7 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.ingress import Limits
-from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics
+from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics, UnitView
 from proxy.serving import (
     Drain,
     Gate,
@@ -63,7 +63,8 @@ from proxy.tls import ClientTLS, ServerTLS, server_tls
 
 log = logging.getLogger(__name__)
 
-# What only time changes (a report ageing, an ejection ending) is looked at this often, in s.
+# What only time changes (an ejection ending, the last report going stale) is looked at
+# this often, in s.
 TICK_S = 0.5
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 UNIT_CHANNEL_OPTIONS = (
@@ -117,11 +118,10 @@ class Gateway(Service):
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
-        now = self.clock()
         for unit in self.router.units.values():
             self._connect(unit)
             self.gateway_metrics.add_unit(unit.id)
-            self._refresh_gauges(unit, now)  # every series exists from the start
+        self.gateway_metrics.watch_units(self._unit_views, lambda: self.router.waiting)
         self.wheel = Wheel(asyncio.get_running_loop())
         stack.callback(self.wheel.close)
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
@@ -147,7 +147,6 @@ class Gateway(Service):
         self.http_url, self.grpc_target = f"{scheme}://{host}:{bound_http}", f"{host}:{bound_grpc}"
         stack.push_async_callback(cancel_tasks, self._tasks)
         self._start_load_source()
-        self._tasks.append(asyncio.create_task(self._gauges_loop(), name="gateway gauges"))
         self._tasks.append(asyncio.create_task(self._wake_queue_loop(), name="gateway queue"))
         self._tasks.append(asyncio.create_task(self._health_watch(), name="gateway health"))
         source: str = s.gateway.load_source
@@ -269,22 +268,24 @@ class Gateway(Service):
     # --- health -------------------------------------------------------------------
 
     def _unit_changed(self, unit: Unit) -> None:
-        self._refresh_gauges(unit, self.clock())
         serving = self.router.any_reported_serving
         if serving != self._served:
             self._served = serving
             self._serving_changed.set()
 
-    def _refresh_gauges(self, unit: Unit, now: float) -> None:
-        """The unit's state, load and report age as this gateway sees them. A LOST or
-        UNKNOWN unit has no load series (a dead unit must not read as idle), and its
-        report age keeps growing."""
-        m, g = self.gateway_metrics, self.settings.gateway
-        state, _ = unit.view(now, g.stale_after_s)
-        m.set_unit_state(unit.id, state)
-        m.set_report_age(unit.id, unit.report_age(now))
-        lost = state in ("LOST", "UNKNOWN")
-        m.set_unit_load(unit.id, None if lost else self.router.view.estimate(unit))
+    def _unit_views(self) -> Iterator[UnitView]:
+        """Every unit's state, report age and load as this gateway sees them now, for
+        the per-unit series at scrape time. A LOST or UNKNOWN unit has no load (a dead
+        unit must not read as idle), and its report age keeps growing."""
+        now, stale_after_s, estimate = (
+            self.clock(),
+            self.settings.gateway.stale_after_s,
+            self.router.view.estimate,
+        )
+        for unit in list(self.router.units.values()):
+            state, _ = unit.view(now, stale_after_s)
+            lost = state in ("LOST", "UNKNOWN")
+            yield unit.id, state, unit.report_age(now), None if lost else estimate(unit)
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -300,17 +301,6 @@ class Gateway(Service):
         can_serve = self._served and not draining
         await self.health_service.set(SERVICE, serving if can_serve else not_serving)
         await self.health_service.set("", not_serving if draining else serving)
-
-    async def _gauges_loop(self) -> None:
-        """Refresh the per-unit gauges and the queue's length twice a second: a report
-        ages, and a unit whose reports stopped is no longer serving, with no event to
-        say so."""
-        while True:
-            now = self.clock()
-            for unit in self.router.units.values():
-                self._refresh_gauges(unit, now)
-            self.gateway_metrics.queue_waiting.set(self.router.waiting)
-            await asyncio.sleep(TICK_S)
 
     async def _wake_queue_loop(self) -> None:
         """Twice a second, offer the queue's waiters a unit (an ejection that ends frees
