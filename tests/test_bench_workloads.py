@@ -72,6 +72,8 @@ def test_imbalance_weighs_every_change_by_its_duration() -> None:
     # 5: 3/4 and 2/2 (1.14), not 4/4 and 1/2 (1.33)
     assert got.ideal_p99 == pytest.approx(0.75 / 0.625)
     assert got.ideal_p50 == pytest.approx(1.0 / 0.875)
+    # at the three instants a request reached a unit: 1.2 (t 0), 1.33 (t 1), 1.14 (t 5)
+    assert got.at_arrivals_p99 == pytest.approx(1.0 / 0.75)
     # only the window counts: [5, 8) alone
     assert imbalance.measure(spans, {"a": 4, "b": 2}, 5.0, 8.0, 2).busy_s == pytest.approx(3.0)
 

@@ -14,7 +14,8 @@ each interval between two changes gives ``max / mean`` of the units' outstanding
 capacity, and the distribution of those values weighted by the interval's duration
 gives the p50 and p99 (the p99: the value exceeded 1 % of the busy time).
 
-Beside it, the ideal: the same totals spread as evenly as whole requests allow (the
+Beside it, the p99 over the instants a request reached a unit (what routing made,
+before departures change it), and the ideal: the same totals spread as evenly as whole requests allow (the
 least max/mean of any placement), as a router that could move requests between units
 at every instant would. What routing cannot
 avoid: one request is a large share of a unit's load when few are outstanding.
@@ -34,6 +35,7 @@ class Imbalance:
     p99: float | None
     ideal_p50: float | None  # the same totals, spread as evenly as whole requests allow
     ideal_p99: float | None
+    at_arrivals_p99: float | None  # over the instants a request reached a unit, unweighted
     changes: int  # busy intervals measured (one per change of any unit's outstanding)
     busy_s: float  # their total duration
 
@@ -70,25 +72,31 @@ def measure(
     busy = busy_per_unit * len(ids)
     spread = _even_spread(tuple(caps))
     measured: list[tuple[float, float]] = []  # (max/mean, seconds)
+    arrived: list[tuple[float, float]] = []  # (max/mean, 1) as a request reached a unit
     ideal: list[tuple[float, float]] = []
     k = 0
     while k < len(events):
-        at = events[k][0]
+        at, starts = events[k][0], False
         while k < len(events) and events[k][0] == at:  # every change at this instant
             counts[events[k][1]] += events[k][2]
+            starts = starts or events[k][2] > 0
             k += 1
         until = events[k][0] if k < len(events) else end
         lo, hi = max(at, start), min(until, end)
         total = sum(counts)
         if hi <= lo or total < busy:
             continue
-        measured.append((_max_over_mean(counts, caps), hi - lo))
+        ratio = _max_over_mean(counts, caps)
+        measured.append((ratio, hi - lo))
+        if starts:
+            arrived.append((ratio, 1.0))
         ideal.append((spread(total), hi - lo))
     return Imbalance(
         p50=weighted_percentile(measured, 50),
         p99=weighted_percentile(measured, 99),
         ideal_p50=weighted_percentile(ideal, 50),
         ideal_p99=weighted_percentile(ideal, 99),
+        at_arrivals_p99=weighted_percentile(arrived, 99),
         changes=len(measured),
         busy_s=sum(seconds for _, seconds in measured),
     )

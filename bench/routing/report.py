@@ -61,6 +61,7 @@ class RunMetrics:
     peak_over_mean_p99: float | None = None
     peak_over_mean_p50: float | None = None
     ideal_over_mean_p99: float | None = None  # the same totals spread as evenly as can be
+    arrivals_over_mean_p99: float | None = None  # at the instants a request reached a unit
     load_changes: int = 0  # busy intervals (changes of outstanding) the figures are over
     load_busy_s: float = 0.0  # their total duration
 
@@ -139,6 +140,7 @@ COLUMNS: tuple[tuple[str, Callable[[RunMetrics], str]], ...] = (
     ),
     ("max/mean p50", lambda m: _fmt(m.peak_over_mean_p50, 2)),
     ("max/mean p99", lambda m: _fmt(m.peak_over_mean_p99, 2)),
+    ("at arrivals p99", lambda m: _fmt(m.arrivals_over_mean_p99, 2)),
     ("ideal p99", lambda m: _fmt(m.ideal_over_mean_p99, 2)),
     ("changes", lambda m: str(m.load_changes)),
     ("errors", lambda m: str(m.error_count)),

@@ -344,6 +344,7 @@ async def policy_run(
     spread = load_imbalance(s, units, run)
     metrics.peak_over_mean_p50, metrics.peak_over_mean_p99 = spread.p50, spread.p99
     metrics.ideal_over_mean_p99 = spread.ideal_p99
+    metrics.arrivals_over_mean_p99 = spread.at_arrivals_p99
     metrics.load_changes, metrics.load_busy_s = spread.changes, spread.busy_s
     metrics.cpu = after.percent_since(before)
     metrics.timing_s = {
