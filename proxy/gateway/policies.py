@@ -63,26 +63,23 @@ def prefix_affinity(
 ) -> Unit:
     """Policy ``prefix``: of the units that hold the longest prefix of the prompt
     (``holders``, longest match first), the least loaded one that stays within the
-    bound with this request on it: estimated outstanding + 1 at most its share of the
-    fleet's mean load (``mean``, outstanding over capacity, this request counted, x its
-    capacity) plus an allowance of ``balance`` x that share, or ``slack`` requests when
-    that is more; if none does, the next shorter match; if no holder does, ``least``
-    (lor).
+    bound with this request on it: estimated outstanding + 1 at most ``(1 + balance)``
+    x the fleet's mean load (``mean``, outstanding over capacity, this request
+    counted) x its capacity, plus ``slack`` requests; if none does, the next shorter
+    match; if no holder does, ``least`` (lor).
 
     Bounded load (consistent hashing with bounded loads): no choice puts a unit above
-    the mean by more than ``balance`` of it, or by ``slack`` requests while the mean is
-    so small that ``balance`` of it is less than that (with a few requests outstanding
-    per unit, one is a large share of the mean: the slack is a floor of the allowance,
-    not added to it). A popular prefix spreads over more units as its first ones reach
-    the bound, because the unit that takes the overflow holds it from then on.
+    ``(1 + balance)`` x the mean plus ``slack``; a popular prefix spreads over more
+    units as its first ones reach the bound, because the unit that takes the overflow
+    holds it from then on.
     """
+    ceiling = (1.0 + balance) * mean
     for units in holders:
         best: Unit | None = None
         best_load = 0.0
         for unit in units:
             estimate = view.estimate(unit)
-            share = mean * unit.capacity
-            if estimate + 1 <= share + max(balance * share, slack):
+            if estimate + 1 <= ceiling * unit.capacity + slack:
                 load = estimate / unit.capacity
                 if best is None or load < best_load:
                     best, best_load = unit, load
