@@ -245,6 +245,30 @@ class _PrefixCacheCounters(Collector):
         )
 
 
+# What the engines' prefix-cache counters did to the gateway's prefix index
+# (proxy/gateway/prefix.py, EngineFeedback).
+PREFIX_CORRECTIONS = ("shrunk", "grown", "forgotten")
+
+
+class _PrefixCorrections(Collector):
+    """unitproxy_prefix_index_corrections_total, from the feedback's own counts."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], dict[str, int]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            f"{PREFIX}_prefix_index_corrections",
+            "Changes the engines' prefix-cache counters made to the prefix index, by action: "
+            "shrunk, grown (a unit's block limit), forgotten (its engine emptied its cache).",
+            labels=["action"],
+        )
+        counts = self.read()
+        for action in PREFIX_CORRECTIONS:
+            family.add_metric([action], counts.get(action, 0))
+        yield family
+
+
 # One unit as the gateway sees it: id, state (GATEWAY_UNIT_STATES), report age in s
 # (-1: none yet), estimated outstanding (None: LOST or UNKNOWN, no series).
 UnitView = tuple[str, str, float, float | None]
@@ -349,6 +373,14 @@ class GatewayMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self._prefix_corrections = _PrefixCorrections()
+        registry.register(self._prefix_corrections)
+
+    def count_prefix_corrections(self, read: Callable[[], dict[str, int]]) -> None:
+        """Export unitproxy_prefix_index_corrections_total from ``read``, the count of
+        each PREFIX_CORRECTIONS action so far (policy prefix with the engines' feedback
+        on); 0 until this is called."""
+        self._prefix_corrections.read = read
 
     def watch_units(
         self, views: Callable[[], Iterable[UnitView]], waiting: Callable[[], int]

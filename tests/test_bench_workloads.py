@@ -1,9 +1,10 @@
-"""bench/routing's workloads: what shares a prefix does, and the same seed repeats; and
-bench/prefix_cost.py's smoke run."""
+"""bench/routing's workloads: what shares a prefix does, and the same seed repeats; how
+a run's imbalance is measured from its requests; and bench/prefix_cost.py's smoke run."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.routing import workload  # noqa: E402
+from bench.routing import imbalance, workload  # noqa: E402
 
 sys.path.remove(str(ROOT))
 
@@ -50,6 +51,39 @@ def test_the_same_seed_gives_the_same_requests() -> None:
     for name in workload.WORKLOADS:
         assert prompts(name, 50, seed=3) == prompts(name, 50, seed=3)
         assert prompts(name, 50, seed=3) != prompts(name, 50, seed=4)
+
+
+def test_imbalance_weighs_every_change_by_its_duration() -> None:
+    # Two units of capacity 4 and 2; busy from 2 requests a unit (4 in all).
+    Span = imbalance.Span
+    spans = [
+        Span("a", 0.0, 10.0), Span("a", 0.0, 10.0), Span("a", 0.0, 10.0),
+        Span("b", 0.0, 10.0),
+        Span("a", 1.0, 2.0),  # [1, 2): a 4/4, b 1/2: max/mean 1.0 / 0.75
+        Span("b", 5.0, math.inf),  # [5, 10): a 3/4, b 2/2: 1.0 / 0.875; never ended
+        Span("zz", 0.0, 10.0),  # not a unit of the fleet
+    ]  # fmt: skip
+    # [0, 1) and [2, 5): a 3/4, b 1/2: 0.75 / 0.625; [10, 12): b alone, 1 < 4: not busy
+    got = imbalance.measure(spans, {"a": 4, "b": 2}, 0.0, 12.0, busy_per_unit=2)
+    assert got.changes == 4 and got.busy_s == pytest.approx(10.0)
+    assert got.p50 == pytest.approx(1.0 / 0.875)  # 5 s of 10 at 1.14, 4 at 1.2, 1 at 1.33
+    assert got.p99 == pytest.approx(1.0 / 0.75)
+    # 4 requests spread as evenly as can be: 2/4 and 2/2 (1.33) or 3/4 and 1/2 (1.2);
+    # 5: 3/4 and 2/2 (1.14), not 4/4 and 1/2 (1.33)
+    assert got.ideal_p99 == pytest.approx(0.75 / 0.625)
+    assert got.ideal_p50 == pytest.approx(1.0 / 0.875)
+    # at the three instants a request reached a unit: 1.2 (t 0), 1.33 (t 1), 1.14 (t 5)
+    assert got.at_arrivals_p99 == pytest.approx(1.0 / 0.75)
+    # only the window counts: [5, 8) alone
+    assert imbalance.measure(spans, {"a": 4, "b": 2}, 5.0, 8.0, 2).busy_s == pytest.approx(3.0)
+
+
+def test_weighted_percentile() -> None:
+    values = [(1.0, 98.0), (5.0, 1.5), (2.0, 0.5)]
+    assert imbalance.weighted_percentile(values, 50) == 1.0
+    assert imbalance.weighted_percentile(values, 99) == 5.0  # 98.5 of 100 at or below 2
+    assert imbalance.weighted_percentile(values, 98) == 1.0
+    assert imbalance.weighted_percentile([], 99) is None
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,7 @@ in the load reports (routing core on an injected clock; then a real sidecar and 
 from __future__ import annotations
 
 import random
+import re
 
 import aiohttp
 import pytest
@@ -112,6 +113,12 @@ async def test_a_unit_with_a_small_cache_is_trusted_with_fewer_prefixes(
     await wait_until(lambda: feedback.shrunk >= 1, what="the index shrunk for unit a")
     assert index.limit("a") < index.max_blocks
     assert any(v.found < v.expected for v in feedback.verdicts)
+    async with http.get(f"{gw.http_url}/metrics") as resp:  # what an operator sees
+        exported = await resp.text()
+    shrunk = re.search(r'^unitproxy_prefix_index_corrections_total\{action="shrunk"\} (\S+)$',
+                       exported, re.M)  # fmt: skip
+    assert shrunk is not None and float(shrunk[1]) == feedback.shrunk
+    assert 'unitproxy_prefix_index_corrections_total{action="forgotten"} 0.0' in exported
     async with http.get(f"{unit.http_url}/load") as resp:
         report = await resp.json()
     # the counters the gateway read: many tokens looked up, few found

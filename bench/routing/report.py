@@ -55,11 +55,15 @@ class RunMetrics:
     gateway_exit: int | None = None
     gateway_problems: list[str] = field(default_factory=list)
     prefix_hit_rate: float | None = None  # the fleet's prefix cache: cached / prompt tokens
-    # p99 over the run's samples of the most loaded unit's outstanding / capacity over
-    # the fleet's mean (samples with work only): 1.0 is a perfectly even fleet
+    # The most loaded unit's outstanding / capacity over the fleet's mean, time-weighted
+    # over every change of outstanding while the fleet is busy (bench.routing.imbalance):
+    # 1.0 is a perfectly even fleet
     peak_over_mean_p99: float | None = None
     peak_over_mean_p50: float | None = None
-    load_samples: int = 0  # samples the max/mean figures are over
+    ideal_over_mean_p99: float | None = None  # the same totals spread as evenly as can be
+    arrivals_over_mean_p99: float | None = None  # at the instants a request reached a unit
+    load_changes: int = 0  # busy intervals (changes of outstanding) the figures are over
+    load_busy_s: float = 0.0  # their total duration
 
     @property
     def error_count(self) -> int:
@@ -136,6 +140,9 @@ COLUMNS: tuple[tuple[str, Callable[[RunMetrics], str]], ...] = (
     ),
     ("max/mean p50", lambda m: _fmt(m.peak_over_mean_p50, 2)),
     ("max/mean p99", lambda m: _fmt(m.peak_over_mean_p99, 2)),
+    ("at arrivals p99", lambda m: _fmt(m.arrivals_over_mean_p99, 2)),
+    ("ideal p99", lambda m: _fmt(m.ideal_over_mean_p99, 2)),
+    ("changes", lambda m: str(m.load_changes)),
     ("errors", lambda m: str(m.error_count)),
     ("unfinished", lambda m: str(m.unfinished)),
     ("gw CPU %", lambda m: _fmt(m.cpu.get("gateway"), 0)),

@@ -68,8 +68,7 @@ from bench.common import (
     run_loop,
     until_signal,
 )
-from bench.loadgen import percentile
-from bench.routing import client, fleet, peers, report, workload
+from bench.routing import client, fleet, imbalance, peers, report, workload
 from proxy.procutil import Child, ChildFailed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -335,17 +334,18 @@ async def policy_run(
     async with running_router(s, policy, units, session, log) as gateway:
         cache_before = await units.prefix_cache(session)
         before = CpuSample.take(gateway, units)
-        async with sampling_loads(units, session) as peaks:
-            urls = [f"{url}/v1/completions" for url in router_urls(gateway)]
-            run = await client.open_loop(session, urls, arrivals, s.drain_s)
+        urls = [f"{url}/v1/completions" for url in router_urls(gateway)]
+        run = await client.open_loop(session, urls, arrivals, s.drain_s)
         after = CpuSample.take(gateway, units)
         cache_after = await units.prefix_cache(session)
     metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)
     queries, hits = (a - b for a, b in zip(cache_after, cache_before, strict=True))
     metrics.prefix_hit_rate = hits / queries if queries else None
-    metrics.peak_over_mean_p99 = percentile(peaks, 99)
-    metrics.peak_over_mean_p50 = percentile(peaks, 50)
-    metrics.load_samples = len(peaks)
+    spread = load_imbalance(s, units, run)
+    metrics.peak_over_mean_p50, metrics.peak_over_mean_p99 = spread.p50, spread.p99
+    metrics.ideal_over_mean_p99 = spread.ideal_p99
+    metrics.arrivals_over_mean_p99 = spread.at_arrivals_p99
+    metrics.load_changes, metrics.load_busy_s = spread.changes, spread.busy_s
     metrics.cpu = after.percent_since(before)
     metrics.timing_s = {
         "gateway_ready": round(before.at - started, 2),
@@ -360,35 +360,21 @@ async def policy_run(
     return metrics
 
 
-LOAD_SAMPLE_S = 0.2  # how often a run samples every unit's outstanding
-BUSY_PER_UNIT = 4  # a sample counts when the fleet has this many outstanding per unit
+BUSY_PER_UNIT = 4  # the fleet counts as busy with this many outstanding per unit
 
 
-@contextlib.asynccontextmanager
-async def sampling_loads(
-    units: fleet.Fleet, session: aiohttp.ClientSession
-) -> AsyncIterator[list[float]]:
-    """Samples, while the block runs, of the most loaded unit's outstanding / capacity
-    over the fleet's mean, when the fleet is busy (BUSY_PER_UNIT): with a few requests
-    in flight one unit always holds more than the mean."""
-    peaks: list[float] = []
-
-    async def sample() -> None:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                counts = await units.outstanding(session)
-                if sum(counts.values()) >= BUSY_PER_UNIT * len(counts):
-                    loads = [counts[s.id] / s.capacity for s in units.specs]
-                    peaks.append(max(loads) * len(loads) / sum(loads))
-            await asyncio.sleep(LOAD_SAMPLE_S)
-
-    task = asyncio.create_task(sample())
-    try:
-        yield peaks
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+def load_imbalance(
+    s: BenchSettings, units: fleet.Fleet, run: client.OpenLoopRun
+) -> imbalance.Imbalance:
+    """max/mean of the units' outstanding over capacity at every change of it, over the
+    measured window (``imbalance``), from each request's unit and times."""
+    spans = (
+        imbalance.Span(o.unit, o.sent_s, math.inf if o.done_s is None else o.done_s)
+        for o in run.outcomes
+        if o.unit is not None and o.sent_s is not None
+    )
+    capacities = {spec.id: spec.capacity for spec in units.specs}
+    return imbalance.measure(spans, capacities, s.warmup_s, s.duration_s, BUSY_PER_UNIT)
 
 
 # -- the whole benchmark --------------------------------------------------------------

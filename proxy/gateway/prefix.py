@@ -38,12 +38,15 @@ there too), so with R replicas a prefix ends up on up to R units.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.pb.unitproxy.v1 import inference_pb2
+
+log = logging.getLogger(__name__)
 
 NO_BLOCKS: list[int] = []
 
@@ -341,6 +344,9 @@ class EngineFeedback:
         if found < SHRINK_BELOW * expected and found < expected - SHRINK_MARGIN:
             self.index.resize(unit_id, int(held * max(0.5, found / expected)), now)
             self.shrunk += 1
+            log.info("unit %s found %.0f %% of its prompts cached against the %.0f %% its "
+                     "prefix index expected: the index keeps %d blocks for it",
+                     unit_id, 100 * found, 100 * expected, self.index.limit(unit_id))  # fmt: skip
         elif found >= GROW_ABOVE * expected and held >= self.index.limit(unit_id):
             self.index.resize(unit_id, int(self.index.limit(unit_id) * GROW_FACTOR) + 1, now)
             self.grown += 1
@@ -352,3 +358,7 @@ class EngineFeedback:
 
     def forget(self, unit_id: str) -> None:
         self._windows.pop(unit_id, None)
+
+    def counts(self) -> dict[str, int]:
+        """Corrections so far, by action (unitproxy_prefix_index_corrections_total)."""
+        return {"shrunk": self.shrunk, "grown": self.grown, "forgotten": self.resets}

@@ -94,6 +94,8 @@ class Gateway(Service):
             scaled(settings.gateway), settings.gateway.units, clock=clock,
             on_change=self._unit_changed,
         )  # fmt: skip
+        if self.router.feedback is not None:
+            self.gateway_metrics.count_prefix_corrections(self.router.feedback.counts)
         self.health_service = HealthServicer()
         self.http_url = ""
         self.grpc_target = ""
