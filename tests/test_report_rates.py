@@ -11,9 +11,10 @@ import pytest
 
 from proxy.broadcast import Broadcast
 from proxy.gateway.rates import ReportRates, report_rates, scaled
+from proxy.gateway.server import Gateway
 from proxy.load import LoadReport, UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
-from proxy.settings import GatewaySettings, UnitTarget
+from proxy.settings import GatewaySettings, Settings, UnitTarget
 from proxy.sidecar.watch import ReportWatch
 from tests.conftest import SidecarFactory
 
@@ -151,3 +152,26 @@ async def test_load_watch_over_http_takes_the_same_request(start_sidecar: Sideca
             await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 2)  # a random part of 1 s
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 0.5)
+
+
+def test_what_the_gateway_shows_ages_reports_by_the_bound_it_routes_by() -> None:
+    # 1,000 units: the router trusts a report for 12 s, not the configured 5. /units,
+    # /ready and unitproxy_gateway_unit_state say LOST exactly when routing stops.
+    now = [100.0]
+    gw = Gateway(Settings(gateway=gateway(1000)), clock=lambda: now[0])
+    assert gw.router.settings.stale_after_s == 12
+    gw.router.apply_report("u0", LoadReport("u0", UnitState.SERVING, 0, 4, seq=1))
+    unit = gw.router.units["u0"]
+
+    def shown() -> tuple[str, str, str]:
+        state = gw._unit_json(unit, now[0])["state"]
+        ready = "SERVING" if gw._ready_body()["units"].get("SERVING") else "-"
+        scraped = {uid: state for uid, state, _, _ in gw._unit_views()}  # the unit_state series
+        return state, ready, scraped["u0"]
+
+    now[0] += 8.0  # past the configured bound, within the stretched one
+    assert [u.id for u in gw.router.candidates()] == ["u0"]
+    assert shown() == ("SERVING", "SERVING", "SERVING")
+    now[0] += 4.0  # at the stretched bound: routing stops, and so does what is shown
+    assert gw.router.candidates() == []
+    assert shown() == ("LOST", "-", "LOST")

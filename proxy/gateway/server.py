@@ -281,7 +281,7 @@ class Gateway(Service):
         unit must not read as idle), and its report age keeps growing."""
         now, stale_after_s, estimate = (
             self.clock(),
-            self.settings.gateway.stale_after_s,
+            self.router.settings.stale_after_s,
             self.router.view.estimate,
         )
         for unit in list(self.router.units.values()):
@@ -445,7 +445,7 @@ class Gateway(Service):
         return json_response(body, status=200 if body["state"] == "SERVING" else 503)
 
     def _ready_body(self) -> dict[str, Any]:
-        now, stale = self.clock(), self.settings.gateway.stale_after_s
+        now, stale = self.clock(), self.router.settings.stale_after_s
         counts = Counter(u.view(now, stale)[0] for u in self.router.units.values())
         serving = len(self.router.serving())
         state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
@@ -458,8 +458,7 @@ class Gateway(Service):
         return json_response({"units": units, "waiting": self.router.waiting})
 
     def _unit_json(self, u: Unit, now: float) -> dict[str, Any]:
-        g = self.settings.gateway
-        state, why = u.view(now, g.stale_after_s)
+        state, why = u.view(now, self.router.settings.stale_after_s)
         age = u.report_age(now)
         return {
             "id": u.id,
