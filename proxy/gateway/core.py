@@ -16,6 +16,7 @@ response started, the error as the end of its stream.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from enum import Enum
@@ -57,6 +58,30 @@ def _error_classes(base: type[UnitProxyError] = UnitProxyError) -> list[type[Uni
 
 
 ERROR_CLASSES = _error_classes()  # the error tree, parents first
+
+
+def error_code(body: bytes) -> str | None:
+    """``error.code`` of a unit's OpenAI error body, None when it has none."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+def unit_error(status: int, body: bytes, unit: Unit) -> UnitProxyError:
+    """A unit's plain HTTP error answer (its OpenAI error body) as an error of ours,
+    of the class that answers with that status."""
+    try:
+        error = json.loads(body)["error"]
+        message, code = str(error["message"]), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = f"unit {unit.id} answered {status}", None
+    code = code if isinstance(code, str) else None
+    for cls in ERROR_CLASSES[1:]:
+        if cls.http_status == status:
+            return cls(message, code=code)
+    return UnitProxyError(message, code=code)
 
 
 class Next(Enum):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy import openai_api
-from proxy.errors import Unavailable, UnitProxyError
+from proxy.errors import Unavailable
 from proxy.gateway.core import (
     DONE_OK,
     ERROR_CLASSES,
@@ -39,7 +39,9 @@ from proxy.gateway.core import (
     Tried,
     UnitTimeout,
     deadline_passed,
+    error_code,
     shutting_down,
+    unit_error,
 )
 from proxy.gateway.http1.front import Producer
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
@@ -259,14 +261,14 @@ class HttpJob:
         data = await conn.read()
         health = Outcome.FAILED if status >= 500 else Outcome.OK
         if self._down.started:  # a continuation the unit would not take
-            return Tried(Next.DONE, health, error=_error_in(status, data, unit))
+            return Tried(Next.DONE, health, error=unit_error(status, data, unit))
         self._down.respond(status, self._headers(conn, unit), data)
         return Tried(Next.DONE, health)
 
     def _refused(self, unit: Unit, conn: UnitConnection, status: int, data: bytes) -> Tried:
-        code = _error_code(data)
+        code = error_code(data)
         reply = (status, self._headers(conn, unit), data)
-        error = _error_in(status, data, unit)
+        error = unit_error(status, data, unit)
         if status == 429 or code in NOT_TAKING_WORK:
             return Tried(Next.RETRY, Outcome.REFUSED, str(status), error, reply)
         if code in UNIT_FAILED:
@@ -436,27 +438,6 @@ class HttpJob:
         if self._watch is not None:
             self._fw.wheel.cancel(self._watch)
             self._watch = None
-
-
-def _error_code(body: bytes) -> str | None:
-    try:
-        code = json.loads(body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) else None
-
-
-def _error_in(status: int, body: bytes, unit: Unit) -> UnitProxyError:
-    """The unit's error answer as an error of ours (for an SSE error event)."""
-    try:
-        error = json.loads(body)["error"]
-        message, code = str(error["message"]), error.get("code")
-    except (ValueError, KeyError, TypeError):
-        message, code = f"unit {unit.id} answered {status}", None
-    for cls in ERROR_CLASSES[1:]:
-        if cls.http_status == status:
-            return cls(message, code=code if isinstance(code, str) else None)
-    return UnitProxyError(message, code=code if isinstance(code, str) else None)
 
 
 def _event_error(event: bytes) -> dict[str, Any]:

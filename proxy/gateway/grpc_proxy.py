@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +40,9 @@ from proxy.gateway.core import (
     Tried,
     UnitTimeout,
     deadline_passed,
+    error_code,
     shutting_down,
+    unit_error,
 )
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
 from proxy.gateway.resume import GrpcTranscript, resume_generate
@@ -338,13 +339,13 @@ class GrpcJob:
     async def _http_answer(self, unit: Unit, conn: UnitConnection) -> Tried | None:
         """A plain HTTP answer (an error before the call began)."""
         data = await conn.read()
-        if conn.status == 404 and not _error_code(data):
+        if conn.status == 404 and not error_code(data):
             # No such route: a unit that predates it. Over gRPC from now on.
             log.info("unit %s: no gRPC-Web route; calling it over gRPC", unit.id)
             self._proxy.grpc_only.add(unit.id)
             return None
-        error = _http_error(conn.status, data, unit)
-        return self._ended(unit, error.grpc_code, error, _error_code(data), False)
+        error = unit_error(conn.status, data, unit)
+        return self._ended(unit, error.grpc_code, error, error_code(data), False)
 
     def _unreachable(self, unit: Unit, exc: ConnectFailed) -> Tried:
         if self._stopping:
@@ -529,25 +530,3 @@ def _status_error(status: grpcweb.Status, unit: Unit) -> UnitProxyError:
     if status.error_code is None:
         return cls(f"unit {unit.id} failed: {status.code.name}")
     return cls(status.message or status.code.name, code=status.error_code)
-
-
-def _error_code(body: bytes) -> str | None:
-    try:
-        code = json.loads(body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) else None
-
-
-def _http_error(status: int, body: bytes, unit: Unit) -> UnitProxyError:
-    """A unit's plain HTTP error answer (its OpenAI error body) as an error of ours."""
-    try:
-        error = json.loads(body)["error"]
-        message, code = str(error["message"]), error.get("code")
-    except (ValueError, KeyError, TypeError):
-        message, code = f"unit {unit.id} answered {status}", None
-    code = code if isinstance(code, str) else None
-    for cls in ERROR_CLASSES[1:]:
-        if cls.http_status == status:
-            return cls(message, code=code)
-    return UnitProxyError(message, code=code)
