@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
 from proxy.gateway.prefix import Want, grpc_want, json_want
 from proxy.gateway.router import NO_WANT, NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
+from proxy.httputil import DEADLINE_HEADER, timeout_header
 from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics
 from proxy.settings import GatewaySettings
 
@@ -44,6 +46,22 @@ class UnitTimeout(DeadlineExceeded):
 
 def deadline_passed() -> DeadlineExceeded:
     return DeadlineExceeded("the request's deadline passed")
+
+
+MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed for all purposes
+
+
+def send_deadline(headers: dict[str, str], deadline: float | None) -> float | None:
+    """Tell the unit, in ``headers``, the seconds left before ``deadline`` (on
+    time.monotonic) and return them; None without a deadline. Raises DeadlineExceeded
+    when less than MIN_LEFT_S is left: nothing is worth sending then."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left < MIN_LEFT_S:
+        raise deadline_passed()
+    headers[DEADLINE_HEADER] = timeout_header(left)
+    return left
 
 
 def shutting_down() -> Unavailable:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy import openai_api
-from proxy.errors import Unavailable
+from proxy.errors import DeadlineExceeded, Unavailable
 from proxy.gateway.core import (
     DONE_OK,
     ERROR_CLASSES,
@@ -40,6 +40,7 @@ from proxy.gateway.core import (
     UnitTimeout,
     deadline_passed,
     error_code,
+    send_deadline,
     shutting_down,
     unit_error,
 )
@@ -49,11 +50,9 @@ from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
 from proxy.httputil import (
-    DEADLINE_HEADER,
     REQUEST_ID_HEADER,
     RESUME_HEADER,
     UNIT_HEADER,
-    timeout_header,
 )
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.serving import Gate
@@ -63,7 +62,6 @@ from proxy.timers import Deadline, Timer, Wheel
 log = logging.getLogger(__name__)
 
 PASSED_HEADERS = (("content-type", "Content-Type"), ("retry-after", "Retry-After"))
-MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed for all purposes
 POST = b"POST"
 ERROR_EVENT = b'data: {"error"'
 MAX_PARTIAL_EVENT = 1024 * 1024  # an "event" longer than this is passed on unsplit
@@ -214,13 +212,11 @@ class HttpJob:
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._loop.time()
-        end = None
-        if self._deadline is not None:
-            left = self._deadline - time.monotonic()
-            if left < MIN_LEFT_S:
-                return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
-            headers[DEADLINE_HEADER] = timeout_header(left)
-            end = now + left
+        try:
+            left = send_deadline(headers, self._deadline)
+        except DeadlineExceeded as exc:
+            return Tried(Next.DONE, Outcome.OK, error=exc)
+        end = None if left is None else now + left
         limit = self._fw.settings.response_timeout_s
         head_by = now + limit
         conn: UnitConnection | None = None

@@ -29,7 +29,7 @@ import grpc
 from proxy import grpcweb
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
-from proxy.errors import GRPC_CODE_KEY, Unavailable, UnitProxyError
+from proxy.errors import GRPC_CODE_KEY, DeadlineExceeded, Unavailable, UnitProxyError
 from proxy.gateway.core import (
     DONE_OK,
     ERROR_CLASSES,
@@ -41,6 +41,7 @@ from proxy.gateway.core import (
     UnitTimeout,
     deadline_passed,
     error_code,
+    send_deadline,
     shutting_down,
     unit_error,
 )
@@ -48,7 +49,7 @@ from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
-from proxy.httputil import DEADLINE_HEADER, MIGRATE_HEADER, RESUME_HEADER, timeout_header
+from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.serving import Gate
@@ -64,7 +65,6 @@ FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCo
 ERROR_OF_CODE = {cls.grpc_code: cls for cls in reversed(ERROR_CLASSES)}
 
 UnaryStream = Callable[..., Any]  # grpc.aio.UnaryStreamMultiCallable, bytes in and out
-MIN_LEFT_S = 0.001  # less time than this left: the deadline has passed
 POST = b"POST"
 MAX_SHARED_INTERVAL_MS = 50.0  # a share of the message rate never spaces a stream wider
 
@@ -287,13 +287,11 @@ class GrpcJob:
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._loop.time()
-        end = None
-        if self._deadline is not None:
-            left = self._deadline - time.monotonic()
-            if left < MIN_LEFT_S:
-                return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
-            headers[DEADLINE_HEADER] = timeout_header(left)
-            end = now + left
+        try:
+            left = send_deadline(headers, self._deadline)
+        except DeadlineExceeded as exc:
+            return Tried(Next.DONE, Outcome.OK, error=exc)
+        end = None if left is None else now + left
         head_by = now + settings.response_timeout_s
         frames = grpcweb.Frames()
         self._received = False
