@@ -3,6 +3,7 @@ a run's imbalance is measured from its requests; and bench/prefix_cost.py's smok
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -16,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.routing import imbalance, workload  # noqa: E402
+from engine.prefix_cache import PrefixCache  # noqa: E402
+from engine.tokens import TokenCounter  # noqa: E402
 
 sys.path.remove(str(ROOT))
 
@@ -51,6 +54,29 @@ def test_the_same_seed_gives_the_same_requests() -> None:
     for name in workload.WORKLOADS:
         assert prompts(name, 50, seed=3) == prompts(name, 50, seed=3)
         assert prompts(name, 50, seed=3) != prompts(name, 50, seed=4)
+
+
+def test_ideal_hit_rate_is_one_unbounded_cache_that_saw_every_prompt() -> None:
+    # The simulator's own cache, large enough never to evict, fed every prompt in order.
+    for name, low, high in (("chat", 0.1, 0.8), ("tenants", 0.3, 0.95), ("plain", 0.0, 0.0)):
+        arrivals = workload.poisson_arrivals(workload.WORKLOADS[name], 20.0, 6.0, 1, 1000)
+        cache, count = PrefixCache(16, capacity=10**9), TokenCounter()
+        for arrival in arrivals:
+            prompt = json.loads(arrival.body)["prompt"]
+            cache.admit(cache.text_blocks(prompt), count(prompt))
+        ideal = workload.ideal_hit_rate(arrivals)
+        assert ideal == pytest.approx(cache.hit_rate)
+        assert low <= ideal <= high, name
+
+
+def test_ideal_hit_rate_counts_a_repeated_prompt_less_its_last_token() -> None:
+    prompt = " ".join(["word"] * 64)  # 64 tokens: 4 blocks of 16
+    body = json.dumps({"prompt": prompt}).encode()
+    once = workload.Arrival(0, 0.0, workload.RequestSpec(64, 1), body)
+    twice = [once, dataclasses.replace(once, index=1)]
+    assert workload.ideal_hit_rate([once]) == 0.0
+    assert workload.ideal_hit_rate(twice) == pytest.approx(63 / 128)
+    assert workload.ideal_hit_rate([]) is None
 
 
 def test_imbalance_weighs_every_change_by_its_duration() -> None:

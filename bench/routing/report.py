@@ -55,6 +55,7 @@ class RunMetrics:
     gateway_exit: int | None = None
     gateway_problems: list[str] = field(default_factory=list)
     prefix_hit_rate: float | None = None  # the fleet's prefix cache: cached / prompt tokens
+    ideal_hit_rate: float | None = None  # one unbounded cache: workload.ideal_hit_rate
     # The most loaded unit's outstanding / capacity over the fleet's mean, time-weighted
     # over every change of outstanding while the fleet is busy (bench.routing.imbalance):
     # 1.0 is a perfectly even fleet
@@ -137,6 +138,10 @@ COLUMNS: tuple[tuple[str, Callable[[RunMetrics], str]], ...] = (
     (
         "cache hit %",
         lambda m: _fmt(None if m.prefix_hit_rate is None else 100 * m.prefix_hit_rate, 0),
+    ),
+    (
+        "ideal hit %",
+        lambda m: _fmt(None if m.ideal_hit_rate is None else 100 * m.ideal_hit_rate, 0),
     ),
     ("max/mean p50", lambda m: _fmt(m.peak_over_mean_p50, 2)),
     ("max/mean p99", lambda m: _fmt(m.peak_over_mean_p99, 2)),

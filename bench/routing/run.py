@@ -341,6 +341,8 @@ async def policy_run(
     metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)
     queries, hits = (a - b for a, b in zip(cache_after, cache_before, strict=True))
     metrics.prefix_hit_rate = hits / queries if queries else None
+    if s.mix.shares_prefixes:  # after the run: nothing is being timed
+        metrics.ideal_hit_rate = await asyncio.to_thread(workload.ideal_hit_rate, arrivals)
     spread = load_imbalance(s, units, run)
     metrics.peak_over_mean_p50, metrics.peak_over_mean_p99 = spread.p50, spread.p99
     metrics.ideal_over_mean_p99 = spread.ideal_p99

@@ -31,11 +31,12 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.tokens import WORDS
+from engine.prefix_cache import PrefixCache
+from engine.tokens import WORDS, TokenCounter
 
 MODEL = "unitproxy-sim"  # the sim engine's served model
 
@@ -136,6 +137,27 @@ def poisson_arrivals(
         spec, body = source.draw(rng, index)
         arrivals.append(Arrival(index, at, spec, body))
     return arrivals
+
+
+def ideal_hit_rate(arrivals: Sequence[Arrival], block_size: int = 16) -> float | None:
+    """The fleet's prefix-cache hit rate had every unit's cache been one, unbounded:
+    each prompt's leading full blocks (the simulator's, ``engine.prefix_cache``) that
+    some earlier prompt of the run already had, less the last prompt token, as the
+    simulator counts a hit. No policy does better on a fleet whose caches start empty:
+    what it misses beyond this is a prefix it sent where the prefix was not, or one the
+    cache evicted. None for a run without prompts."""
+    cache, count = PrefixCache(block_size, capacity=0), TokenCounter()
+    seen: set[int] = set()
+    queries = hits = 0
+    for arrival in arrivals:
+        prompt = json.loads(arrival.body)["prompt"]
+        blocks = cache.text_blocks(prompt)
+        held = next((i for i, block in enumerate(blocks) if block not in seen), len(blocks))
+        seen.update(blocks)
+        tokens = count(prompt)
+        queries += tokens
+        hits += max(0, min(held * block_size, tokens - 1))
+    return hits / queries if queries else None
 
 
 def request_stream(
