@@ -123,3 +123,16 @@ def test_prefix_cost_quick_mode_runs() -> None:
     assert [r[2] for r in rows] == ["lor", "prefix", "prefix"] * 4
     assert all(float(r[-3]) > 0 for r in rows)  # µs per request
     assert all(float(r[-1]) > 0 for r in rows if r[2] == "prefix")  # blocks held
+
+
+def test_prefix_bound_policies_name_their_gateway_flags() -> None:
+    from bench.routing import run
+
+    s = run.parse_settings(["--quick", "--policies", "lor,prefix-b0.3,prefix-b1-s0"])
+    assert s.gateway_args("prefix-b0.3") == [
+        "--policy", "prefix", "--prefix-balance", "0.3", "--prefix-slack", "1",
+    ]  # fmt: skip
+    assert s.gateway_args("prefix-b1-s0")[-4:] == ["--prefix-balance", "1", "--prefix-slack", "0"]
+    assert s.gateway_args("lor") == ["--policy", "lor"]
+    with pytest.raises(SystemExit):
+        run.parse_settings(["--policies", "prefix-bhigh"])

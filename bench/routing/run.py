@@ -45,6 +45,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -79,6 +80,15 @@ OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_
                 "lor-as-at-1000", "lor-2gw", "prefix-2gw")  # fmt: skip
 REPLICAS = 2  # gateways of the -2gw policies, each with its own index
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
+# policy prefix with its bound set: prefix-b0.3 (--prefix-balance 0.3), prefix-b0.3-s0
+# (and --prefix-slack 0), to trace hit rate against imbalance
+PREFIX_BOUND = re.compile(r"prefix-b([0-9]*\.?[0-9]+)(?:-s([0-9]+))?")
+
+
+def own_policy(name: str) -> bool:
+    return name in OWN_POLICIES or PREFIX_BOUND.fullmatch(name) is not None
+
+
 SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
 RUN_LIMIT_FACTOR = 2.0  # a run sends at most this many times the expected requests (+100)
 GATEWAY_TRIES = 3  # starts of a run's gateway before the run is given up
@@ -122,6 +132,9 @@ class BenchSettings:
     def gateway_args(self, policy: str) -> list[str]:
         """The gateway's policy flags for one of OWN_POLICIES."""
         delay = ["--report-delay", f"{self.report_delay_s:g}"]
+        if bound := PREFIX_BOUND.fullmatch(policy):
+            balance, slack = bound.group(1), bound.group(2) or "1"
+            return ["--policy", "prefix", "--prefix-balance", balance, "--prefix-slack", slack]
         return {
             "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
             "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
@@ -540,8 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=_names,
         metavar="NAME[,NAME...]",
-        help=f"of {', '.join(ALL_POLICIES)}. Default all; a peer router's policies are "
-        "skipped, and reported, when it is not installed.",
+        help=f"of {', '.join(ALL_POLICIES)}, or prefix-bB[-sS] (policy prefix with "
+        "--prefix-balance B and --prefix-slack S, default 1). Default all; a peer router's "
+        "policies are skipped, and reported, when it is not installed.",
     )
     add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")
     add(
@@ -591,7 +605,7 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     args = parser.parse_args(argv)
     quick = bool(args.quick)
     policies = tuple(dict.fromkeys(args.policies or ALL_POLICIES))
-    unknown = [p for p in policies if p not in ALL_POLICIES]
+    unknown = [p for p in policies if p not in ALL_POLICIES and not own_policy(p)]
     if unknown:
         parser.error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(ALL_POLICIES)}")
     duration = args.duration if args.duration is not None else (5.0 if quick else 20.0)
@@ -655,7 +669,7 @@ def build_report(
             "mean_output_tokens": mean_output,
         },
         "fleet": [{**spec.to_json(), "model_rate": spec.model_rate(*r.means)} for spec in r.specs],
-        "gateway_args": {p: s.gateway_args(p) for p in s.policies if p in OWN_POLICIES},
+        "gateway_args": {p: s.gateway_args(p) for p in s.policies if own_policy(p)},
         "peers": {
             p: peers.PEER_POLICIES[p].to_json() for p in s.policies if p in peers.PEER_POLICIES
         },
