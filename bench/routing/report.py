@@ -191,7 +191,13 @@ def routing_table(rows: Sequence[RunMetrics], load_pct: int, shares: dict[str, f
     return "\n".join(lines)
 
 
-def goal(rows: Sequence[RunMetrics], spec: tuple[str, str, int, float] = GOAL) -> dict[str, Any]:
+def goal(
+    rows: Sequence[RunMetrics],
+    spec: tuple[str, str, int, float] = GOAL,
+    reference: str = "lor",
+) -> dict[str, Any]:
+    """``good``'s goodput@1s over ``base``'s at one load (% of the saturation through
+    ``reference``)."""
     good, base, load_pct, want = spec
     by = {(m.policy, m.load_pct): m for m in rows}
     mine, theirs = by.get((good, load_pct)), by.get((base, load_pct))
@@ -204,7 +210,8 @@ def goal(rows: Sequence[RunMetrics], spec: tuple[str, str, int, float] = GOAL) -
     ratio = math.inf if b == 0 else a / b
     met = ratio >= want
     line = (
-        f"goal: {good} goodput@1s {a:.1f} r/s vs {base} {b:.1f} r/s at {load_pct} % load: "
+        f"goal: {good} goodput@1s {a:.1f} r/s vs {base} {b:.1f} r/s at {load_pct} % load"
+        f"{'' if reference == 'lor' else f' (of the saturation through {reference})'}: "
         f"{ratio:.2f}x (want >= {want}x): {'MET' if met else 'NOT MET'}"
     )
     return {

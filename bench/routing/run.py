@@ -115,6 +115,7 @@ class BenchSettings:
     quick: bool
     out: Path
     workload: str = "plain"
+    load_reference: str = "lor"  # the loads are % of the saturation through this policy
 
     @property
     def png(self) -> Path:
@@ -401,7 +402,7 @@ class Results:
 
     specs: list[fleet.UnitSpec]
     means: tuple[float, float]
-    saturation: Saturation | None = None  # the reference of the loads: through lor
+    saturation: Saturation | None = None  # through lor
     saturation_prefix: Saturation | None = None  # with shared prefixes, when prefix runs too
     rows: list[report.RunMetrics] = field(default_factory=list)
     failed_runs: list[dict[str, Any]] = field(default_factory=list)
@@ -409,6 +410,13 @@ class Results:
     sidecar_problems: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # policy: why it was not run
     get_load: str | None = None  # what a unit answers to the peers' load poll
+    load_reference: str = "lor"  # whose saturation the loads are % of
+
+    @property
+    def reference(self) -> Saturation | None:
+        """The saturation that the loads are percentages of."""
+        return self.saturation_prefix if self.load_reference == "prefix" else self.saturation
+
     http2_probes: int = 0  # log records on the units from sglang-router's HTTP/2 preface
     stopped_by: str | None = None  # why the benchmark ended early, if it did
 
@@ -433,16 +441,19 @@ async def bench(s: BenchSettings, results: Results) -> None:
                 f"saturation {sat.measured:.1f} r/s from tokens/s (model {sat.model:.1f} r/s, "
                 f"completions in the window {sat.completions_per_s:.1f} r/s)"
             )
-        if s.mix.shares_prefixes and "prefix" in s.policies:
-            # What the fleet sustains through prefix, for the record only: the loads are
-            # % of lor's saturation for every policy (one offered rate per load).
+        if s.mix.shares_prefixes and ("prefix" in s.policies or s.load_reference == "prefix"):
+            # What the fleet sustains through prefix: the loads' reference with
+            # --load-reference prefix, else for the record (one offered rate per load).
             async with fleet_for(s, results, session) as cold:
                 by_prefix = await measure_saturation(s, cold, session, results.means, "prefix")
             results.saturation_prefix = by_prefix
-            progress(f"saturation through prefix {by_prefix.measured:.1f} r/s (for the record)")
+            progress(f"saturation through prefix {by_prefix.measured:.1f} r/s")
+        results.load_reference = s.load_reference
+        reference = results.reference
+        assert reference is not None  # measured above
         for load_pct, policy in _runs(s, results):
             async with fleet_for(s, results, session) as cold:
-                await one_run(s, policy, load_pct, sat.measured, cold, session, results)
+                await one_run(s, policy, load_pct, reference.measured, cold, session, results)
 
 
 def _runs(s: BenchSettings, results: Results) -> list[tuple[int, str]]:
@@ -545,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--loads",
         type=_loads,
         metavar="PCT[,PCT...]",
-        help="loads in %% of the saturation throughput measured through lor (one offered rate "
+        help="loads in %% of the saturation throughput measured through lor, or prefix with "
+        "--load-reference prefix (one offered rate "
         "per load for every policy). Default 50,70,85,95 "
         "(--quick: 50,85).",
     )
@@ -574,6 +586,13 @@ def build_parser() -> argparse.ArgumentParser:
         "slots. Default mixed.",
     )
     add("--seed", type=int, default=1, help="seed of the workload and the units. Default 1.")
+    add(
+        "--load-reference",
+        choices=("lor", "prefix"),
+        default="lor",
+        help="the loads are %% of the saturation measured through this policy (prefix: what "
+        "the fleet sustains with its caches used; shared-prefix workloads only). Default lor.",
+    )
     add(
         "--report-delay",
         type=float,
@@ -613,6 +632,8 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     if not 0 <= warmup < duration or args.drain <= 0 or args.units < 1:
         parser.error("need 0 <= --warmup < --duration, --drain above 0 and --units at least 1")
     window = args.saturation_window or (4.0 if quick else 20.0)
+    if args.load_reference == "prefix" and not workload.WORKLOADS[args.workload].shares_prefixes:
+        parser.error("--load-reference prefix needs a workload with shared prefixes")
     return BenchSettings(
         duration_s=duration,
         warmup_s=warmup,
@@ -628,6 +649,7 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
         quick=quick,
         out=args.out or default_out(args.workload, quick),
         workload=args.workload,
+        load_reference=args.load_reference,
     )
 
 
@@ -682,7 +704,9 @@ def build_report(
         "saturation_prefix": asdict(r.saturation_prefix) if r.saturation_prefix else None,
         "runs": [m.to_json() for m in r.rows],
         "failed_runs": r.failed_runs,
-        "goal": report.goal(r.rows, PREFIX_GOAL if s.mix.shares_prefixes else report.GOAL),
+        "goal": report.goal(
+            r.rows, PREFIX_GOAL if s.mix.shares_prefixes else report.GOAL, s.load_reference
+        ),
         "goal_peers": report.peer_goal(
             r.rows,
             list(peers.PEER_POLICIES),
@@ -739,16 +763,16 @@ def print_report(data: dict[str, Any], r: Results) -> None:
             f"{sat.completions_per_s:.2f} r/s); model {sat.model:.2f} r/s; "
             f"errors {sat.errors or 0}"
         )
-    if sat is not None:
-        print(
-            f"load: every policy is offered the same rate, load % x {sat.measured:.2f} r/s "
-            f"(the saturation through {sat.policy}, the default policy)"
-        )
     if r.saturation_prefix is not None and sat is not None:
         by_prefix = r.saturation_prefix.measured
         print(
             f"saturation through prefix: {by_prefix:.2f} r/s, {by_prefix / sat.measured:.2f}x "
-            f"lor's (not the loads' reference)"
+            f"lor's ({r.saturation_prefix.window_s:g} s window)"
+        )
+    if (ref := r.reference) is not None:
+        print(
+            f"load: every policy is offered the same rate, load % x {ref.measured:.2f} r/s "
+            f"(the saturation through {ref.policy})"
         )
     s = data["settings"]
     print(
