@@ -76,6 +76,8 @@ def test_ideal_hit_rate_counts_a_repeated_prompt_less_its_last_token() -> None:
     twice = [once, dataclasses.replace(once, index=1)]
     assert workload.ideal_hit_rate([once]) == 0.0
     assert workload.ideal_hit_rate(twice) == pytest.approx(63 / 128)
+    later = [once, dataclasses.replace(once, index=1, at_s=5.0)]
+    assert workload.ideal_hit_rate(later, from_s=5.0) == pytest.approx(63 / 64)  # the window
     assert workload.ideal_hit_rate([]) is None
 
 

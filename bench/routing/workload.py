@@ -139,11 +139,14 @@ def poisson_arrivals(
     return arrivals
 
 
-def ideal_hit_rate(arrivals: Sequence[Arrival], block_size: int = 16) -> float | None:
+def ideal_hit_rate(
+    arrivals: Sequence[Arrival], block_size: int = 16, from_s: float = 0.0
+) -> float | None:
     """The fleet's prefix-cache hit rate had every unit's cache been one, unbounded:
     each prompt's leading full blocks (the simulator's, ``engine.prefix_cache``) that
     some earlier prompt of the run already had, less the last prompt token, as the
-    simulator counts a hit. No policy does better on a fleet whose caches start empty:
+    simulator counts a hit; over the prompts that arrive from ``from_s`` on (the earlier
+    ones fill the cache). No policy does better on a fleet whose caches start empty:
     what it misses beyond this is a prefix it sent where the prefix was not, or one the
     cache evicted. None for a run without prompts."""
     cache, count = PrefixCache(block_size, capacity=0), TokenCounter()
@@ -154,9 +157,10 @@ def ideal_hit_rate(arrivals: Sequence[Arrival], block_size: int = 16) -> float |
         blocks = cache.text_blocks(prompt)
         held = next((i for i, block in enumerate(blocks) if block not in seen), len(blocks))
         seen.update(blocks)
-        tokens = count(prompt)
-        queries += tokens
-        hits += max(0, min(held * block_size, tokens - 1))
+        if arrival.at_s >= from_s:
+            tokens = count(prompt)
+            queries += tokens
+            hits += max(0, min(held * block_size, tokens - 1))
     return hits / queries if queries else None
 
 
