@@ -138,3 +138,16 @@ def test_prefix_bound_policies_name_their_gateway_flags() -> None:
     assert s.gateway_args("lor") == ["--policy", "lor"]
     with pytest.raises(SystemExit):
         run.parse_settings(["--policies", "prefix-bhigh"])
+
+
+def test_the_deep_fleet_finishes_as_much_with_more_requests_outstanding() -> None:
+    from bench.routing import fleet
+
+    mixed, deep = fleet.fleet_specs(8, 1, "mixed"), fleet.fleet_specs(8, 1, "deep")
+    for a, b in zip(mixed, deep, strict=True):
+        assert b.slots == fleet.DEEP * a.slots and b.capacity == fleet.DEEP * a.capacity
+        assert b.model_rate(2000, 50) == pytest.approx(a.model_rate(2000, 50))
+        # a request holds its slot DEEP x as long: Little's law, DEEP x outstanding
+        step_a = a.decode_step_ms + a.decode_ms_per_seq * a.slots
+        step_b = b.decode_step_ms + b.decode_ms_per_seq * b.slots
+        assert step_b == pytest.approx(fleet.DEEP * step_a)

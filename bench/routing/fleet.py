@@ -100,7 +100,11 @@ BASE_PREFILL_MS_PER_TOKEN = 0.1
 CAPACITY_PER_SLOT = 4
 
 
-FLEETS = ("mixed", "tiered")
+FLEETS = ("mixed", "tiered", "deep")
+# ``deep``: a unit runs this many times the sequences at once, each as much slower
+# (the step's fixed part that much longer), so it finishes the same tokens a second
+# with this many times the requests outstanding, as engines with large batches do.
+DEEP = 4
 
 
 def fleet_specs(units: int, seed: int, kind: str = "mixed") -> list[UnitSpec]:
@@ -108,7 +112,10 @@ def fleet_specs(units: int, seed: int, kind: str = "mixed") -> list[UnitSpec]:
 
     ``mixed``: odd units have half the slots, fast or slow. ``tiered``: the slow half
     has half the slots too, like an older generation of hardware with less memory.
+    ``deep``: ``mixed`` with ``DEEP`` x the slots and the decode step's fixed part, the
+    same throughput a unit with about 25 requests outstanding at 85 % load, not 6.
     """
+    depth = DEEP if kind == "deep" else 1
     fast = units - units // 2
     slow = units - fast
     specs = []
@@ -116,14 +123,14 @@ def fleet_specs(units: int, seed: int, kind: str = "mixed") -> list[UnitSpec]:
         k = i - fast
         slowdown = 1.0 if k < 0 else 1.25 + (0.25 * k / (slow - 1) if slow > 1 else 0.0)
         small = k >= 0 if kind == "tiered" else i % 2 == 1
-        slots = BASE_SLOTS // 2 if small else BASE_SLOTS
+        slots = depth * (BASE_SLOTS // 2 if small else BASE_SLOTS)
         specs.append(
             UnitSpec(
                 id=f"u{i}",
                 slots=slots,
                 capacity=CAPACITY_PER_SLOT * slots,
                 slowdown=round(slowdown, 3),
-                decode_step_ms=round(BASE_DECODE_STEP_MS * slowdown, 3),
+                decode_step_ms=round(depth * BASE_DECODE_STEP_MS * slowdown, 3),
                 decode_ms_per_seq=round(BASE_DECODE_MS_PER_SEQ * slowdown, 4),
                 prefill_ms_per_token=round(BASE_PREFILL_MS_PER_TOKEN * slowdown, 4),
                 seed=seed * 1000 + i,

@@ -595,7 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=fleet.FLEETS,
         default="mixed",
         help="mixed: odd units have half the slots; tiered: the slow half has half the "
-        "slots. Default mixed.",
+        f"slots; deep: mixed with {fleet.DEEP}x the slots, each sequence as much slower (the "
+        "same throughput, that many more requests outstanding). Default mixed.",
     )
     add("--seed", type=int, default=1, help="seed of the workload and the units. Default 1.")
     add(
