@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +34,9 @@ def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
     ]
     for cell in cells:
         assert "error" not in cell, cell
-        assert cell["reports_per_s"] > 0 and cell["us_per_report"] > 0, cell
+        # the gateway's CPU comes in clock ticks of 10 ms: a light source (poll) in a
+        # window this short may read none
+        assert cell["reports_per_s"] > 0 and cell["us_per_report"] >= 0, cell
         assert cell["report_age_p99_s"] < 5, cell  # every unit's view stayed fresh
         assert not cell["gateway_problems"], cell
         if cell["source"] != "redis":  # the gateway's budget held (Redis: units decide)
@@ -44,3 +49,41 @@ def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
     assert selection["no-such-policy", 30] is None
     assert selection["lor", 30] > 0 and selection["p2c", 30] > 0
     assert "goals:" in done.stdout
+
+
+def emulated_fleet(*argv: str) -> Any:
+    from bench.scale import fleet
+
+    return fleet.Fleet(fleet.parse_args(["--ready-file", "unused", *argv]))
+
+
+def test_the_lazy_load_model_draws_the_queue_s_transient() -> None:
+    # From x0 requests, after dt: Binomial(x0, p) + Poisson(lambda/mu (1 - p)), p = e^-mu dt;
+    # a capacity far above the mean, so that the clipping takes nothing off.
+    f = emulated_fleet("--units", "1", "--capacity", "400", "--utilization", "0.1")
+    lam, mu = f.arrival_rate[0], f.finish_rate[0]
+    for dt in (0.05, 0.5, 5.0):
+        p = math.exp(-mu * dt)
+        mean = 60 * p + lam / mu * (1 - p)
+        variance = 60 * p * (1 - p) + lam / mu * (1 - p)
+        draws = []
+        for _ in range(20_000):
+            f.outstanding[0], f.drawn_at[0] = 60, 0.0
+            draws.append(f.draw(0, dt))
+        assert statistics.fmean(draws) == pytest.approx(mean, rel=0.02), dt
+        assert statistics.variance(draws) == pytest.approx(variance, rel=0.1), dt
+
+
+def test_the_lazy_load_model_stays_within_capacity_and_schedules_one_change() -> None:
+    f = emulated_fleet("--units", "3", "--capacity", "8", "--utilization", "1.5")
+    now = f.clock()
+    assert all(0 <= f.draw(i, now + 10.0) <= 8 for i in range(3) for _ in range(100))
+    unit = f.units[1]
+    seen = unit.changes.version
+    unit.report()
+    unit.report()  # a change is scheduled already: not another
+    assert len(f._scheduled) == 1 and f.stats["draws"] >= 1
+    f.notify_due(now)  # not due yet (an exponential wait from the report)
+    assert unit.changes.version == seen
+    f.notify_due(now + 3600.0)
+    assert unit.changes.version == seen + 1 and f.stats["changes"] == 1 and not f._scheduled

@@ -14,12 +14,18 @@ requests can be routed through a gateway to the fleet.
 Load moves like a loaded fleet's: each unit has a capacity and a mean request duration
 (units differ, 0.75-1.5x), requests arrive at random (Poisson) at ``utilization`` of
 what the unit can finish and each finishes at random (exponential durations, as a
-continuous batcher's mix of output lengths looks from outside); every tick (the
-sidecar's coalescing interval, 5 ms) advances the whole fleet by that much, and each
-unit whose outstanding moved notifies its watchers. The emulator cannot write as many
-reports as a real fleet would on two cores: a watch that falls behind folds changes
-into its next report, exactly as a sidecar's does, and ``GET /stats`` on the control
-port says how many reports went out and how many changes the load model made.
+continuous batcher's mix of output lengths looks from outside). The model is lazy, so
+that the process has its cores for the units' reports and streams however large the
+fleet: a unit's outstanding is drawn only when a report is made, from the exact law
+of that queue (M/M/infinity) over the time since the last draw, clipped to the
+capacity (``Fleet.draw``); after each report one change is scheduled at the time the
+queue's next event would come (exponential, at the unit's event rate: memoryless, so
+the first change a watch sees after its report comes when it would have with every
+event played), and that change notifies the unit's watchers. A watch folds changes
+into its next report at the interval it asked for, exactly as a sidecar's does.
+``GET /stats`` on the control port says how many reports went out, how many changes
+were notified, and how many events the model stands for (``events``: the expected
+arrivals and finishes between draws, summed).
 
     .venv/bin/python -m bench.scale.fleet --units 1000 --source watch --ready-file f.json
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import json
 import math
 import os
@@ -87,7 +94,9 @@ class EmulatedUnit:
     def report(self) -> LoadReport:
         self._seq += 1
         f, i = self.fleet, self.index
-        outstanding = int(f.outstanding[i]) + self.serving_now
+        now = f.clock()
+        outstanding = f.draw(i, now) + self.serving_now
+        f.schedule_change(i, now)
         running = min(outstanding, f.slots)
         return LoadReport(
             unit_id=self.id,
@@ -119,60 +128,90 @@ class Fleet:
         # ``utilization`` of what the unit finishes when it holds ``capacity``.
         self.finish_rate = [1 / (args.duration_s * rng.uniform(0.75, 1.5)) for _ in range(n)]
         self.arrival_rate = [args.utilization * self.capacity * mu for mu in self.finish_rate]
+        # each unit starts from the stationary law (Poisson, clipped)
         self.outstanding = [
-            min(self.capacity, max(0, round(rng.gauss(args.utilization * self.capacity, 4))))
-            for _ in range(n)
+            min(self.capacity, poisson(rng, lam / mu))
+            for lam, mu in zip(self.arrival_rate, self.finish_rate, strict=True)
         ]
-        # Thinning: events at a bound on any unit's rate, each kept with its real odds.
-        self.rate_bound = max(self.arrival_rate) + max(self.finish_rate) * self.capacity
+        self.clock = time.monotonic  # the event loop's clock
+        self.drawn_at = [self.clock()] * n  # each unit's last draw
+        self._scheduled: list[tuple[float, int]] = []  # (when, unit): next changes, a heap
+        self._pending = [False] * n  # whether a unit has a change scheduled
         self.units = [EmulatedUnit(self, i, f"{args.prefix}{i:05d}") for i in range(n)]
         self.by_port: dict[int, EmulatedUnit] = {}
         self.any_change = Broadcast()
         self.stats: dict[str, float] = {
             "reports": 0,
-            "changes": 0,
-            "ticks": 0,
+            "changes": 0,  # notified to watchers
+            "events": 0.0,  # arrivals and finishes the model stands for (expected)
+            "draws": 0,
             "late_ticks": 0,
             "requests": 0,
         }
 
     # --- the load model ---------------------------------------------------------------
 
-    def tick(self, dt: float) -> None:
-        """Advance every unit by ``dt``: arrivals (refused at capacity) and finishes."""
-        rng, n = self.rng, len(self.units)
-        lam, mu, out, cap = self.arrival_rate, self.finish_rate, self.outstanding, self.capacity
-        bound = self.rate_bound
-        changed: set[int] = set()
-        for _ in range(poisson(rng, bound * n * dt)):
-            i = rng.randrange(n)
-            x = rng.random() * bound
-            if x < lam[i]:
-                if out[i] < cap:
-                    out[i] += 1
-                    changed.add(i)
-            elif x < lam[i] + mu[i] * out[i]:
-                out[i] -= 1
-                changed.add(i)
-        self.stats["changes"] += len(changed)
-        self.stats["ticks"] += 1
-        units = self.units
-        for i in changed:
+    def draw(self, i: int, now: float) -> int:
+        """Unit ``i``'s outstanding at ``now``: from ``x`` at the last draw, ``dt``
+        earlier, each request still there with odds ``p = exp(-mu dt)`` (binomial) and
+        the arrivals since still there Poisson with mean ``lambda / mu (1 - p)``, the
+        transient of an M/M/infinity queue; clipped to the capacity (arrivals a full
+        unit would refuse), which a queue near its mean, as these are, rarely reaches."""
+        dt = now - self.drawn_at[i]
+        x0 = self.outstanding[i]
+        if dt <= 0:
+            return x0
+        lam, mu = self.arrival_rate[i], self.finish_rate[i]
+        stay = math.exp(-mu * dt)
+        x = min(
+            self.capacity, binomial(self.rng, x0, stay) + poisson(self.rng, lam / mu * (1 - stay))
+        )
+        self.outstanding[i], self.drawn_at[i] = x, now
+        self.stats["events"] += (lam + mu * (x0 + x) / 2) * dt
+        self.stats["draws"] += 1
+        return x
+
+    def schedule_change(self, i: int, now: float) -> None:
+        """After a report of unit ``i``: its next change, when the queue's next event
+        (an arrival or a finish, at rate ``lambda + mu x``) comes; one at a time."""
+        if self._pending[i]:
+            return
+        rate = self.arrival_rate[i] + self.finish_rate[i] * self.outstanding[i]
+        self._pending[i] = True
+        heapq.heappush(self._scheduled, (now + self.rng.expovariate(rate), i))
+
+    def notify_due(self, now: float) -> None:
+        """Every scheduled change that is due notifies its unit's watchers."""
+        scheduled, units = self._scheduled, self.units
+        changed = False
+        while scheduled and scheduled[0][0] <= now:
+            _, i = heapq.heappop(scheduled)
+            self._pending[i] = False
             units[i].changes.notify()
+            changed = True
+            self.stats["changes"] += 1
         if changed:
             self.any_change.notify()
 
-    async def run_ticks(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def run_changes(self) -> None:
+        """Notify the due changes every coalescing interval (the sidecar's, 5 ms)."""
         dt = self.coalesce_s
-        last = loop.time()
+        last = self.clock()
         while True:
             await asyncio.sleep(dt)
-            now = loop.time()
-            elapsed, last = now - last, now
-            if elapsed > 2 * dt:
+            now = self.clock()
+            if now - last > 2 * dt:
                 self.stats["late_ticks"] += 1
-            self.tick(min(elapsed, 0.5))
+            last = now
+            self.notify_due(now)
+
+
+def binomial(rng: random.Random, n: int, p: float) -> int:
+    """A binomial draw: ``n`` coin flips for small ``n``, the normal beyond."""
+    if n > 200:
+        spread = math.sqrt(n * p * (1 - p))
+        return min(n, max(0, round(rng.gauss(n * p, spread))))
+    return sum(rng.random() < p for _ in range(n))
 
 
 def poisson(rng: random.Random, mean: float) -> int:
@@ -395,7 +434,7 @@ async def main(args: argparse.Namespace) -> None:
         else:
             for unit in fleet.units:  # never dialled: load comes by HTTP or Redis
                 unit.grpc_target = f"{HOST}:1"
-        tasks = [asyncio.create_task(fleet.run_ticks(), name="ticks")]
+        tasks = [asyncio.create_task(fleet.run_changes(), name="changes")]
         if args.source == "redis":
             publisher = publish_redis(fleet, args.redis_url, args.cluster)
             tasks.append(asyncio.create_task(publisher, name="redis"))

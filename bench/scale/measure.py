@@ -88,6 +88,13 @@ class Requests:
     ttft_ms: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
 
+    def add(self, other: Requests) -> None:
+        """Pool another round's requests into these."""
+        self.count += other.count
+        self.errors += other.errors
+        self.ttft_ms += other.ttft_ms
+        self.elapsed_s += other.elapsed_s
+
     def summary(self) -> dict[str, Any]:
         return {
             "requests": self.count,

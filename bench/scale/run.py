@@ -86,6 +86,7 @@ class Plan:
     window_s: float
     request_s: float
     concurrency: int
+    request_rounds: int
     selection_s: float
     chunk_ms: float
     out: Path
@@ -204,19 +205,31 @@ async def requests_window(
     spec: dict[str, Any],
     cell: dict[str, Any],
 ) -> dict[str, Any]:
-    before, cpu0, t0 = (
-        await fleet_stats(session, spec["control"]),
-        tree_cpu_s(pid),
-        time.monotonic(),
-    )
-    through = await measure.drive([url], plan.concurrency, plan.request_s)
-    cpu, elapsed = tree_cpu_s(pid) - cpu0, time.monotonic() - t0
-    after = await fleet_stats(session, spec["control"])
-    # Straight to a few units, on warm connections: what a client beside them would see.
+    # Through the gateway and straight to a few units (what a client beside them would
+    # see), in rounds that take turns, each first in every other round: what the host
+    # is doing meanwhile weighs on both alike.
     direct_urls = [u["http"] for u in spec["units"][:8]]
-    direct = await measure.drive(direct_urls, plan.concurrency, plan.request_s)
-    # Reports kept coming meanwhile: take off what they cost in the reports-only window.
-    background = (after["reports"] - before["reports"]) * (cell["us_per_report"] or 0) / 1e6
+    through, direct = measure.Requests(), measure.Requests()
+    cpu = elapsed = background = 0.0
+    round_s = plan.request_s / plan.request_rounds
+    for k in range(plan.request_rounds):
+        for leg in ("through", "direct") if k % 2 == 0 else ("direct", "through"):
+            if leg == "direct":
+                direct.add(await measure.drive(direct_urls, plan.concurrency, round_s, seed=k))
+                continue
+            before, cpu0, t0 = (
+                await fleet_stats(session, spec["control"]),
+                tree_cpu_s(pid),
+                time.monotonic(),
+            )
+            through.add(await measure.drive([url], plan.concurrency, round_s, seed=k))
+            cpu += tree_cpu_s(pid) - cpu0
+            elapsed += time.monotonic() - t0
+            after = await fleet_stats(session, spec["control"])
+            # Reports kept coming meanwhile: take off what they cost in the reports-only window.
+            background += (
+                (after["reports"] - before["reports"]) * (cell["us_per_report"] or 0) / 1e6
+            )
     per_request = (cpu - background) / through.count * 1e6 if through.count else None
     return {
         "through": through.summary(),
@@ -284,6 +297,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
     p.add_argument("--window", type=float, help="seconds of reports only (default 10; quick 3)")
     p.add_argument("--request-window", type=float, help="seconds of requests (default 8; quick 3)")
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--request-rounds", type=int,
+                   help="rounds of requests, through the gateway and direct in turn, over "
+                        "the request window (default 4; quick 2)")  # fmt: skip
     p.add_argument("--chunk-ms", type=float, default=20.0,
                    help="the units' pause between two chunks of a stream (default 20): "
                         "paced so that concurrency 64 does not fill the cores, as in "
@@ -306,6 +322,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
         window_s=a.window or (3.0 if quick else 10.0),
         request_s=a.request_window or (3.0 if quick else 8.0),
         concurrency=a.concurrency,
+        request_rounds=max(1, a.request_rounds or (2 if quick else 4)),
         selection_s=0.3 if quick else 1.0,
         chunk_ms=a.chunk_ms,
         out=a.out or (QUICK_OUT if quick else DEFAULT_OUT),
