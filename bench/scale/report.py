@@ -21,7 +21,8 @@ def cell_line(c: dict[str, Any]) -> str:
         return f"{c['units']:>5} {c['source']:<10} ERROR {c['error']}"
     line = (f"{c['units']:>5} {c['source']:<10} {c['reports_per_s']:>9.0f} rep/s "
             f"{c['report_cpu_pct']:>6.1f} %core {_f(c['us_per_report']):>7} µs/rep "
-            f"{c['rss_mb']:>7.1f} MB  age p99 {c['report_age_p99_s']:.3f} s  load {c['loadavg'][0]}")  # fmt: skip
+            f"{c['rss_mb']:>7.1f} MB  age p99 {c['report_age_p99_s']:.3f} s  load {c['loadavg'][0]}"
+            f"  emulator {c.get('fleet_cpu_pct', '-')} %core")  # fmt: skip
     if "added_ttft_p50_ms" in c:
         line += (f"  | TTFT +{c['added_ttft_p50_ms']:.2f} ms p50, "
                  f"{_f(c['cpu_us_per_request'])} µs CPU/req")  # fmt: skip

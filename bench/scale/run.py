@@ -182,8 +182,10 @@ async def reports_window(
         return fleet_stats(session, control)
 
     before, cpu0, load0, t0 = await stats(), tree_cpu_s(pid), measure.loadavg(), time.monotonic()
+    fleet0 = tree_cpu_s(int(before["pid"]))
     await asyncio.sleep(plan.window_s)
     after, cpu1, t1 = await stats(), tree_cpu_s(pid), time.monotonic()
+    fleet_cpu = tree_cpu_s(int(after["pid"])) - fleet0
     reports = after["reports"] - before["reports"]
     cpu = cpu1 - cpu0
     return {
@@ -191,6 +193,7 @@ async def reports_window(
         "reports_per_s": round(reports / (t1 - t0), 1),
         "changes_per_s": round((after["changes"] - before["changes"]) / (t1 - t0), 1),
         "report_cpu_pct": round(100 * cpu / (t1 - t0), 2),
+        "fleet_cpu_pct": round(100 * fleet_cpu / (t1 - t0), 1),  # the emulator's own
         "us_per_report": round(cpu / reports * 1e6, 2) if reports else None,
         "rss_mb": round(measure.rss_bytes(pid) / 2**20, 1),
         "loadavg": [load0, measure.loadavg()],
