@@ -72,6 +72,7 @@ class Limits:
         self.body_held = 0  # bytes of the bodies of the requests under way
         self.wheel = wheel
         self.metrics = metrics
+        metrics.body_buffer.set_function(lambda: self.body_held)  # read at scrape time
         self.open = 0
         self._refusing = 0  # connections refused since the cap was reached; 0: not at it
         self._loop = asyncio.get_running_loop()
@@ -106,12 +107,10 @@ class Limits:
             self.metrics.closed.labels("body_buffer").inc()
             return False
         self.body_held += size
-        self.metrics.body_buffer.set(self.body_held)
         return True
 
     def free_body(self, size: int) -> None:
         self.body_held -= size
-        self.metrics.body_buffer.set(self.body_held)
 
     def after(self, seconds: float, callback: object) -> Timer:
         return self.wheel.call_at(self._loop.time() + seconds, callback)  # type: ignore[arg-type]
