@@ -133,7 +133,7 @@ class Fleet:
             min(self.capacity, poisson(rng, lam / mu))
             for lam, mu in zip(self.arrival_rate, self.finish_rate, strict=True)
         ]
-        self.clock = time.monotonic  # the event loop's clock
+        self.clock = time.monotonic  # the draws' and the schedule's clock
         self.drawn_at = [self.clock()] * n  # each unit's last draw
         self._scheduled: list[tuple[float, int]] = []  # (when, unit): next changes, a heap
         self._pending = [False] * n  # whether a unit has a change scheduled
