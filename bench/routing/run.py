@@ -49,7 +49,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -349,7 +349,7 @@ async def policy_run(
         before = CpuSample.take(gateway, units)
         urls = [f"{url}/v1/completions" for url in router_urls(gateway)]
         # the caches' counters as the measured window opens, as its goodput and TTFT do
-        cache_warm = asyncio.create_task(_later(s.warmup_s, units.prefix_cache(session)))
+        cache_warm = asyncio.create_task(_later(s.warmup_s, lambda: units.prefix_cache(session)))
         try:
             run = await client.open_loop(session, urls, arrivals, s.drain_s)
             cache_before = await cache_warm
@@ -383,9 +383,9 @@ async def policy_run(
     return metrics
 
 
-async def _later(delay_s: float, what: Awaitable[T]) -> T:
+async def _later(delay_s: float, what: Callable[[], Awaitable[T]]) -> T:
     await asyncio.sleep(delay_s)
-    return await what
+    return await what()
 
 
 BUSY_PER_UNIT = 4  # the fleet counts as busy with this many outstanding per unit
