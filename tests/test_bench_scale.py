@@ -45,6 +45,7 @@ def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
     for cell in watch:
         assert cell["through"]["requests"] > 0 and cell["through"]["errors"] == 0, cell
         assert cell["direct"]["requests"] > 0 and cell["direct"]["errors"] == 0, cell
+        assert len(cell["added_ttft_p50_ms_by_round"]) == 2, cell  # quick: 2 rounds
     selection = {(r["policy"], r["units"]): r["us_per_request"] for r in result["selection"]}
     assert selection["no-such-policy", 30] is None
     assert selection["lor", 30] > 0 and selection["p2c", 30] > 0
