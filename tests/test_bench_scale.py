@@ -45,6 +45,7 @@ def test_quick_run_measures_every_cell(tmp_path: Path) -> None:
     for cell in watch:
         assert cell["through"]["requests"] > 0 and cell["through"]["errors"] == 0, cell
         assert cell["direct"]["requests"] > 0 and cell["direct"]["errors"] == 0, cell
+        assert len(cell["added_ttft_p50_ms_by_round"]) == 2, cell  # quick: 2 rounds
     selection = {(r["policy"], r["units"]): r["us_per_request"] for r in result["selection"]}
     assert selection["no-such-policy", 30] is None
     assert selection["lor", 30] > 0 and selection["p2c", 30] > 0
@@ -87,3 +88,21 @@ def test_the_lazy_load_model_stays_within_capacity_and_schedules_one_change() ->
     assert unit.changes.version == seen
     f.notify_due(now + 3600.0)
     assert unit.changes.version == seen + 1 and f.stats["changes"] == 1 and not f._scheduled
+
+
+def test_the_redis_publisher_s_schedule_follows_the_asked_interval() -> None:
+    from bench.scale.fleet import RedisSchedule
+
+    schedule = RedisSchedule(3, interval_s=1.0)
+    assert sorted(schedule.due(0.5)) == [0, 1, 2]  # every unit's first report at once
+    schedule.changed(0)
+    assert schedule.due(0.6) == [0]  # nothing asked: a change goes out at the next tick
+    assert schedule.due(1.4) == []
+    schedule.ask(2.0)  # the gateways ask for a report every 2 s: heartbeats move too
+    schedule.changed(1)  # folds into its report 2 s after the last, at 2.5
+    assert schedule.due(2.4) == []
+    assert sorted(schedule.due(2.5)) == [1, 2]  # unit 1's change, unit 2's heartbeat
+    assert schedule.due(2.6) == [0]
+    schedule.changed(2)
+    schedule.changed(2)  # one report for both
+    assert sorted(schedule.due(4.5)) == [1, 2]  # unit 2 once, unit 1 its heartbeat

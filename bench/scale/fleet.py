@@ -91,6 +91,12 @@ class EmulatedUnit:
             NodeStatus(f"{unit_id}-follower-0", "follower", "", True, "", started),
         )
 
+    def changed(self) -> None:
+        """Its load changed: its watchers' next report says so, and the Redis publisher's."""
+        self.changes.notify()
+        if self.fleet.changed is not None:
+            self.fleet.changed.add(self.index)
+
     def report(self) -> LoadReport:
         self._seq += 1
         f, i = self.fleet, self.index
@@ -140,6 +146,8 @@ class Fleet:
         self.units = [EmulatedUnit(self, i, f"{args.prefix}{i:05d}") for i in range(n)]
         self.by_port: dict[int, EmulatedUnit] = {}
         self.any_change = Broadcast()
+        # units changed since the Redis publisher last looked; None: no publisher
+        self.changed: set[int] | None = None
         self.stats: dict[str, float] = {
             "reports": 0,
             "changes": 0,  # notified to watchers
@@ -187,7 +195,7 @@ class Fleet:
         while scheduled and scheduled[0][0] <= now:
             _, i = heapq.heappop(scheduled)
             self._pending[i] = False
-            units[i].changes.notify()
+            units[i].changed()
             changed = True
             self.stats["changes"] += 1
         if changed:
@@ -302,7 +310,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     unit = unit_of(request)
     body = await request.json()
     unit.serving_now += 1
-    unit.changes.notify()
+    unit.changed()
     unit.fleet.stats["requests"] += 1
     chunks = unit.fleet.args.chunks
     gap_s = unit.fleet.args.chunk_ms / 1000
@@ -330,7 +338,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         unit.serving_now -= 1
-        unit.changes.notify()
+        unit.changed()
 
 
 async def start_http(fleet: Fleet, stack: contextlib.AsyncExitStack) -> None:
@@ -360,35 +368,83 @@ async def open_site(runner: web.AppRunner) -> int:
 # --- Redis: one pipeline for many units ----------------------------------------------
 
 
+class RedisSchedule:
+    """When each unit publishes next, as a sidecar's publisher decides it: a change at
+    most every interval the gateways ask for, a heartbeat at least every
+    ``max(interval, asked)``. One sorted schedule (a heap, an entry a unit, stale
+    entries skipped), so that a tick costs the units due, not a pass over the fleet."""
+
+    def __init__(self, n: int, interval_s: float):
+        self.interval_s = interval_s
+        self.asked_s = 0.0
+        self.sent_at = [-math.inf] * n
+        self.pending = [False] * n  # a change not yet published
+        self.due_at = [0.0] * n  # every unit's first report at once
+        self._heap = [(0.0, i) for i in range(n)]
+
+    @property
+    def heartbeat_s(self) -> float:
+        return max(self.interval_s, self.asked_s)
+
+    def ask(self, asked: float) -> None:
+        """The gateways ask for another interval: every unit's next report moves."""
+        if asked == self.asked_s:
+            return
+        self.asked_s = asked
+        self.due_at = [self._due(i) for i in range(len(self.due_at))]
+        self._heap = [(t, i) for i, t in enumerate(self.due_at)]
+        heapq.heapify(self._heap)
+
+    def _due(self, i: int) -> float:
+        return self.sent_at[i] + (self.asked_s if self.pending[i] else self.heartbeat_s)
+
+    def changed(self, i: int) -> None:
+        self.pending[i] = True
+        due = self._due(i)
+        if due < self.due_at[i]:
+            self.due_at[i] = due
+            heapq.heappush(self._heap, (due, i))
+
+    def due(self, now: float) -> list[int]:
+        """The units whose report is due at ``now``, each marked sent at ``now``."""
+        heap, out = self._heap, []
+        while heap and heap[0][0] <= now:
+            t, i = heapq.heappop(heap)
+            if t != self.due_at[i]:
+                continue  # moved since
+            out.append(i)
+            self.sent_at[i], self.pending[i] = now, False
+            self.due_at[i] = now + self.heartbeat_s
+            heapq.heappush(heap, (self.due_at[i], i))
+        return out
+
+
 async def publish_redis(fleet: Fleet, url: str, cluster: str) -> None:
     """Every tick: one report for each unit that changed or whose heartbeat is due, at
-    the interval gateways ask for in Redis, as sidecars publish."""
+    the interval gateways ask for in Redis, as sidecars publish, with the sidecar's TTL
+    (3 report intervals)."""
     from redis.asyncio import Redis
 
     keys = Keys(cluster)
-    ttl_ms = max(1, round(3 * fleet.interval_s * 1000))
     redis = Redis.from_url(url, decode_responses=True)
     n = len(fleet.units)
-    sent_seen = [-1] * n  # each unit's change version at its last report
-    sent_at = [-math.inf] * n
+    schedule = RedisSchedule(n, fleet.interval_s)
+    changed: set[int] = set()
+    fleet.changed = changed
     loop = asyncio.get_running_loop()
     try:
         while True:
             seen = fleet.any_change.version
-            asked = asked_s(await redis.get(keys.asked))  # as a sidecar's MULTI reads it
-            heartbeat_s = max(fleet.interval_s, asked)
-            now = loop.time()
-            due = [
-                u
-                for u in fleet.units
-                if (u.changes.version != sent_seen[u.index] and now - sent_at[u.index] >= asked)
-                or now - sent_at[u.index] >= heartbeat_s
-            ]
+            schedule.ask(asked_s(await redis.get(keys.asked)))  # as a sidecar's MULTI reads it
+            ttl_ms = max(1, round(3 * schedule.heartbeat_s * 1000))
+            for i in changed:
+                schedule.changed(i)
+            changed.clear()
+            due = schedule.due(loop.time())
             for start in range(0, len(due), REDIS_BATCH):
                 async with redis.pipeline(transaction=False) as pipe:
-                    for unit in due[start : start + REDIS_BATCH]:
-                        sent_seen[unit.index] = unit.changes.version
-                        sent_at[unit.index] = now
+                    for i in due[start : start + REDIS_BATCH]:
+                        unit = fleet.units[i]
                         data = unit.report().to_json()
                         pipe.set(keys.unit(unit.id), data, px=ttl_ms)
                         pipe.sadd(keys.units, unit.id)
@@ -398,6 +454,7 @@ async def publish_redis(fleet: Fleet, url: str, cluster: str) -> None:
             await fleet.any_change.wait(seen, fleet.coalesce_s)
             await asyncio.sleep(fleet.coalesce_s)
     finally:
+        fleet.changed = None
         with contextlib.suppress(Exception):
             ids = [u.id for u in fleet.units]
             for start in range(0, n, REDIS_BATCH):

@@ -26,6 +26,9 @@ def cell_line(c: dict[str, Any]) -> str:
     if "added_ttft_p50_ms" in c:
         line += (f"  | TTFT +{c['added_ttft_p50_ms']:.2f} ms p50, "
                  f"{_f(c['cpu_us_per_request'])} µs CPU/req")  # fmt: skip
+        if c.get("added_ttft_p50_ms_by_round"):
+            rounds = ", ".join(f"{d:+.2f}" for d in c["added_ttft_p50_ms_by_round"])
+            line += f" (by round {rounds})"
     return line
 
 

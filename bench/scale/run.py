@@ -211,21 +211,28 @@ async def requests_window(
     # Through the gateway and straight to a few units (what a client beside them would
     # see), in rounds that take turns, each first in every other round: what the host
     # is doing meanwhile weighs on both alike.
+    # TTFT: from a request's send to the first bytes of its body at the client.
     direct_urls = [u["http"] for u in spec["units"][:8]]
     through, direct = measure.Requests(), measure.Requests()
+    added_by_round: list[float] = []  # each round's difference of p50s, legs side by side
     cpu = elapsed = background = 0.0
     round_s = plan.request_s / plan.request_rounds
     for k in range(plan.request_rounds):
+        p50s: dict[str, float] = {}
         for leg in ("through", "direct") if k % 2 == 0 else ("direct", "through"):
             if leg == "direct":
-                direct.add(await measure.drive(direct_urls, plan.concurrency, round_s, seed=k))
+                done = await measure.drive(direct_urls, plan.concurrency, round_s, seed=k)
+                direct.add(done)
+                p50s[leg] = measure.quantile(done.ttft_ms, 0.5)
                 continue
             before, cpu0, t0 = (
                 await fleet_stats(session, spec["control"]),
                 tree_cpu_s(pid),
                 time.monotonic(),
             )
-            through.add(await measure.drive([url], plan.concurrency, round_s, seed=k))
+            done = await measure.drive([url], plan.concurrency, round_s, seed=k)
+            through.add(done)
+            p50s[leg] = measure.quantile(done.ttft_ms, 0.5)
             cpu += tree_cpu_s(pid) - cpu0
             elapsed += time.monotonic() - t0
             after = await fleet_stats(session, spec["control"])
@@ -233,6 +240,7 @@ async def requests_window(
             background += (
                 (after["reports"] - before["reports"]) * (cell["us_per_report"] or 0) / 1e6
             )
+        added_by_round.append(round(p50s["through"] - p50s["direct"], 3))
     per_request = (cpu - background) / through.count * 1e6 if through.count else None
     return {
         "through": through.summary(),
@@ -240,6 +248,8 @@ async def requests_window(
         "added_ttft_p50_ms": round(
             measure.quantile(through.ttft_ms, 0.5) - measure.quantile(direct.ttft_ms, 0.5), 3
         ),
+        "added_ttft_p50_ms_by_round": added_by_round,
+        "added_ttft_p50_ms_round_median": round(measure.median(added_by_round), 3),
         "cpu_us_per_request": round(per_request, 1) if per_request is not None else None,
         "gateway_cpu_pct_requests": round(100 * cpu / elapsed, 1),
         "loadavg_requests": measure.loadavg(),
