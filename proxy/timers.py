@@ -35,6 +35,7 @@ class Timer:
 
 class Wheel:
     def __init__(self, loop: asyncio.AbstractEventLoop, grain_s: float = GRAIN_S):
+        self.loop = loop
         self._loop = loop
         self._grain = grain_s
         self._slots: dict[int, dict[Timer, None]] = {}
@@ -126,7 +127,9 @@ class Deadline:
             self._timer = self._wheel.call_at(when, self._on_timeout)
 
     async def __aenter__(self) -> Deadline:
-        task = asyncio.current_task()
+        # With the loop given: without it, current_task asks for the running loop, and
+        # CPython checks that with a getpid() system call.
+        task = asyncio.current_task(self._wheel.loop)
         if task is None:
             raise RuntimeError("Deadline should be used inside a task")
         self._task = task

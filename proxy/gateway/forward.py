@@ -19,7 +19,6 @@ Only whole events are written to the client, so a stream can be continued at any
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -170,7 +169,7 @@ class HttpJob:
         self._started = started
         timeout = fw.settings.request_timeout_s if req.timeout_s is None else req.timeout_s
         self._deadline = None if timeout is None else started + timeout
-        self._loop = asyncio.get_running_loop()
+        self._loop = fw.wheel.loop  # not get_running_loop(): a getpid() system call each
         self.status = 0  # set when the requests metric must not count down.status
         self._next: tuple[bytes, str | None] | None = (req.body, None)  # body, resume hint
         self._transcript: SseTranscript | None = None
