@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.overhead.report import Row, find, fmt
+from bench.overhead.report import Row, find, fmt, paired, sign_test
 
 UNITPROXY = "unitproxy"
 PEER_GROUPS = {
@@ -38,6 +38,7 @@ def verdicts(rows: Sequence[Row], concurrency: Sequence[int]) -> list[Verdict]:
     return [
         _streaming(rows, sat),
         _non_streaming(rows, sat),
+        _non_streaming_cells(rows, concurrency),
         *(_ttft(rows, c, p50, p99) for c, p50, p99 in ((16, 0.5, 1.0), (64, 2.0, 2.0))),
         _grpc(rows, concurrency),
     ]
@@ -109,6 +110,36 @@ def _non_streaming(rows: Sequence[Row], sat: int) -> Verdict:
     return Verdict(
         name, _status(ok), "; ".join(figures) + note + f" -> {_status(cpu_ok and cheaper)}"
     )
+
+
+def _non_streaming_cells(rows: Sequence[Row], concurrency: Sequence[int]) -> Verdict:
+    """unitproxy's req/s above each peer's in every completions cell. Beside each pooled
+    rate: in how many repeats unitproxy was the faster, and a sign test on that split
+    (a small p says the order is not the machine's noise)."""
+    name = "non-streamed req/s (completions) above both peers' at every concurrency"
+    cells, ok, measured = [], True, False
+    for c in concurrency:
+        up = find(rows, "completions", c, UNITPROXY)
+        if up is None:
+            continue
+        parts = []
+        for variants in PEER_GROUPS.values():
+            found = [r for v in variants if (r := find(rows, "completions", c, v))]
+            if not found:
+                continue
+            best = max(found, key=lambda r: r["requests_per_s"])
+            measured = True
+            ok = ok and up["requests_per_s"] > best["requests_per_s"]
+            wins, n, median = paired(up, best)
+            parts.append(
+                f"{best['target']} {best['requests_per_s']:,.0f}/s, unitproxy faster in "
+                f"{wins}/{n} repeats (median {fmt(median, 2)}x, sign test p={sign_test(wins, n):.2f})"
+            )
+        if parts:
+            cells.append(f"c={c}: unitproxy {up['requests_per_s']:,.0f}/s; " + "; ".join(parts))
+    if not measured:
+        return Verdict(name, "NOT MEASURED", "no unitproxy and peer completions rows")
+    return Verdict(name, _status(ok), " | ".join(cells))
 
 
 def _ttft(rows: Sequence[Row], c: int, max_p50: float, max_p99: float) -> Verdict:

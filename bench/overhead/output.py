@@ -170,6 +170,10 @@ def draw(rep: dict[str, Any]) -> None:
 def redraw(path: Path) -> int:
     """Print the report and draw the PNG again from a JSON this bench wrote."""
     rep = json.loads(path.read_text())
+    for row in rep["rows"]:  # JSON keys are strings; older JSON has none
+        row["rate_by_repeat"] = report.rate_by_repeat(
+            [r for r in rep["runs"] if report.key(r) == report.key(row)]
+        )
     rep["verdicts"] = [
         v.to_json() for v in goals.verdicts(rep["rows"], rep["settings"]["concurrency"])
     ]

@@ -9,6 +9,7 @@ how much the machine's noise moved it.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,6 +93,20 @@ def _pool(key: tuple[str, int, str], runs: list[Run]) -> Row:
         ),
         "errors": dict(errors),
         "error_count": sum(errors.values()),
+        # Targets of one repeat ran seconds apart: compared repeat by repeat, the
+        # machine's slower drifts fall out.
+        "rate_by_repeat": rate_by_repeat(runs),
+    }
+
+
+def key(run_or_row: Run | Row) -> tuple[str, int, str]:
+    return run_or_row["scenario"], run_or_row["concurrency"], run_or_row["target"]
+
+
+def rate_by_repeat(runs: Sequence[Run]) -> dict[int, float]:
+    """Each repeat's rate (requests or chunks, as the scenario counts) of one target."""
+    return {
+        r["repeat"]: r[_main_count(r["scenario"])] / r["window_s"] for r in runs if r["window_s"]
     }
 
 
@@ -125,6 +140,31 @@ def _compare(
     row["ratio_of"] = count
     row["cpu_bound_ratio"] = _ratio(d.get("total_cpu_us_per_unit"), row["total_cpu_us_per_unit"])
     row["ratio_per_repeat"] = ratios
+
+
+def paired(a: Row, b: Row) -> tuple[int, int, float | None]:
+    """``a`` against ``b`` repeat by repeat: (repeats where a was faster, repeats both ran,
+    the median of a's rate over b's)."""
+    ratios = sorted(
+        rate / other
+        for repeat, rate in a["rate_by_repeat"].items()
+        if (other := b["rate_by_repeat"].get(repeat))
+    )
+    if not ratios:
+        return 0, 0, None
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return sum(r > 1 for r in ratios), len(ratios), median
+
+
+def sign_test(wins: int, n: int) -> float:
+    """Two-sided sign test: how likely a split at least this uneven is when either side
+    is as likely to be faster in each repeat (1.0: no evidence either way)."""
+    if n == 0:
+        return 1.0
+    k = max(wins, n - wins)
+    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 def find(rows: Sequence[Row], scenario: str, concurrency: int, target: str) -> Row | None:

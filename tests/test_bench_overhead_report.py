@@ -1,0 +1,66 @@
+"""bench/overhead's report: targets compared repeat by repeat, and the verdict on
+non-streamed requests against the peers (pure functions over made-up runs)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from bench.overhead import goals, report
+
+
+def _run(target: str, repeat: int, requests: int, concurrency: int = 16) -> dict[str, Any]:
+    return {
+        "scenario": "completions", "concurrency": concurrency, "target": target,
+        "repeat": repeat, "window_s": 1.0, "requests": requests, "chunks": 0,
+        "messages": 0, "ttfts": [0.001] * 4, "errors": {}, "outstanding_after": 0,
+        "cpu_s": {"router": 0.1, "sidecar": 0.2, "client": 0.1, "machine": 0.5},
+    }  # fmt: skip
+
+
+def _rows(rates: dict[str, list[int]], concurrency: int = 16) -> list[dict[str, Any]]:
+    runs = [
+        _run(target, repeat, rate, concurrency)
+        for target, by_repeat in rates.items()
+        for repeat, rate in enumerate(by_repeat)
+    ]
+    return report.aggregate(runs)
+
+
+def test_sign_test_matches_the_binomial_tail() -> None:
+    assert report.sign_test(0, 0) == 1.0
+    assert report.sign_test(5, 10) == 1.0
+    # 10 of 10: both tails of 1/1024
+    assert math.isclose(report.sign_test(10, 10), 2 / 1024)
+    assert math.isclose(report.sign_test(0, 10), 2 / 1024)
+    # 9 of 15: P(X >= 9) = 9,949 / 32,768, doubled
+    assert math.isclose(report.sign_test(9, 15), 2 * 9949 / 32768)
+
+
+def test_paired_compares_the_same_repeats_only() -> None:
+    rows = _rows({"direct": [100, 100, 100], "unitproxy": [90, 50, 80], "vllm-router": [80, 60]})
+    up = report.find(rows, "completions", 16, "unitproxy")
+    peer = report.find(rows, "completions", 16, "vllm-router")
+    assert up is not None and peer is not None
+    wins, n, median = report.paired(up, peer)
+    assert (wins, n) == (1, 2)  # repeat 2 has no vllm-router run
+    assert median == pytest.approx((90 / 80 + 50 / 60) / 2)
+
+
+def test_the_pooled_rate_decides_and_every_concurrency_counts() -> None:
+    ahead = {"direct": [100] * 4, "unitproxy": [90, 91, 92, 93],
+             "vllm-router": [80] * 4, "sglang-router": [85] * 4}  # fmt: skip
+    rows = _rows(ahead, 1) + _rows({**ahead, "sglang-router": [95] * 4}, 16)
+    verdict = goals._non_streaming_cells(rows, [1, 16])
+    assert verdict.status == "MISSED"  # behind sglang-router at c=16
+    assert "c=1: unitproxy 92/s" in verdict.figures
+    assert "faster in 4/4 repeats" in verdict.figures
+    assert "faster in 0/4 repeats" in verdict.figures
+    assert goals._non_streaming_cells(_rows(ahead, 1), [1]).status == "MET"
+
+
+def test_no_peer_rows_is_not_measured() -> None:
+    rows = _rows({"direct": [100], "unitproxy": [90]})
+    assert goals._non_streaming_cells(rows, [16]).status == "NOT MEASURED"
