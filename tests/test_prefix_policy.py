@@ -153,6 +153,25 @@ def test_the_heap_keeps_the_fleet_sums_of_its_live_units() -> None:
             assert heap.mean_load() == (sum(v.estimate() for v in mine) + 1) / total
 
 
+def test_lor_keeps_no_sums_and_chooses_as_with_them() -> None:
+    with_sums, without = LeastLoaded(random.Random(3)), LeastLoaded(random.Random(3), sums=False)
+    units = [unit(f"u{i}", i % 4, capacity=8) for i in range(8)]
+    for u in units:
+        with_sums.update(u)
+        without.update(u)
+    for _ in range(20):
+        a = with_sums.least(0.0, 5.0, 0.0)
+        b = without.least(0.0, 5.0, 0.0)
+        assert a is not None and a is b
+        a.inflight += 1
+        a.started_since_report += 1
+        with_sums.update(a)
+        without.update(a)
+    with pytest.raises(RuntimeError):
+        without.mean_load()
+    assert with_sums.mean_load() > 0
+
+
 async def test_prefix_memory_is_bounded_and_a_restarted_unit_is_forgotten() -> None:
     r = fleet(2, policy="prefix", prefix_max_blocks=50)
     for i in range(100):

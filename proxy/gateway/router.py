@@ -106,8 +106,9 @@ class Router:
         # (proxy.gateway.index); round_robin walks on from where it stopped. None passes
         # over every unit per request.
         self._index = (
-            LeastLoaded(self._rng, self.view)
-            if settings.policy in ("lor", "prefix")  # prefix: the least loaded bounds it
+            # prefix: the least loaded bounds it, and the fleet's mean load bounds that
+            LeastLoaded(self._rng, self.view, sums=settings.policy == "prefix")
+            if settings.policy in ("lor", "prefix")
             else None
         )
         self._sample_k = SAMPLED.get(settings.policy, 0)
