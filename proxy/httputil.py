@@ -118,14 +118,16 @@ def error_middleware(unit_id: str | None = None) -> Any:
             return await handler(request)
         except UnitProxyError as exc:
             return error_response(exc, _id_to_echo(request_id), unit_id)
-        except web.HTTPException as exc:
-            err = _from_http_exception(request, exc)
+        except web.HTTPException as refusal:
+            err = _from_http_exception(request, refusal)
             response = error_response(err, _id_to_echo(request_id), unit_id)
-            if isinstance(exc, web.HTTPMethodNotAllowed):
-                response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            if isinstance(refusal, web.HTTPMethodNotAllowed):
+                response.headers["Allow"] = ", ".join(sorted(refusal.allowed_methods))
             return response
-        except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
-            err = InvalidRequest(f"request body could not be read: {exc.__cause__ or exc}")
+        except web.RequestPayloadError as unreadable:  # e.g. not the gzip it claims
+            err = InvalidRequest(
+                f"request body could not be read: {unreadable.__cause__ or unreadable}"
+            )
             return error_response(err, _id_to_echo(request_id), unit_id)
 
     return errors

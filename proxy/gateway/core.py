@@ -193,18 +193,18 @@ class GatewayCore:
         while True:
             try:
                 unit = await self._router.acquire(tried, want)
-            except NoUnit as exc:
+            except NoUnit as none_left:
                 if last is None:
                     self._metrics.no_unit_available.inc()
                     raise
                 if last.next is Next.MIGRATE:
-                    last.error = exc if last.error is None else last.error
+                    last.error = none_left if last.error is None else last.error
                 await job.give_up(last)
                 return
-            except UnitProxyError as exc:  # the queue is full or timed out
+            except UnitProxyError as refused:  # the queue is full or timed out
                 if last is None:
                     raise
-                await job.give_up(Tried(Next.DONE, Outcome.OK, error=exc))
+                await job.give_up(Tried(Next.DONE, Outcome.OK, error=refused))
                 return
             tried.add(unit.id)
             self._count(self._routed, self._metrics.routed, unit.id)

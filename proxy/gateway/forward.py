@@ -213,8 +213,8 @@ class HttpJob:
         now = self._loop.time()
         try:
             left = send_deadline(headers, self._deadline)
-        except DeadlineExceeded as exc:
-            return Tried(Next.DONE, Outcome.OK, error=exc)
+        except DeadlineExceeded as late:
+            return Tried(Next.DONE, Outcome.OK, error=late)
         end = None if left is None else now + left
         limit = self._fw.settings.response_timeout_s
         head_by = now + limit
@@ -227,8 +227,8 @@ class HttpJob:
                     conn = await self._fw.pools[unit.id].request(
                         POST, self._req.path, headers, body
                     )
-                except ConnectFailed as exc:
-                    return self._unreachable(unit, exc)
+                except ConnectFailed as failed:
+                    return self._unreachable(unit, failed)
                 self._conn = conn
                 scope.reschedule(end)
                 return await self._answer(unit, conn)
@@ -318,7 +318,7 @@ class HttpJob:
             headers["Cache-Control"] = "no-cache"
             await down.start(conn.status, headers)
             self._transcript = SseTranscript()
-        self._tail, self._unit_error, self._idle = b"", None, False
+        self._reset_events()
         self._watch_idle(conn)
         try:
             write = down.splice_writer(conn)
@@ -336,6 +336,11 @@ class HttpJob:
         await down.write(self._tail)
         await down.end()
         return DONE_OK
+
+    def _reset_events(self) -> None:
+        # A method, not inline: a None assigned in _stream would narrow the attribute's
+        # type there, and compiled (mypyc) code checks that narrowing after each await.
+        self._tail, self._unit_error, self._idle = b"", None, False
 
     def _sink(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
         accept = self._accept

@@ -289,8 +289,8 @@ class GrpcJob:
         now = self._loop.time()
         try:
             left = send_deadline(headers, self._deadline)
-        except DeadlineExceeded as exc:
-            return Tried(Next.DONE, Outcome.OK, error=exc)
+        except DeadlineExceeded as late:
+            return Tried(Next.DONE, Outcome.OK, error=late)
         end = None if left is None else now + left
         head_by = now + settings.response_timeout_s
         frames = grpcweb.Frames()
@@ -303,8 +303,8 @@ class GrpcJob:
             ) as scope:
                 try:
                     conn = await pool.request(POST, grpcweb.PATH, headers, grpcweb.frame(request))
-                except ConnectFailed as exc:
-                    return self._unreachable(unit, exc)
+                except ConnectFailed as failed:
+                    return self._unreachable(unit, failed)
                 scope.reschedule(end)
                 if conn.status != 200 or not conn.headers.get("content-type", "").startswith(
                     grpcweb.CONTENT_TYPE

@@ -300,9 +300,9 @@ class RedisSource(LoadSource):
                     raise
                 except REDIS_ERRORS as exc:
                     self._lost(exc)
-                except Exception as exc:
+                except Exception as unexpected:
                     log.exception("reading load reports from Redis failed unexpectedly")
-                    self._lost(exc)
+                    self._lost(unexpected)
                 await self._outage.backoff()
         finally:
             await redis.aclose()
