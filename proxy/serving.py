@@ -298,10 +298,22 @@ async def serve_until_drained(server: Drainable) -> int:
     return 0
 
 
+CANCEL_AGAIN_S = 1.0  # a task still running this long after its cancel gets another
+
+
 async def cancel_tasks(tasks: Sequence[asyncio.Task[Any]]) -> None:
-    for task in tasks:
+    """Cancel ``tasks`` and wait for them; one that lets a cancel go (a library that
+    takes it for its own timeout, say) is cancelled again, so shutdown never hangs."""
+    pending = {task for task in tasks if not task.done()}
+    for task in pending:
         task.cancel()
-    for task in tasks:
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
+        for task in pending:
+            log.warning("task %s still runs %g s after its cancel: cancelling it again",
+                        task.get_name(), CANCEL_AGAIN_S)  # fmt: skip
+            task.cancel()
+    for task in tasks:  # their errors, as awaiting each would raise them
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
