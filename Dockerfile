@@ -4,6 +4,8 @@
 #
 #   proxy   the gateway and follower agents without an engine (python:3.11-slim):
 #             docker build --target proxy -t unitproxy:0.1.0 .
+#           with the gateway's request path compiled (mypyc, setup.py):
+#             docker build --target proxy --build-arg UNITPROXY_COMPILE=1 -t unitproxy:0.1.0 .
 #   engine  unitproxy plus vLLM, for the sidecar on a unit's leader and for follower
 #           nodes that run a vLLM worker under `unitproxy follower -- ...`:
 #             docker build --target engine --build-arg VLLM_DEVICE=cuda -t unitproxy-engine:0.1.0-cuda .
@@ -25,12 +27,20 @@ ARG ENGINE_BASE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
+# --build-arg UNITPROXY_COMPILE=1: the gateway's request path compiled by mypyc
+# (setup.py; about a third fewer instructions a request). The build stage then needs gcc.
+ARG UNITPROXY_COMPILE=0
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
 COPY engine ./engine
-RUN python -m venv /opt/unitproxy \
-    && /opt/unitproxy/bin/pip install --no-cache-dir . \
+# hadolint ignore=DL3008
+RUN if [ "${UNITPROXY_COMPILE}" = 1 ]; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python -m venv /opt/unitproxy \
+    && UNITPROXY_COMPILE="${UNITPROXY_COMPILE}" /opt/unitproxy/bin/pip install --no-cache-dir . \
     && /opt/unitproxy/bin/unitproxy --help > /dev/null
 
 # --- proxy: gateway and follower agents -----------------------------------------

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy import ingress, openai_api
+from proxy import build, ingress, openai_api
 from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
@@ -158,6 +158,7 @@ class Gateway(Service):
                  self.http_url, self.grpc_target, len(self.router.units),
                  s.gateway.policy, source)  # fmt: skip
         log.info("gateway: %s", describe_admin(self._admin_token()))
+        log.info("gateway: %s", build.describe())
 
     # --- drain ----------------------------------------------------------------------
 
@@ -348,7 +349,9 @@ class Gateway(Service):
             await http_front.shutdown(1.0)
 
         stack.push_async_callback(stop)
-        return int(server.sockets[0].getsockname()[1])
+        # uvloop's sockets are a list, not the tuple the stubs say (compiled code checks)
+        sockets: Any = getattr(server, "sockets")  # noqa: B009
+        return int(sockets[0].getsockname()[1])
 
     def _serve_front(
         self, response: front.Response, head: front.Head, body: bytes
