@@ -47,6 +47,7 @@ class Bench:
 BENCHES = (
     Bench("sidecar_throughput", ("bench/sidecar_throughput.py",)),
     Bench("overhead", ("bench/overhead/run.py",)),
+    Bench("overhead_instructions", ("bench/overhead/instructions.py",)),
     Bench("routing", ("-m", "bench.routing.run")),
     Bench("failover_detect", ("bench/failover/detect.py",)),
     Bench("failover_under_load", ("bench/failover/under_load.py",)),

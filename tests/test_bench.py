@@ -10,6 +10,7 @@ routers that are not installed are left out by the benches themselves, saying so
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOKE: dict[str, tuple[str, ...]] = {
     "sidecar_throughput": (),
     "overhead": ("--concurrency", "4", "--duration", "0.5", "--warmup", "0.2"),
+    "overhead_instructions": ("--requests", "40", "--warmup", "10"),
     "routing": (
         "--loads",
         "85",
@@ -62,3 +64,32 @@ def test_bench_quick_mode_runs(name: str, tmp_path: Path) -> None:
     results = tmp_path / f"{name}.json"
     assert results.exists(), output[-3000:]
     assert json.loads(results.read_text()), f"{results} is empty"
+
+
+@pytest.mark.timeout(620)
+@pytest.mark.skipif(
+    os.environ.get("UNITPROXY_EXPECT_COMPILED") == "1",
+    reason="in the compiled copy itself; the source tree's run covers this target",
+)
+def test_overhead_runs_the_compiled_gateway(tmp_path: Path) -> None:
+    """Target unitproxy+compiled builds build/compiled (minutes, once; .ci/run's compiled
+    test run then finds it up to date) and is judged beside unitproxy."""
+    out = tmp_path / "overhead.json"
+    argv = [sys.executable, "bench/overhead/run.py", "--quick", "--out", str(out),
+            "--targets", "unitproxy,unitproxy+compiled", "--scenarios", "completions",
+            "--concurrency", "2", "--duration", "0.5", "--warmup", "0.2"]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    report = json.loads(out.read_text())
+    rows = {r["target"]: r for r in report["rows"]}
+    assert rows["unitproxy+compiled"]["requests_per_s"] > 0, output[-3000:]
+    assert rows["unitproxy+compiled"]["error_count"] == 0
+    statuses = [
+        s
+        for phase in report["phases"]
+        for s in phase["targets"]
+        if s["name"] == "unitproxy+compiled"
+    ]
+    assert statuses and "compiled" in statuses[0]["version"], statuses
+    assert any(v["target"].startswith("[unitproxy+compiled] ") for v in report["verdicts"])

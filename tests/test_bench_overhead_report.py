@@ -64,3 +64,19 @@ def test_the_pooled_rate_decides_and_every_concurrency_counts() -> None:
 def test_no_peer_rows_is_not_measured() -> None:
     rows = _rows({"direct": [100], "unitproxy": [90]})
     assert goals._non_streaming_cells(rows, [16]).status == "NOT MEASURED"
+
+
+def test_the_compiled_build_is_judged_beside_the_pure_one() -> None:
+    rates = {"direct": [100] * 3, "unitproxy": [80] * 3, "unitproxy+compiled": [90] * 3,
+             "vllm-router": [85] * 3, "sglang-router": [70] * 3}  # fmt: skip
+    rows = _rows(rates, 1)
+    judged = {v.target: v for v in goals.verdicts(rows, [1])}
+    cells = "non-streamed req/s (completions) above both peers' at every concurrency"
+    assert judged[cells].status == "MISSED"
+    assert "c=1: unitproxy 80/s" in judged[cells].figures
+    compiled = judged[f"[unitproxy+compiled] {cells}"]
+    assert compiled.status == "MET"
+    assert "c=1: unitproxy+compiled 90/s" in compiled.figures
+    # Without a compiled row, only unitproxy is judged.
+    pure_only = goals.verdicts(_rows({k: v for k, v in rates.items() if "+" not in k}, 1), [1])
+    assert not any(v.target.startswith("[") for v in pure_only)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from bench.overhead.report import Row, find, fmt, paired, sign_test
 
 UNITPROXY = "unitproxy"
+COMPILED = "unitproxy+compiled"  # the same tree, its request path compiled (setup.py)
 PEER_GROUPS = {
     "vllm-router": ("vllm-router",),
     "sglang-router": ("sglang-router", "sglang-router+nodelay"),
@@ -34,13 +35,27 @@ def _status(ok: bool) -> str:
 
 
 def verdicts(rows: Sequence[Row], concurrency: Sequence[int]) -> list[Verdict]:
+    """The targets for ``unitproxy``; when the run had ``unitproxy+compiled`` too, the same
+    targets for it after them, its name in each target's."""
+    judged = [_verdicts(rows, concurrency, UNITPROXY)]
+    if any(r["target"] == COMPILED for r in rows):
+        judged.append(
+            [
+                Verdict(f"[{COMPILED}] {v.target}", v.status, v.figures)
+                for v in _verdicts(rows, concurrency, COMPILED)
+            ]
+        )
+    return [v for group in judged for v in group]
+
+
+def _verdicts(rows: Sequence[Row], concurrency: Sequence[int], up: str) -> list[Verdict]:
     sat = max(concurrency)
     return [
-        _streaming(rows, sat),
-        _non_streaming(rows, sat),
-        _non_streaming_cells(rows, concurrency),
-        *(_ttft(rows, c, p50, p99) for c, p50, p99 in ((16, 0.5, 1.0), (64, 2.0, 2.0))),
-        _grpc(rows, concurrency),
+        _streaming(rows, sat, up),
+        _non_streaming(rows, sat, up),
+        _non_streaming_cells(rows, concurrency, up),
+        *(_ttft(rows, c, p50, p99, up) for c, p50, p99 in ((16, 0.5, 1.0), (64, 2.0, 2.0))),
+        _grpc(rows, concurrency, up),
     ]
 
 
@@ -61,13 +76,13 @@ def _cpu_bound_note(ok: bool, figures: list[str]) -> str:
     return f"; CPU-bound estimate: {'; '.join(figures)} -> {_status(ok)}"
 
 
-def _streaming(rows: Sequence[Row], sat: int) -> Verdict:
+def _streaming(rows: Sequence[Row], sat: int, subject: str = UNITPROXY) -> Verdict:
     name = f"streaming chunks/s at saturation (stream-0ms, c={sat}) >= 0.6x direct and above both peers"
-    up = find(rows, "stream-0ms", sat, UNITPROXY)
+    up = find(rows, "stream-0ms", sat, subject)
     if up is None or up["chunks_ratio"] is None:
-        return Verdict(name, "NOT MEASURED", "no unitproxy/direct stream-0ms row")
+        return Verdict(name, "NOT MEASURED", f"no {subject}/direct stream-0ms row")
     peers = _peer_best(rows, "stream-0ms", sat, "chunks_per_s")
-    figures = [f"unitproxy {up['chunks_ratio']:.2f}x direct ({up['chunks_per_s']:,.0f}/s)"]
+    figures = [f"{subject} {up['chunks_ratio']:.2f}x direct ({up['chunks_per_s']:,.0f}/s)"]
     figures += [f"{v} {val:,.0f}/s" for v, val in peers.values()]
     ok = up["chunks_ratio"] >= 0.6 and all(up["chunks_per_s"] > val for _, val in peers.values())
     missing = [p for p in PEER_GROUPS if p not in peers]
@@ -81,20 +96,20 @@ def _streaming(rows: Sequence[Row], sat: int) -> Verdict:
         cpu_ok = up["cpu_bound_ratio"] >= 0.6 and all(
             up["cpu_bound_ratio"] > val for _, val in cpu_peers.values()
         )
-        cpu_figures = [f"unitproxy {up['cpu_bound_ratio']:.2f}x"]
+        cpu_figures = [f"{subject} {up['cpu_bound_ratio']:.2f}x"]
         cpu_figures += [f"{v} {val:.2f}x" for v, val in cpu_peers.values()]
         text += _cpu_bound_note(cpu_ok, cpu_figures)
     return Verdict(name, status, text)
 
 
-def _non_streaming(rows: Sequence[Row], sat: int) -> Verdict:
+def _non_streaming(rows: Sequence[Row], sat: int, subject: str = UNITPROXY) -> Verdict:
     name = f"non-streaming req/s at saturation (completions, c={sat}) >= 0.5x direct, router CPU/request <= vllm-router's"
-    up = find(rows, "completions", sat, UNITPROXY)
+    up = find(rows, "completions", sat, subject)
     if up is None or up["requests_ratio"] is None:
-        return Verdict(name, "NOT MEASURED", "no unitproxy/direct completions row")
+        return Verdict(name, "NOT MEASURED", f"no {subject}/direct completions row")
     vllm = find(rows, "completions", sat, "vllm-router")
     figures = [
-        f"unitproxy {up['requests_ratio']:.2f}x direct ({up['requests_per_s']:,.0f}/s), "
+        f"{subject} {up['requests_ratio']:.2f}x direct ({up['requests_per_s']:,.0f}/s), "
         f"{fmt(up['router_cpu_us_per_request'])} us CPU/request"
     ]
     cpu_ok = up["cpu_bound_ratio"] is not None and up["cpu_bound_ratio"] >= 0.5
@@ -112,14 +127,16 @@ def _non_streaming(rows: Sequence[Row], sat: int) -> Verdict:
     )
 
 
-def _non_streaming_cells(rows: Sequence[Row], concurrency: Sequence[int]) -> Verdict:
+def _non_streaming_cells(
+    rows: Sequence[Row], concurrency: Sequence[int], subject: str = UNITPROXY
+) -> Verdict:
     """unitproxy's req/s above each peer's in every completions cell. Beside each pooled
     rate: in how many repeats unitproxy was the faster, and a sign test on that split
     (a small p says the order is not the machine's noise)."""
     name = "non-streamed req/s (completions) above both peers' at every concurrency"
     cells, ok, measured = [], True, False
     for c in concurrency:
-        up = find(rows, "completions", c, UNITPROXY)
+        up = find(rows, "completions", c, subject)
         if up is None:
             continue
         parts = []
@@ -132,39 +149,41 @@ def _non_streaming_cells(rows: Sequence[Row], concurrency: Sequence[int]) -> Ver
             ok = ok and up["requests_per_s"] > best["requests_per_s"]
             wins, n, median = paired(up, best)
             parts.append(
-                f"{best['target']} {best['requests_per_s']:,.0f}/s, unitproxy faster in "
+                f"{best['target']} {best['requests_per_s']:,.0f}/s, {subject} faster in "
                 f"{wins}/{n} repeats (median {fmt(median, 2)}x, sign test p={sign_test(wins, n):.2f})"
             )
         if parts:
-            cells.append(f"c={c}: unitproxy {up['requests_per_s']:,.0f}/s; " + "; ".join(parts))
+            cells.append(f"c={c}: {subject} {up['requests_per_s']:,.0f}/s; " + "; ".join(parts))
     if not measured:
-        return Verdict(name, "NOT MEASURED", "no unitproxy and peer completions rows")
+        return Verdict(name, "NOT MEASURED", f"no {subject} and peer completions rows")
     return Verdict(name, _status(ok), " | ".join(cells))
 
 
-def _ttft(rows: Sequence[Row], c: int, max_p50: float, max_p99: float) -> Verdict:
+def _ttft(
+    rows: Sequence[Row], c: int, max_p50: float, max_p99: float, subject: str = UNITPROXY
+) -> Verdict:
     name = f"added TTFT at 5 ms/token, c={c}: <= {max_p50:g} ms p50 and <= {max_p99:g} ms p99"
-    up = find(rows, "stream-5ms", c, UNITPROXY)
+    up = find(rows, "stream-5ms", c, subject)
     if up is None or up["added_ttft_p50_ms"] is None:
-        return Verdict(name, "NOT MEASURED", f"no unitproxy/direct stream-5ms c={c} row")
+        return Verdict(name, "NOT MEASURED", f"no {subject}/direct stream-5ms c={c} row")
     p50, p99 = up["added_ttft_p50_ms"], up["added_ttft_p99_ms"]
-    figures = f"unitproxy {p50:+.2f} ms p50, {p99:+.2f} ms p99 ({up['ttft_samples']} samples)"
+    figures = f"{subject} {p50:+.2f} ms p50, {p99:+.2f} ms p99 ({up['ttft_samples']} samples)"
     return Verdict(name, _status(p50 <= max_p50 and p99 <= max_p99), figures)
 
 
-def _grpc(rows: Sequence[Row], concurrency: Sequence[int]) -> Verdict:
+def _grpc(rows: Sequence[Row], concurrency: Sequence[int], subject: str = UNITPROXY) -> Verdict:
     name = (
         "gRPC proxying <= 100 ms router CPU per 1,000 token messages (every concurrency;"
         " a token message is one token delta as the unit made it)"
     )
-    found = [(c, r) for c in concurrency if (r := find(rows, "grpc", c, UNITPROXY))]
+    found = [(c, r) for c in concurrency if (r := find(rows, "grpc", c, subject))]
     values = [
         (c, r["router_cpu_ms_per_1k_chunks"], r.get("messages_per_request"))
         for c, r in found
         if r["router_cpu_ms_per_1k_chunks"]
     ]
     if not values:
-        return Verdict(name, "NOT MEASURED", "no unitproxy grpc row")
+        return Verdict(name, "NOT MEASURED", f"no {subject} grpc row")
     figures = ", ".join(
         f"c={c}: {v:.0f} ms" + (f" ({m:.1f} wire messages per 64 tokens)" if m else "")
         for c, v, m in values

@@ -11,6 +11,7 @@ from bench.overhead.report import Row, find
 COLORS = {
     "direct": "#888888",
     "unitproxy": "#1f77b4",
+    "unitproxy+compiled": "#17becf",
     "vllm-router": "#ff7f0e",
     "sglang-router": "#2ca02c",
     "sglang-router+nodelay": "#98df8a",

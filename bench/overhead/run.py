@@ -319,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_names,
         action="extend",
         metavar="NAME[,NAME...]",
-        help=f"of {', '.join(ALL_TARGETS)}, or unitproxy@REF (the gateway at a git commit,"
-        " for an A/B). Default all; direct is always run (the baseline).",
+        help=f"of {', '.join(ALL_TARGETS)}, unitproxy@REF (the gateway at a git commit,"
+        " for an A/B) or unitproxy+compiled (this tree built by scripts/compiled_tree.sh)."
+        " Default all but the last two; direct is always run (the baseline).",
     )
     add(
         "--max-requests",
@@ -362,7 +363,7 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     targets = tuple(dict.fromkeys(["direct", *(args.targets or ALL_TARGETS)]))
     for kind, names, known, is_known in (
         ("scenario", scenarios, SCENARIOS, SCENARIOS.__contains__),
-        ("target", targets, (*ALL_TARGETS, "unitproxy@REF"), known_target),
+        ("target", targets, (*ALL_TARGETS, "unitproxy@REF", "unitproxy+compiled"), known_target),
     ):
         unknown = [n for n in names if not is_known(n)]
         if unknown:

@@ -11,6 +11,10 @@ about 20 % more sidecar CPU per request and 16-21 % less direct throughput).
     unitproxy              python -m proxy gateway --unit u0=HTTP,GRPC (policy lor)
     unitproxy@REF          the same gateway as committed at git REF (a worktree under
                            bench/.worktrees): an A/B of two versions in one run
+    unitproxy+compiled     this tree with the gateway's request path compiled by mypyc
+                           (scripts/compiled_tree.sh build/compiled: 2-3 minutes the
+                           first time, none while the sources stay the same); not in
+                           the default targets
     vllm-router            bench/.venvs/vllm-router/bin/vllm-router --worker-urls HTTP
     sglang-router          bench/.venvs/sglang-router: python -m sglang_router.launch_router
     sglang-router+nodelay  the same with LD_PRELOAD=bench/.venvs/nodelay.so: TCP_NODELAY
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
@@ -183,15 +188,22 @@ PEERS: dict[str, Callable[[Backend, int, int], Launch]] = {
 ALL_TARGETS = ("direct", "unitproxy", *PEERS)
 PROTOCOLS = {"direct": ("http", "grpc"), "unitproxy": ("http", "grpc")}  # peers: http only
 WORKTREES = REPO / "bench" / ".worktrees"
+COMPILED = "unitproxy+compiled"
+COMPILED_TREE = REPO / "build" / "compiled"  # where .ci/run builds it too
+COMPILE_TIMEOUT_S = 900.0
 
 
 def is_unitproxy(name: str) -> bool:
-    """``unitproxy`` (this tree) or ``unitproxy@REF`` (a commit of it)."""
-    return name == "unitproxy" or name.startswith("unitproxy@")
+    """``unitproxy`` (this tree), ``unitproxy@REF`` (a commit of it), ``unitproxy+compiled``."""
+    return name in ("unitproxy", COMPILED) or name.startswith("unitproxy@")
 
 
 def known_target(name: str) -> bool:
-    return name in ALL_TARGETS or (is_unitproxy(name) and len(name) > len("unitproxy@"))
+    return (
+        name in ALL_TARGETS
+        or name == COMPILED
+        or (name.startswith("unitproxy@") and len(name) > len("unitproxy@"))
+    )
 
 
 def protocols(name: str) -> Sequence[str]:
@@ -219,11 +231,31 @@ async def checkout(ref: str) -> tuple[Path, str]:
     return path, sha
 
 
+async def compiled_tree() -> Path:
+    """This tree compiled (scripts/compiled_tree.sh), built now unless it is up to date."""
+    proc = await asyncio.create_subprocess_exec(
+        "bash", str(REPO / "scripts" / "compiled_tree.sh"), str(COMPILED_TREE), sys.executable,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(COMPILE_TIMEOUT_S):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise Unavailable(f"the compiled build took over {COMPILE_TIMEOUT_S:g} s") from None
+    if proc.returncode != 0:
+        raise Unavailable(f"the compiled build failed: {out.decode()[-2000:].strip()}")
+    return COMPILED_TREE
+
+
 async def _start_gateway(
     stack: AsyncExitStack, backend: Backend, log_dir: Path, extra: Sequence[str], name: str
 ) -> Target:
     cwd, version = None, "this tree"
-    if name != "unitproxy":  # python -m proxy runs the worktree's code: it is sys.path[0]
+    if name == COMPILED:  # python -m proxy runs the code in its cwd: it is sys.path[0]
+        cwd, version = await compiled_tree(), "this tree, request path compiled (mypyc)"
+    elif name != "unitproxy":
         cwd, sha = await checkout(name.partition("@")[2])
         version = f"commit {sha[:12]}"
     http_port, grpc_port = free_ports(2)

@@ -1,0 +1,221 @@
+"""Router work per non-streamed request, counted in instructions: noise-free.
+
+bench/overhead times routers on a shared, noisy 2-core machine: at concurrency 1 the
+routers' rates move 10-40 % between runs while their order is within a few per cent.
+This bench counts instead. Each router runs under valgrind's callgrind, which counts
+the user-space instructions a process executes (the same count whatever else the
+machine does), in front of its own sim sidecar (not counted). A client on one
+connection sends ``--requests`` non-streamed completions after a warm-up. The same
+router is then started again and left idle for as long as those requests took, so its
+start, stop, timers, health checks and load reports cancel out:
+
+    instructions per request = (count with the requests - idle count) / requests
+
+Kernel work (system calls, TCP on loopback) is not counted: bench/overhead's router
+CPU column has it. Threads are counted together, as the CPU is.
+
+    python bench/overhead/instructions.py                   # every target, 2,000 requests
+    python bench/overhead/instructions.py --targets unitproxy,unitproxy+compiled
+    python bench/overhead/instructions.py --quick           # unitproxy, 100 requests
+
+Needs valgrind (Debian package valgrind); peers from bench/overhead/setup_peers.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the bench.overhead package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.common import MODEL, answers, code_version, cpu_model, free_ports, run_loop
+from bench.overhead.targets import (
+    COMPILED,
+    HOST,
+    PEERS,
+    READY_TIMEOUT_S,
+    Backend,
+    Unavailable,
+    compiled_tree,
+    running,
+    start_backend,
+)
+from proxy.procutil import python_m
+
+TARGETS = ("unitproxy", COMPILED, "vllm-router", "sglang-router")
+BODY = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 8}).encode()
+REQUEST = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n" % len(BODY)
+) + BODY
+START_TIMEOUT_S = 4 * READY_TIMEOUT_S  # a router under valgrind starts 20-50x slower
+SETTLE_S = 2.0  # after start and before stop: the same in both runs
+
+
+async def _requests(url: str, n: int) -> None:
+    """``n`` completions, one at a time on one connection; each must be a 200."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for _ in range(n):
+            writer.write(REQUEST)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"{url}: {head[:200]!r}")
+            lower = head.lower()
+            at = lower.index(b"content-length:") + len(b"content-length:")
+            await reader.readexactly(int(lower[at : lower.index(b"\r\n", at)]))
+    finally:
+        writer.close()
+
+
+def _router_argv(name: str, backend: Backend) -> tuple[list[str], dict[str, str], str]:
+    """The router's command line, extra environment and URL."""
+    port, other = free_ports(2)
+    url = f"http://{HOST}:{port}"
+    if name in ("unitproxy", COMPILED):
+        argv = [
+            *python_m("gateway"),
+            "--host", HOST, "--http-port", str(port), "--grpc-port", str(other),
+            "--unit", f"u0={backend.http_url},{backend.grpc_target}", "--log-level", "warning",
+        ]  # fmt: skip
+        return argv, {}, url
+    argv, env, _ = PEERS[name](backend, port, other)
+    return argv, env, url
+
+
+def _counted(out_dir: Path) -> int:
+    """Instructions in every dump callgrind wrote there (one file per process and part)."""
+    total = 0
+    for path in out_dir.glob("callgrind.*"):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("summary:") or line.startswith("totals:"):
+                total += int(line.split()[1])
+                break
+    return total
+
+
+async def _one_run(
+    name: str, cwd: Path | None, requests: int, warmup: int, idle_s: float | None, work: Path
+) -> tuple[int, float]:
+    """One router under callgrind: (instructions, seconds the measured part took)."""
+    out_dir = work / f"{name}-{'idle' if idle_s is not None else 'requests'}"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    async with AsyncExitStack() as stack:
+        backend = await start_backend(stack, 0.0, 256, out_dir, name)
+        argv, env, url = _router_argv(name, backend)
+        valgrind = [
+            "valgrind", "--tool=callgrind", "--dump-instr=no", "--trace-children=no",
+            f"--callgrind-out-file={out_dir}/callgrind.%p",
+        ]  # fmt: skip
+        child = await stack.enter_async_context(
+            running(name, [*valgrind, *argv], out_dir / "router.log", env=env, cwd=cwd)
+        )
+        await child.until(answers(url), START_TIMEOUT_S, "answering")
+        await _requests(url, warmup)
+        await asyncio.sleep(SETTLE_S)
+        started = time.monotonic()
+        if idle_s is None:
+            await _requests(url, requests)
+        else:
+            await asyncio.sleep(idle_s)
+        took = time.monotonic() - started
+        await asyncio.sleep(SETTLE_S)
+    counted = _counted(out_dir)
+    if counted == 0:
+        raise Unavailable(f"{name}: callgrind wrote no counts in {out_dir}")
+    return counted, took
+
+
+async def measure(name: str, requests: int, warmup: int, work: Path) -> dict[str, Any]:
+    cwd = await compiled_tree() if name == COMPILED else None
+    busy, took = await _one_run(name, cwd, requests, warmup, None, work)
+    idle, _ = await _one_run(name, cwd, requests, warmup, took, work)
+    return {
+        "target": name,
+        "requests": requests,
+        "instructions_with_requests": busy,
+        "instructions_idle": idle,
+        "instructions_per_request": (busy - idle) / requests,
+        "seconds_under_valgrind": round(took, 1),
+    }
+
+
+def report(rows: Sequence[dict[str, Any]]) -> str:
+    vllm = next((r for r in rows if r["target"] == "vllm-router"), None)
+    lines = [f"{'target':<20} {'instructions/request':>21} {'x vllm-router':>14}"]
+    for r in rows:
+        ratio = (
+            f"{r['instructions_per_request'] / vllm['instructions_per_request']:.2f}"
+            if vllm and vllm["instructions_per_request"] > 0
+            else "-"
+        )
+        lines.append(f"{r['target']:<20} {r['instructions_per_request']:>21,.0f} {ratio:>14}")
+    return "\n".join(lines)
+
+
+async def main(args: argparse.Namespace) -> int:
+    if shutil.which("valgrind") is None:
+        print("instructions: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    work = args.out.with_suffix("")
+    rows, skipped = [], {}
+    for name in args.targets:
+        try:
+            rows.append(await measure(name, args.requests, args.warmup, work))
+        except Unavailable as exc:
+            skipped[name] = str(exc)
+            print(f"instructions: {name} left out: {exc}", file=sys.stderr)
+        else:
+            print(f"instructions: {name}: {rows[-1]['instructions_per_request']:,.0f} a request")
+    print(report(rows))
+    result = {
+        "benchmark": "overhead-instructions",
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": {"cpu": cpu_model()},
+        "code": code_version(),
+        "rows": rows,
+        "left_out": skipped,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"JSON: {args.out}")
+    return 0 if rows else 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", help=f"comma-separated, of {', '.join(TARGETS)} (default all)")
+    parser.add_argument("--requests", type=int, help="measured requests per target (default 2,000)")
+    parser.add_argument("--warmup", type=int, help="requests before the count (default 300)")
+    parser.add_argument("--out", type=Path, help="JSON (default bench/results/instructions.json)")
+    parser.add_argument("--quick", action="store_true", help="unitproxy only, 100 requests")
+    args = parser.parse_args(argv)
+    names = args.targets.split(",") if args.targets else (["unitproxy"] if args.quick else TARGETS)
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        parser.error(f"unknown target {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+    args.targets = list(dict.fromkeys(names))
+    args.requests = args.requests or (100 if args.quick else 2000)
+    args.warmup = args.warmup if args.warmup is not None else (50 if args.quick else 300)
+    if args.requests < 1 or args.warmup < 0:
+        parser.error("--requests must be at least 1 and --warmup at least 0")
+    default = "instructions.quick.json" if args.quick else "instructions.json"
+    args.out = args.out or Path(__file__).resolve().parents[1] / "results" / default
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(run_loop(main(parse_args())))
