@@ -41,6 +41,8 @@ COMPILED = [
     "proxy/gateway/units.py",
     "proxy/gateway/http1/front.py",
     "proxy/gateway/http1/pool.py",
+    "proxy/auth.py",
+    "proxy/broadcast.py",
     "proxy/coalesce.py",
     "proxy/errors.py",
     "proxy/httputil.py",
