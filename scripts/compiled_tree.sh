@@ -14,7 +14,8 @@
 set -euo pipefail
 dest=$(realpath -m "${1:?usage: compiled_tree.sh DEST [PYTHON]}")
 python=${2:-}
-[ -z "$python" ] || python=$(command -v "$python")
+# Absolute, links kept (a venv's python is a link that must stay one): the build runs in DEST.
+[ -z "$python" ] || python=$(realpath -s "$(command -v "$python")")
 cd "$(dirname "$0")/.."
 if [ -z "$python" ]; then
     if [ -x .venv/bin/python ]; then python=$PWD/.venv/bin/python; else python=python3; fi
