@@ -11,7 +11,7 @@ the build environment by themselves.
     UNITPROXY_COMPILE=1 python setup.py build_ext --inplace  # a compiled tree, for tests
 
 Not for an editable install: the .so files built beside the sources would shadow any
-later edit of them. ``unitproxy --version`` says which build runs.
+later edit of them. The gateway logs which build it runs when it starts.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ BUILD_REQUIRES = ["mypy>=1.10", *_PROJECT["dependencies"]]
 
 
 def _extensions() -> list[object]:
-    if not COMPILE or "egg_info" in sys.argv:
+    if not COMPILE or {"egg_info", "dist_info"} & set(sys.argv):
         return []  # the metadata (and setup_requires) first; mypy comes after
     try:
         from mypyc.build import mypycify
