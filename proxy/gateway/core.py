@@ -28,7 +28,7 @@ from proxy.gateway.prefix import Want, grpc_want, json_want
 from proxy.gateway.router import NO_WANT, NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.httputil import DEADLINE_HEADER, timeout_header
-from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics
+from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics, LoopCount, LoopCounter
 from proxy.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class GatewayCore:
         self._metrics = metrics
         self._settings = settings
         self._active: set[Job] = set()
-        self._routed: dict[str, Any] = {}  # metric children by unit: labels() per request costs
+        self._routed: dict[str, LoopCount] = {}  # metric series by unit, found once
         self._retries = {r: metrics.retries.labels(r) for r in RETRY_REASONS}
         self._migrations = {r: metrics.migrations.labels(r) for r in MIGRATION_REASONS}
 
@@ -240,7 +240,7 @@ class GatewayCore:
             job.interrupt()
 
     @staticmethod
-    def _count(cache: dict[str, Any], counter: Any, label: str) -> None:
+    def _count(cache: dict[str, LoopCount], counter: LoopCounter, label: str) -> None:
         child = cache.get(label)
         if child is None:
             child = cache[label] = counter.labels(label)

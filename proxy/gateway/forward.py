@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from proxy import openai_api
 from proxy.errors import DeadlineExceeded, Unavailable
+from proxy.gate import Gate
 from proxy.gateway.core import (
     DONE_OK,
     ERROR_CLASSES,
@@ -53,8 +54,7 @@ from proxy.httputil import (
     RESUME_HEADER,
     UNIT_HEADER,
 )
-from proxy.metrics import GatewayMetrics, ServingMetrics
-from proxy.serving import Gate
+from proxy.metrics import GatewayMetrics, LoopBuckets, ServingMetrics
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -130,8 +130,10 @@ class Forwarder:
         self.gateway_metrics = gateway_metrics
         self._gate = gate
         self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
-        self.ttft = {route: metrics.ttft.labels(route) for route in ("completions", "chat")}
-        self._duration = {
+        self.ttft: dict[str, LoopBuckets] = {
+            route: metrics.ttft.labels(route) for route in ("completions", "chat")
+        }
+        self._duration: dict[str, LoopBuckets] = {
             route: metrics.request_duration.labels(route) for route in ("completions", "chat")
         }
 

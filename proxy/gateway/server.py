@@ -21,6 +21,7 @@ from proxy import build, ingress, openai_api
 from proxy.auth import ApiKeys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
+from proxy.gate import Gate
 from proxy.gateway.core import GatewayCore
 from proxy.gateway.discovery import Discovery
 from proxy.gateway.forward import Forwarder, Inbound
@@ -46,10 +47,9 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.ingress import Limits
-from proxy.metrics import GatewayMetrics, IngressMetrics, ServingMetrics, UnitView
+from proxy.metrics import GatewayMetrics, IngressMetrics, LoopCount, ServingMetrics, UnitView
 from proxy.serving import (
     Drain,
-    Gate,
     ListenError,
     Service,
     advertised_host,
@@ -105,7 +105,7 @@ class Gateway(Service):
         self._tasks: list[asyncio.Task[None]] = []
         self._served = False
         self.api_keys = ApiKeys()
-        self._requests: dict[tuple[str, str], Any] = {}
+        self._requests: dict[tuple[str, str], LoopCount] = {}
         self._client_tls: ClientTLS | None = None  # set at start
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
