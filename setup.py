@@ -45,6 +45,7 @@ COMPILED = [
     "proxy/broadcast.py",
     "proxy/coalesce.py",
     "proxy/errors.py",
+    "proxy/gate.py",
     "proxy/httputil.py",
     "proxy/ingress.py",
     "proxy/load.py",

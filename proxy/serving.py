@@ -16,10 +16,8 @@ from typing import Any, Protocol, Self
 
 import grpc
 from aiohttp import web
-from prometheus_client import Gauge
 
 from proxy.broadcast import Broadcast
-from proxy.errors import Unavailable
 from proxy.httputil import quiet_bad_requests
 from proxy.ingress import LISTEN_BACKLOG, Guard, Limits
 from proxy.tls import ServerTLS
@@ -203,26 +201,6 @@ async def wait_for_signal() -> signal.Signals:
         await signals.stop.wait()
     assert signals.first is not None
     return signals.first
-
-
-class Gate:
-    """Counts requests in flight; once closed (draining) it refuses new ones with 503."""
-
-    def __init__(self, what: str, changes: Broadcast, gauge: Gauge):
-        self.what = what
-        self.in_flight = 0
-        self.closed = False
-        self._changes = changes
-        gauge.set_function(lambda: self.in_flight)  # read at scrape: nothing per request
-
-    def enter(self) -> None:
-        if self.closed:
-            raise Unavailable(f"{self.what} is draining", code="draining")
-        self.in_flight += 1
-
-    def exit(self) -> None:
-        self.in_flight -= 1
-        self._changes.notify()
 
 
 class Drainable(Protocol):

@@ -30,6 +30,7 @@ from proxy import grpcweb
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
 from proxy.errors import GRPC_CODE_KEY, DeadlineExceeded, Unavailable, UnitProxyError
+from proxy.gate import Gate
 from proxy.gateway.core import (
     DONE_OK,
     ERROR_CLASSES,
@@ -52,7 +53,6 @@ from proxy.gateway.units import Unit
 from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
-from proxy.serving import Gate
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
