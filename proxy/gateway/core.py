@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
@@ -108,15 +107,28 @@ class Next(Enum):
     MIGRATE = "migrate"
 
 
-@dataclass(slots=True)
 class Tried:
-    """How one attempt ended."""
+    """How one attempt ended. (A plain class, not a dataclass: mypyc compiles its
+    ``__init__``, where a dataclass's stays interpreted; one is made per attempt.)"""
 
-    next: Next
-    health: Outcome  # what the unit's passive health learns
-    reason: str = ""  # the retries_total / migrations_total label
-    error: UnitProxyError | None = None  # what the client gets if nothing else is tried
-    reply: Any = None  # the unit's own answer to pass on instead, where the wire has one
+    __slots__ = ("error", "health", "next", "reason", "reply")
+
+    def __init__(
+        self,
+        next: Next,
+        health: Outcome,  # what the unit's passive health learns
+        reason: str = "",  # the retries_total / migrations_total label
+        error: UnitProxyError | None = None,  # what the client gets if nothing else is tried
+        reply: Any = None,  # the unit's own answer to pass on instead, where the wire has one
+    ):
+        self.next = next
+        self.health = health
+        self.reason = reason
+        self.error = error
+        self.reply = reply
+
+    def __repr__(self) -> str:
+        return f"Tried({self.next}, {self.health}, {self.reason!r}, {self.error!r})"
 
 
 DONE_OK = Tried(Next.DONE, Outcome.OK)

@@ -23,7 +23,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy import openai_api
@@ -95,18 +94,33 @@ class Downstream(Protocol):
         awaited."""
 
 
-@dataclass(slots=True)
 class Inbound:
-    """What the gateway takes from the client's request."""
+    """What the gateway takes from the client's request (a plain class: see Tried)."""
 
-    path: str
-    route: str
-    body: bytes
-    request_id: str
-    content_type: str | None = None
-    authorization: str | None = None
-    timeout_s: float | None = None  # from DEADLINE_HEADER, already checked
-    migrate: bool = True  # False: the client opted out (x-unitproxy-migrate: 0)
+    __slots__ = (
+        "authorization", "body", "content_type", "migrate", "path", "request_id", "route",
+        "timeout_s",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        path: str,
+        route: str,
+        body: bytes,
+        request_id: str,
+        content_type: str | None = None,
+        authorization: str | None = None,
+        timeout_s: float | None = None,  # from DEADLINE_HEADER, already checked
+        migrate: bool = True,  # False: the client opted out (x-unitproxy-migrate: 0)
+    ):
+        self.path = path
+        self.route = route
+        self.body = body
+        self.request_id = request_id
+        self.content_type = content_type
+        self.authorization = authorization
+        self.timeout_s = timeout_s
+        self.migrate = migrate
 
 
 class Forwarder:

@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol, cast
 
@@ -52,16 +51,27 @@ USED_HEADERS = frozenset(
 HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 
 
-@dataclass(slots=True)
 class Head:
-    """A request the lean path serves."""
+    """A request the lean path serves. (A plain class, not a dataclass: mypyc compiles
+    its ``__init__``, where a dataclass's stays interpreted.)"""
 
-    route: str
-    path: str
-    headers: dict[str, str]  # lower-case names; only USED_HEADERS
-    length: int  # of the body
-    size: int  # of the head, in bytes
-    keep_alive: bool
+    __slots__ = ("headers", "keep_alive", "length", "path", "route", "size")
+
+    def __init__(
+        self,
+        route: str,
+        path: str,
+        headers: dict[str, str],  # lower-case names; only USED_HEADERS
+        length: int,  # of the body
+        size: int,  # of the head, in bytes
+        keep_alive: bool,
+    ):
+        self.route = route
+        self.path = path
+        self.headers = headers
+        self.length = length
+        self.size = size
+        self.keep_alive = keep_alive
 
 
 Serve = Callable[["Response", Head, bytes], Awaitable[None]]
