@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from proxy.load import LoadReport, UnitState
 
@@ -33,20 +32,41 @@ _REASONS = (
 )
 
 
-@dataclass(slots=True)
 class Unit:
-    id: str
-    http_url: str
-    grpc_target: str
-    report: LoadReport | None = None
-    report_at: float = float("-inf")  # monotonic time the report arrived
-    inflight: int = 0  # this gateway's requests on the unit right now
-    started_since_report: int = 0
-    finished_since_report: int = 0
-    failures: int = 0  # consecutive connection errors and 5xx
-    ejected_until: float = 0.0
-    routed: int = 0
-    lost: str | None = None  # why the load source cannot reach the unit (None: it can)
+    """One unit as this gateway knows it. (A plain class, not a dataclass: compiled by
+    mypyc, its fields are read straight from the object on every request.)"""
+
+    __slots__ = (
+        "ejected_until",
+        "failures",
+        "finished_since_report",
+        "grpc_target",
+        "http_url",
+        "id",
+        "inflight",
+        "lost",
+        "report",
+        "report_at",
+        "routed",
+        "started_since_report",
+    )  # fmt: skip
+
+    def __init__(self, id: str, http_url: str, grpc_target: str):
+        self.id = id
+        self.http_url = http_url
+        self.grpc_target = grpc_target
+        self.report: LoadReport | None = None
+        self.report_at = float("-inf")  # monotonic time the report arrived
+        self.inflight = 0  # this gateway's requests on the unit right now
+        self.started_since_report = 0
+        self.finished_since_report = 0
+        self.failures = 0  # consecutive connection errors and 5xx
+        self.ejected_until = 0.0
+        self.routed = 0
+        self.lost: str | None = None  # why the load source cannot reach the unit (None: it can)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.id!r}, {self.http_url!r}, {self.grpc_target!r})"
 
     @property
     def state(self) -> UnitState | None:
@@ -108,12 +128,14 @@ def as_reported(unit: Unit) -> int:
     return unit.report.outstanding if unit.report else 0
 
 
-@dataclass(frozen=True, slots=True)
 class LoadView:
     """How the gateway reads a unit's load. The router holds one, picked once from
     ``gateway.correct_load``, and every policy and the index read load through it."""
 
-    estimate: Callable[[Unit], int]  # outstanding requests now
+    __slots__ = ("estimate",)
+
+    def __init__(self, estimate: Callable[[Unit], int]):
+        self.estimate = estimate  # outstanding requests now
 
     def load(self, unit: Unit) -> float:
         """Estimated outstanding over capacity (infinite with no capacity)."""
