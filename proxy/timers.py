@@ -19,10 +19,23 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+import sys
 from collections.abc import Callable
 from types import TracebackType
 
 GRAIN_S = 0.005
+
+if sys.version_info >= (3, 12):
+    from asyncio import current_task as _current_task
+else:
+    # asyncio.current_task is Python code in CPython 3.11 (C from 3.12): an interpreted
+    # call on every request. The table it reads is the C task module's own.
+    _CURRENT: dict[asyncio.AbstractEventLoop, asyncio.Task[object]] = vars(asyncio.tasks)[
+        "_current_tasks"
+    ]
+
+    def _current_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[object] | None:
+        return _CURRENT.get(loop)
 
 
 class Timer:
@@ -129,7 +142,7 @@ class Deadline:
     async def __aenter__(self) -> Deadline:
         # With the loop given: without it, current_task asks for the running loop, and
         # CPython checks that with a getpid() system call.
-        task = asyncio.current_task(self._wheel.loop)
+        task = _current_task(self._wheel.loop)
         if task is None:
             raise RuntimeError("Deadline should be used inside a task")
         self._task = task
