@@ -157,7 +157,7 @@ def report(rows: Sequence[dict[str, Any]]) -> str:
 
 
 async def main(args: argparse.Namespace) -> int:
-    work = args.out.with_suffix("")
+    work = args.out.with_suffix("").resolve()  # the compiled router runs in its own tree
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     if shutil.which("valgrind") is None:  # left out, saying so, as a missing peer is
