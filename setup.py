@@ -3,7 +3,7 @@
 Everything else about the package is in pyproject.toml. Without the variable this file
 adds nothing and unitproxy is pure Python. With it, the modules below become C
 extensions (the same code, typed as mypy checks it): in bench/overhead's callgrind count
-the gateway then runs about a third fewer instructions a request. It needs a C compiler
+the gateway then runs about 45 % fewer instructions a request. It needs a C compiler
 and the Python headers; mypy and the dependencies (mypyc checks their types) come into
 the build environment by themselves.
 
