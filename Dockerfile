@@ -2,10 +2,11 @@
 #
 # unitproxy images. Two targets:
 #
-#   proxy   the gateway and follower agents without an engine (python:3.11-slim):
+#   proxy   the gateway and follower agents without an engine (python:3.11-slim),
+#           the gateway's request path compiled (mypyc, setup.py):
 #             docker build --target proxy -t unitproxy:0.1.0 .
-#           with the gateway's request path compiled (mypyc, setup.py):
-#             docker build --target proxy --build-arg UNITPROXY_COMPILE=1 -t unitproxy:0.1.0 .
+#           pure Python instead:
+#             docker build --target proxy --build-arg UNITPROXY_COMPILE=0 -t unitproxy:0.1.0 .
 #   engine  unitproxy plus vLLM, for the sidecar on a unit's leader and for follower
 #           nodes that run a vLLM worker under `unitproxy follower -- ...`:
 #             docker build --target engine --build-arg VLLM_DEVICE=cuda -t unitproxy-engine:0.1.0-cuda .
@@ -27,9 +28,10 @@ ARG ENGINE_BASE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-# --build-arg UNITPROXY_COMPILE=1: the gateway's request path compiled by mypyc
-# (setup.py; about 45 % fewer instructions a request). The build stage then needs gcc.
-ARG UNITPROXY_COMPILE=0
+# UNITPROXY_COMPILE=1 (the default): the gateway's request path compiled by mypyc
+# (setup.py; about 45 % fewer instructions a request), which needs gcc in this stage
+# only. 0: pure Python.
+ARG UNITPROXY_COMPILE=1
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
