@@ -12,7 +12,10 @@ start, stop, timers, health checks and load reports cancel out:
     instructions per request = (count with the requests - idle count) / requests
 
 Kernel work (system calls, TCP on loopback) is not counted: bench/overhead's router
-CPU column has it. Threads are counted together, as the CPU is.
+CPU column has it. Threads are counted together, as the CPU is. Where the instructions
+go is shown too: each function's own instructions (not its callees'), the idle run
+subtracted in the same way, the ``--top`` largest per target (callgrind_annotate,
+which comes with valgrind).
 
     python bench/overhead/instructions.py                   # every target, 2,000 requests
     python bench/overhead/instructions.py --targets unitproxy,unitproxy+compiled
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shutil
 import sys
 import time
@@ -85,10 +89,71 @@ def _router_argv(name: str, backend: targets.Backend) -> tuple[list[str], dict[s
     return argv, env, url
 
 
+# A function's line in callgrind_annotate's listing: count, share, file:function [object]
+_FUNCTION_LINE = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(.+?)(?: \[([^\]]+)\])?$", re.M)
+
+
+def _function_name(where: str, obj: str | None) -> str:
+    """``file.c:function`` with the file's folders dropped (build paths differ); the
+    object's file name where callgrind knows no source file."""
+    file, _, function = where.partition(":")
+    if file == "???" and obj:
+        file = obj
+    return f"{file.rsplit('/', 1)[-1]}:{function}"
+
+
+def own_instructions(listing: str) -> dict[str, int]:
+    """Each function's own instructions in one callgrind_annotate listing."""
+    costs: dict[str, int] = {}
+    for count, where, obj in _FUNCTION_LINE.findall(listing):
+        if where.strip() == "PROGRAM TOTALS":
+            continue
+        name = _function_name(where, obj or None)
+        costs[name] = costs.get(name, 0) + int(count.replace(",", ""))
+    return costs
+
+
+def rank(
+    with_requests: dict[str, int], idle: dict[str, int], requests: int, top: int
+) -> list[dict[str, Any]]:
+    """The ``top`` functions by own instructions a request, the idle run's subtracted."""
+    per_request = {
+        name: (count - idle.get(name, 0)) / requests for name, count in with_requests.items()
+    }
+    ranked = sorted(per_request.items(), key=lambda item: item[1], reverse=True)[:top]
+    return [{"function": name, "instructions_per_request": round(v)} for name, v in ranked]
+
+
+async def _by_function(out_dir: Path) -> dict[str, int]:
+    """Each function's own instructions, summed over the dumps callgrind wrote there."""
+    costs: dict[str, int] = {}
+    for path in await asyncio.to_thread(_dumps, out_dir):
+        annotate = await asyncio.create_subprocess_exec(
+            "callgrind_annotate", "--inclusive=no", "--threshold=100", "--auto=no", str(path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        listing, _ = await annotate.communicate()
+        if annotate.returncode != 0:
+            raise targets.Unavailable(f"callgrind_annotate failed on {path}")
+        for name, count in own_instructions(listing.decode(errors="replace")).items():
+            costs[name] = costs.get(name, 0) + count
+    return costs
+
+
+async def top_functions(busy: Path, idle: Path, requests: int, top: int) -> list[dict[str, Any]]:
+    """The ``top`` functions by own instructions a request (the idle run subtracted)."""
+    return rank(await _by_function(busy), await _by_function(idle), requests, top)
+
+
+def _dumps(out_dir: Path) -> list[Path]:
+    """The files callgrind wrote there: one per process and part."""
+    return sorted(out_dir.glob("callgrind.*"))
+
+
 def _counted(out_dir: Path) -> int:
-    """Instructions in every dump callgrind wrote there (one file per process and part)."""
+    """Instructions in every dump callgrind wrote there."""
     total = 0
-    for path in out_dir.glob("callgrind.*"):
+    for path in _dumps(out_dir):
         for line in path.read_text(errors="replace").splitlines():
             if line.startswith("summary:") or line.startswith("totals:"):
                 total += int(line.split()[1])
@@ -96,11 +161,15 @@ def _counted(out_dir: Path) -> int:
     return total
 
 
+def _run_dir(work: Path, name: str, idle: bool) -> Path:
+    return work / f"{name}-{'idle' if idle else 'requests'}"
+
+
 async def _one_run(
     name: str, cwd: Path | None, requests: int, warmup: int, idle_s: float | None, work: Path
 ) -> tuple[int, float]:
     """One router under callgrind: (instructions, seconds the measured part took)."""
-    out_dir = work / f"{name}-{'idle' if idle_s is not None else 'requests'}"
+    out_dir = _run_dir(work, name, idle_s is not None)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     async with AsyncExitStack() as stack:
@@ -129,11 +198,11 @@ async def _one_run(
     return counted, took
 
 
-async def measure(name: str, requests: int, warmup: int, work: Path) -> dict[str, Any]:
+async def measure(name: str, requests: int, warmup: int, work: Path, top: int) -> dict[str, Any]:
     cwd = await targets.compiled_tree() if name == targets.COMPILED else None
     busy, took = await _one_run(name, cwd, requests, warmup, None, work)
     idle, _ = await _one_run(name, cwd, requests, warmup, took, work)
-    return {
+    row: dict[str, Any] = {
         "target": name,
         "requests": requests,
         "instructions_with_requests": busy,
@@ -141,6 +210,19 @@ async def measure(name: str, requests: int, warmup: int, work: Path) -> dict[str
         "instructions_per_request": (busy - idle) / requests,
         "seconds_under_valgrind": round(took, 1),
     }
+    if top > 0 and shutil.which("callgrind_annotate") is not None:
+        row["top_functions"] = await top_functions(
+            _run_dir(work, name, False), _run_dir(work, name, True), requests, top
+        )
+    return row
+
+
+def _top_lines(row: dict[str, Any]) -> list[str]:
+    # Rust and C++ names can run to hundreds of characters; the JSON keeps them whole.
+    return [
+        f"  {f['instructions_per_request']:>10,}  {f['function'][:120]}"
+        for f in row.get("top_functions", ())
+    ]
 
 
 def report(rows: Sequence[dict[str, Any]]) -> str:
@@ -166,12 +248,17 @@ async def main(args: argparse.Namespace) -> int:
         print(f"instructions: nothing measured: {why}", file=sys.stderr)
     for name in args.targets if not skipped else ():
         try:
-            rows.append(await measure(name, args.requests, args.warmup, work))
+            rows.append(await measure(name, args.requests, args.warmup, work, args.top))
         except targets.Unavailable as exc:
             skipped[name] = str(exc)
             print(f"instructions: {name} left out: {exc}", file=sys.stderr)
         else:
             print(f"instructions: {name}: {rows[-1]['instructions_per_request']:,.0f} a request")
+            if rows[-1].get("top_functions"):
+                print(
+                    f"  its functions with the most own instructions a request (--top {args.top}):"
+                )
+                print("\n".join(_top_lines(rows[-1])))
     print(report(rows))
     result = {
         "benchmark": "overhead-instructions",
@@ -195,6 +282,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="requests before the count (default 300)")
     parser.add_argument("--out", type=Path, help="JSON (default bench/results/instructions.json)")
     parser.add_argument("--quick", action="store_true", help="unitproxy only, 100 requests")
+    parser.add_argument(
+        "--top", type=int, default=12,
+        help="functions listed per target by own instructions a request (default 12; 0: none)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = args.targets.split(",") if args.targets else (["unitproxy"] if args.quick else TARGETS)
     unknown = [n for n in names if n not in TARGETS]
@@ -203,8 +294,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.targets = list(dict.fromkeys(names))
     args.requests = args.requests or (100 if args.quick else 2000)
     args.warmup = args.warmup if args.warmup is not None else (50 if args.quick else 300)
-    if args.requests < 1 or args.warmup < 0:
-        parser.error("--requests must be at least 1 and --warmup at least 0")
+    if args.requests < 1 or args.warmup < 0 or args.top < 0:
+        parser.error("--requests must be at least 1, --warmup and --top at least 0")
     default = "instructions.quick.json" if args.quick else "instructions.json"
     args.out = args.out or Path(__file__).resolve().parents[1] / "results" / default
     return args

@@ -1,0 +1,55 @@
+"""bench/overhead/instructions.py's breakdown by function: callgrind_annotate's listing
+read, and the idle run subtracted (pure functions over a listing in its format)."""
+
+from __future__ import annotations
+
+from bench.overhead import instructions
+
+# The shape of `callgrind_annotate --inclusive=no --auto=no` (valgrind 3.19): a header,
+# the program's total, then one line per function with its own count.
+LISTING = """\
+--------------------------------------------------------------------------------
+Profile data file 'callgrind.7820' (creator: callgrind-3.19.0)
+--------------------------------------------------------------------------------
+Events recorded:  Ir
+Events shown:     Ir
+--------------------------------------------------------------------------------
+Ir
+--------------------------------------------------------------------------------
+2,989,234,234 (100.0%)  PROGRAM TOTALS
+
+--------------------------------------------------------------------------------
+Ir                    file:function
+--------------------------------------------------------------------------------
+219,766,455 ( 7.35%)  /tmp/python-build.1/Python-3.11.7/Python/ceval.c:_PyEval_EvalFrameDefault'2 [/root/lib/libpython3.11.so.1.0]
+114,596,720 ( 3.83%)  /tmp/python-build.1/Python-3.11.7/Objects/dictobject.c:unicodekeys_lookup_unicode [/root/lib/libpython3.11.so.1.0]
+ 38,194,370 ( 1.28%)  ???:0x0000000000230920 [/usr/lib/x86_64-linux-gnu/libcrypto.so.3]
+  4,273,000 ( 0.14%)  /project/vendor/llhttp/src/llhttp.c:llhttp__internal__run
+"""
+
+
+def test_own_instructions_reads_each_function_line_and_not_the_total() -> None:
+    costs = instructions.own_instructions(LISTING)
+    assert costs == {
+        "ceval.c:_PyEval_EvalFrameDefault'2": 219_766_455,
+        "dictobject.c:unicodekeys_lookup_unicode": 114_596_720,
+        "libcrypto.so.3:0x0000000000230920": 38_194_370,
+        "llhttp.c:llhttp__internal__run": 4_273_000,
+    }
+
+
+def test_the_same_function_from_two_builds_is_one_name() -> None:
+    other_build = LISTING.replace("/tmp/python-build.1/", "/opt/build-2/")
+    assert instructions.own_instructions(other_build) == instructions.own_instructions(LISTING)
+
+
+def test_rank_subtracts_the_idle_run_and_keeps_the_top() -> None:
+    busy = {"a": 5_000, "b": 3_000, "c": 900, "only-busy": 1_500}
+    idle = {"a": 1_000, "b": 2_900, "c": 100, "only-idle": 7_000}
+    ranked = instructions.rank(busy, idle, requests=10, top=3)
+    assert ranked == [
+        {"function": "a", "instructions_per_request": 400},
+        {"function": "only-busy", "instructions_per_request": 150},
+        {"function": "c", "instructions_per_request": 80},
+    ]
+    assert instructions.rank(busy, idle, requests=10, top=0) == []
