@@ -103,7 +103,8 @@ def _function_name(where: str, obj: str | None) -> str:
 
 
 def own_instructions(listing: str) -> dict[str, int]:
-    """Each function's own instructions in one callgrind_annotate listing."""
+    """Each function's own instructions in callgrind_annotate's listings (one or more,
+    joined), summed by name."""
     costs: dict[str, int] = {}
     for count, where, obj in _FUNCTION_LINE.findall(listing):
         if where.strip() == "PROGRAM TOTALS":
@@ -126,7 +127,7 @@ def rank(
 
 async def _by_function(out_dir: Path) -> dict[str, int]:
     """Each function's own instructions, summed over the dumps callgrind wrote there."""
-    costs: dict[str, int] = {}
+    listings = []
     for path in await asyncio.to_thread(_dumps, out_dir):
         annotate = await asyncio.create_subprocess_exec(
             "callgrind_annotate", "--inclusive=no", "--threshold=100", "--auto=no", str(path),
@@ -135,9 +136,8 @@ async def _by_function(out_dir: Path) -> dict[str, int]:
         listing, _ = await annotate.communicate()
         if annotate.returncode != 0:
             raise targets.Unavailable(f"callgrind_annotate failed on {path}")
-        for name, count in own_instructions(listing.decode(errors="replace")).items():
-            costs[name] = costs.get(name, 0) + count
-    return costs
+        listings.append(listing.decode(errors="replace"))
+    return own_instructions("\n".join(listings))
 
 
 async def top_functions(busy: Path, idle: Path, requests: int, top: int) -> list[dict[str, Any]]:
