@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -105,6 +106,32 @@ def tree_cpu_s(root: int) -> float:
         if child is not None:
             ticks += sum(int(f) for f in child[11:15])
     return ticks / CLK_TCK
+
+
+def _thread_waits_ns(pid: int) -> int:
+    """Nanoseconds the threads of ``pid`` now alive spent runnable without a CPU."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        # "time on the CPU, time waiting on a run queue, time slices", in ns; a thread
+        # that ended in between has none.
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+    return total
+
+
+def run_queue_wait_s(root: int, tree: bool = True) -> float | None:
+    """Seconds the threads of ``root`` and (``tree``) its live descendants spent ready to
+    run while every core was busy with something else (schedstat's run delay), so far;
+    None where the kernel keeps no schedstat. Threads that ended take their share with
+    them: read it over a window in which the process's threads live throughout."""
+    if not Path("/proc/self/schedstat").exists():
+        return None
+    pids = [root, *descendants(root)] if tree else [root]
+    return sum(_thread_waits_ns(pid) for pid in pids) / 1e9
 
 
 # -- readiness beyond GET /ready --------------------------------------------------------

@@ -80,3 +80,27 @@ def test_the_compiled_build_is_judged_beside_the_pure_one() -> None:
     # Without a compiled row, only unitproxy is judged.
     pure_only = goals.verdicts(_rows({k: v for k, v in rates.items() if "+" not in k}, 1), [1])
     assert not any(v.target.startswith("[") for v in pure_only)
+
+
+def test_run_queue_waits_are_pooled_per_request_and_absent_without_schedstat() -> None:
+    def runs(waits: dict[str, float] | None) -> list[dict[str, Any]]:
+        out = []
+        for target in ("direct", "unitproxy"):
+            for repeat in range(2):
+                run = _run(target, repeat, 1000)
+                if waits is not None:
+                    run["cpu_s"] = {**run["cpu_s"], **waits}
+                out.append(run)
+        return out
+
+    waits = {"router_wait": 0.02, "sidecar_wait": 0.1, "client_wait": 0.05}
+    rows = {r["target"]: r for r in report.aggregate(runs(waits))}
+    # 0.04 s over 2,000 requests; 0.2 s of sidecar wait over a 2 s window.
+    assert rows["unitproxy"]["router_wait_us_per_request"] == pytest.approx(20.0)
+    assert rows["unitproxy"]["sidecar_wait_pct"] == pytest.approx(10.0)
+    assert rows["unitproxy"]["client_wait_pct"] == pytest.approx(5.0)
+    assert rows["direct"]["router_wait_us_per_request"] is None
+    older = {r["target"]: r for r in report.aggregate(runs(None))}
+    assert older["unitproxy"]["router_wait_us_per_request"] is None
+    assert older["unitproxy"]["sidecar_wait_pct"] is None
+    assert "wait us/req" in report.table(list(rows.values())).splitlines()[0]

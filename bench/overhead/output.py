@@ -103,7 +103,10 @@ def print_report(rep: dict[str, Any]) -> None:
         " the cores, robust to other work on the machine."
         "\nTTFT: client-side, send to first SSE event / gRPC message; completions: the whole"
         " response. +p50/+p99: over direct in the same cell.\nrouter CPU: utime+stime of the"
-        " router's process tree over the window.\ngRPC chunks are tokens: a message carries"
+        " router's process tree over the window; wait us/req: how long, a request, its"
+        " threads were ready to run and had no core (the kernel's run delay, from schedstat;"
+        " '-' without it); sidecar wait%: the same for the sidecar, over the window."
+        "\ngRPC chunks are tokens: a message carries"
         " every token delta that waited while the reader was behind (msgs/req below)."
     )
     grpc_rows = [r for r in rep["rows"] if r["scenario"] == "grpc" and r["messages_per_request"]]

@@ -20,6 +20,10 @@ Run = dict[str, Any]  # one measured window: see run.py's run_one
 Row = dict[str, Any]
 
 
+def _pct(seconds: float | None, window: float) -> float | None:
+    return None if seconds is None or not window else 100 * seconds / window
+
+
 def _per(value: float, count: int, scale: float) -> float | None:
     return value * scale / count if count else None
 
@@ -51,6 +55,12 @@ def _pool(key: tuple[str, int, str], runs: list[Run]) -> Row:
     cpu = {role: sum(r["cpu_s"].get(role, 0.0) for r in runs) for role in roles}
     # Whatever else ran on the machine meanwhile (other work, idle routers): noise.
     others = cpu["machine"] - cpu["router"] - cpu["sidecar"] - cpu["client"]
+    # Run-queue waits, where the kernel kept them (older JSON and kernels without
+    # schedstat: None).
+    waits = {
+        role: sum(r["cpu_s"][role] for r in runs) if all(role in r["cpu_s"] for r in runs) else None
+        for role in ("router_wait", "sidecar_wait", "client_wait")
+    }
     errors: dict[str, int] = defaultdict(int)
     for r in runs:
         for kind, n in r["errors"].items():
@@ -79,7 +89,14 @@ def _pool(key: tuple[str, int, str], runs: list[Run]) -> Row:
         "router_cpu_ms_per_1k_chunks": _per(cpu["router"], chunks, 1e6) if router else None,
         "router_cpu_ms_per_1k_messages": _per(cpu["router"], messages, 1e6) if router else None,
         "router_cpu_us_per_request": _per(cpu["router"], requests, 1e6) if router else None,
+        "router_wait_us_per_request": (
+            _per(waits["router_wait"], requests, 1e6)
+            if router and waits["router_wait"] is not None
+            else None
+        ),
         "sidecar_cpu_pct": 100 * cpu["sidecar"] / window if window else None,
+        "sidecar_wait_pct": _pct(waits["sidecar_wait"], window),
+        "client_wait_pct": _pct(waits["client_wait"], window),
         "sidecar_cpu_us_per_request": _per(cpu["sidecar"], requests, 1e6),
         "client_cpu_pct": 100 * cpu["client"] / window if window else None,
         "client_cpu_us_per_request": _per(cpu["client"], requests, 1e6),
@@ -214,7 +231,9 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str]], ...] = (
     ("router CPU%", lambda r: fmt(r["router_cpu_pct"])),
     ("ms/1k chunks", lambda r: fmt(r["router_cpu_ms_per_1k_chunks"], 1)),
     ("us/req", lambda r: fmt(r["router_cpu_us_per_request"])),
+    ("wait us/req", lambda r: fmt(r.get("router_wait_us_per_request"))),
     ("sidecar CPU%", lambda r: fmt(r["sidecar_cpu_pct"])),
+    ("wait%", lambda r: fmt(r.get("sidecar_wait_pct"))),
     ("client CPU%", lambda r: fmt(r["client_cpu_pct"])),
     ("others CPU%", lambda r: fmt(r["others_cpu_pct"])),
     ("errors", lambda r: str(r["error_count"])),

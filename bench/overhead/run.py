@@ -30,9 +30,12 @@ Per row: requests/s and chunks/s (token deltas; gRPC: the tokens its messages ca
 several to a message when the reader was behind), the ratio to direct (with its range
 over the repeats), TTFT p50/p99 at the client and what the target adds over direct,
 router CPU (utime+stime from /proc of the router and every process below it) per
-1,000 chunks and per request, the sidecar's and the client's CPU. The client is this
-process (uvloop, one aiohttp session or one gRPC channel per run). "Saturation" is
-the highest concurrency run.
+1,000 chunks and per request, the sidecar's and the client's CPU, and how long the
+router (per request) and the sidecar (share of the window) were ready to run with no
+core free (the kernel's run delay, /proc/PID/task/TID/schedstat): on a machine with
+fewer cores than busy processes, that is time a request waits on top of the work. The
+client is this process (uvloop, one aiohttp session or one gRPC channel per run).
+"Saturation" is the highest concurrency run.
 
     .venv/bin/python bench/overhead/run.py             # full: about 17 minutes on 2 cores
     .venv/bin/python bench/overhead/run.py --quick     # smoke run: about 2 minutes
@@ -70,6 +73,7 @@ from bench.common import (
     interrupt,
     machine_busy_s,
     run_loop,
+    run_queue_wait_s,
     tree_cpu_s,
     until_signal,
 )
@@ -136,12 +140,21 @@ async def run_one(
     assert address is not None
 
     def read_cpu() -> dict[str, float]:
-        return {
+        cpu = {
             "router": tree_cpu_s(target.router.pid) if target.router else 0.0,
             "sidecar": tree_cpu_s(backend.child.pid),
             "client": time.process_time(),
             "machine": machine_busy_s(),
         }
+        # Time each process was ready to run but had no core: what the rate lost to the
+        # way the processes shared the cores, beside what they spent on them.
+        waits = {
+            "router_wait": run_queue_wait_s(target.router.pid) if target.router else 0.0,
+            "sidecar_wait": run_queue_wait_s(backend.child.pid),
+            "client_wait": run_queue_wait_s(os.getpid(), tree=False),  # not its children
+        }
+        cpu.update({role: s for role, s in waits.items() if s is not None})
+        return cpu
 
     async with open_client(scenario, address, MODEL, concurrency) as request:
         window = await measure(
