@@ -10,6 +10,7 @@ attributes of vllm_neuron/platform.py (vllm-project/vllm-neuron).
 from __future__ import annotations
 
 import importlib.util
+import platform
 import subprocess
 import sys
 import types
@@ -87,3 +88,47 @@ def test_the_vllm_command_starts() -> None:
     done = subprocess.run([str(vllm), "--version"], capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1].startswith("0.")
+
+
+# -- the AMX plugin (engine/vllm_plugin.py) ---------------------------------------------
+
+# In a fresh process: whether the CPU has AMX, and the XTILEDATA bit (18) of the
+# process's extended-state permission (arch_prctl ARCH_GET_XCOMP_PERM, x86-64) before
+# and after the plugin runs.
+_AMX_PROBE = """
+import ctypes, torch
+from engine.vllm_plugin import request_amx_tiles
+libc = ctypes.CDLL(None, use_errno=True)
+def tiles():
+    perm = ctypes.c_uint64(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(perm)) == 0
+    return perm.value >> 18 & 1
+before = tiles()
+request_amx_tiles()
+print(int(torch.cpu._is_amx_tile_supported()), before, tiles())
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here")
+def test_vllm_loads_the_amx_plugin_in_its_processes() -> None:
+    from importlib.metadata import entry_points
+
+    from engine.vllm_plugin import request_amx_tiles
+
+    (plugin,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "unitproxy_amx"]
+    assert plugin.load() is request_amx_tiles
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here")
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() != "x86_64", reason="x86-64 Linux"
+)
+def test_the_plugin_asks_for_amx_tiles_only_where_the_cpu_has_amx() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _AMX_PROBE], capture_output=True, text=True, timeout=60, check=True
+    )
+    amx, before, after = map(int, done.stdout.split()[-3:])
+    assert before == 0  # a new process has no tile state until it asks
+    assert after == amx  # granted where the CPU has AMX; not asked for elsewhere
