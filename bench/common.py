@@ -9,7 +9,7 @@ import os
 import platform
 import signal
 import subprocess
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
@@ -95,17 +95,24 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def tree(root: int) -> list[int]:
+    """``root`` and its live descendants (one walk over /proc: read it once a reading)."""
+    return [root, *descendants(root)]
+
+
+def processes_cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds of these processes (all threads) and of what each reaped."""
+    ticks = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None:
+            ticks += sum(int(f) for f in fields[11:15])
+    return ticks / CLK_TCK
+
+
 def tree_cpu_s(root: int) -> float:
     """CPU seconds of ``root`` (all threads), its live descendants and what it reaped."""
-    fields = _stat_fields(root)
-    if fields is None:
-        return 0.0
-    ticks = sum(int(f) for f in fields[11:15])
-    for pid in descendants(root):
-        child = _stat_fields(pid)
-        if child is not None:
-            ticks += sum(int(f) for f in child[11:15])
-    return ticks / CLK_TCK
+    return processes_cpu_s(tree(root))
 
 
 def _thread_waits_ns(pid: int) -> int:
@@ -123,14 +130,13 @@ def _thread_waits_ns(pid: int) -> int:
     return total
 
 
-def run_queue_wait_s(root: int, tree: bool = True) -> float | None:
-    """Seconds the threads of ``root`` and (``tree``) its live descendants spent ready to
-    run while every core was busy with something else (schedstat's run delay), so far;
-    None where the kernel keeps no schedstat. Threads that ended take their share with
-    them: read it over a window in which the process's threads live throughout."""
+def run_queue_wait_s(pids: Sequence[int]) -> float | None:
+    """Seconds the threads of these processes spent ready to run while every core was
+    busy with something else (schedstat's run delay), so far; None where the kernel
+    keeps no schedstat. Threads that ended take their share with them: read it over a
+    window in which the processes' threads live throughout."""
     if not Path("/proc/self/schedstat").exists():
         return None
-    pids = [root, *descendants(root)] if tree else [root]
     return sum(_thread_waits_ns(pid) for pid in pids) / 1e9
 
 

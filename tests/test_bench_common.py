@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import run_queue_wait_s
+from bench.common import run_queue_wait_s, tree
 
 # Spin for 0.4 s of wall time on one given core, say so, then wait for stdin to close.
 SPIN = """
@@ -41,8 +41,8 @@ def test_two_spinners_on_one_core_each_wait_for_it() -> None:
         for p in spinners:
             assert p.stdout is not None
             assert p.stdout.readline().strip() == "spun"
-        waits = [run_queue_wait_s(p.pid, tree=False) for p in spinners]
-        whole = run_queue_wait_s(os.getpid())  # this process and, below it, the spinners
+        waits = [run_queue_wait_s([p.pid]) for p in spinners]
+        whole = run_queue_wait_s(tree(os.getpid()))  # this process and, below it, the spinners
     finally:
         for p in spinners:
             p.communicate(timeout=10)

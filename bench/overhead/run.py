@@ -72,9 +72,10 @@ from bench.common import (
     code_version,
     interrupt,
     machine_busy_s,
+    processes_cpu_s,
     run_loop,
     run_queue_wait_s,
-    tree_cpu_s,
+    tree,
     until_signal,
 )
 from bench.loadgen import outstanding_when_idle
@@ -140,18 +141,20 @@ async def run_one(
     assert address is not None
 
     def read_cpu() -> dict[str, float]:
+        router = tree(target.router.pid) if target.router else []
+        sidecar = tree(backend.child.pid)
         cpu = {
-            "router": tree_cpu_s(target.router.pid) if target.router else 0.0,
-            "sidecar": tree_cpu_s(backend.child.pid),
+            "router": processes_cpu_s(router),
+            "sidecar": processes_cpu_s(sidecar),
             "client": time.process_time(),
             "machine": machine_busy_s(),
         }
         # Time each process was ready to run but had no core: what the rate lost to the
         # way the processes shared the cores, beside what they spent on them.
         waits = {
-            "router_wait": run_queue_wait_s(target.router.pid) if target.router else 0.0,
-            "sidecar_wait": run_queue_wait_s(backend.child.pid),
-            "client_wait": run_queue_wait_s(os.getpid(), tree=False),  # not its children
+            "router_wait": run_queue_wait_s(router),
+            "sidecar_wait": run_queue_wait_s(sidecar),
+            "client_wait": run_queue_wait_s([os.getpid()]),  # not its children
         }
         cpu.update({role: s for role, s in waits.items() if s is not None})
         return cpu
