@@ -259,22 +259,25 @@ async def test_completions_echo_logprobs_batch_and_continuous_usage(
             model=MODEL_NAME,
             prompt="Hello",
             temperature=0,
-            max_tokens=4,
+            max_tokens=8,
             stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
             extra_body={"ignore_eos": True},
         )
-        counts = [c.usage.completion_tokens async for c in stream if c.usage and c.choices]
+        # Without continuous_usage_stats a chunk that carries text has no usage.
+        counts = [c.usage and c.usage.completion_tokens async for c in stream if c.choices]
         return [(c.text, c.logprobs and c.logprobs.tokens) for c in batch.choices], counts
 
     theirs, ours = await both(vllm_serve, gateway, call)
     assert ours[0] == theirs[0], "echoed text and logprob tokens of the batch"
     texts = ours[0]
     assert texts[0][0].startswith("Once upon a time") and texts[1][0].startswith("The quick")
-    # Usage in every chunk; vLLM merges tokens into one chunk when its output handler
-    # falls behind the engine (a busy box), on both servers alike.
+    # Usage in every chunk that carries text. How many such chunks there are is timing:
+    # vLLM merges tokens into one chunk when its output handler falls behind the engine
+    # (a busy box), on both servers alike, so only the counts' order and end are fixed.
     for counts in (ours[1], theirs[1]):
-        assert counts == sorted(set(counts)) and counts[-1] == 4 and len(counts) >= 2
+        assert counts and None not in counts, counts
+        assert counts == sorted(set(counts)) and counts[-1] == 8, counts
 
 
 @with_vllm
