@@ -29,7 +29,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.routing import workload
-from proxy.gateway.prefix import json_want
+from proxy.gateway.policies.prefix import PrefixAffinity
+from proxy.gateway.prefix import PrefixIndex
+from proxy.gateway.request import json_want
 from proxy.gateway.router import NO_WANT, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.load import LoadReport, UnitState
@@ -51,12 +53,19 @@ def fleet(units: int, policy: str, chunk_chars: int | None = None) -> Router:
     return router
 
 
+def index_of(router: Router) -> PrefixIndex | None:
+    """Policy prefix's index of prompt blocks; None under another policy."""
+    policy = router.policy
+    return policy.index if isinstance(policy, PrefixAffinity) else None
+
+
 def run(router: Router, units: int, bodies: list[bytes]) -> float:
     """Seconds to route every body."""
     in_flight: deque[Unit] = deque()
     began = time.perf_counter()
     for body in bodies:
-        want = json_want(body, router.prefix) if router.prefix is not None else NO_WANT
+        policy = router.policy
+        want = json_want(body, policy.prompt_blocks) if policy.reads_prompt else NO_WANT
         unit = router.pick(want=want)
         assert unit is not None
         in_flight.append(unit)
@@ -73,14 +82,15 @@ def measure(
     tracemalloc.start()
     run(router, units, bodies)
     held = 0
-    if router.prefix is not None:
+    index = index_of(router)
+    if index is not None:
         snapshot = tracemalloc.take_snapshot()
         held = sum(
             s.size for s in snapshot.statistics("filename")
             if s.traceback[0].filename.endswith("prefix.py")
         )  # fmt: skip
     tracemalloc.stop()
-    blocks = router.prefix.stats()[1] if router.prefix is not None else 0
+    blocks = index.stats()[1] if index is not None else 0
     return {"us_per_request": 1e6 * elapsed / len(bodies), "index_mb": held / 1e6,
             "blocks": blocks}  # fmt: skip
 

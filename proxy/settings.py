@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,8 +30,16 @@ from pydantic_settings import (
 )
 
 from engine.settings import EngineSettings
+from proxy import registry
 
 Role = Literal["sidecar", "follower", "gateway", "up"]
+
+# The registered policies' names (proxy/registry.py): the setting takes exactly
+# those, and so does its flag. (To mypy a str: it cannot read a Literal built here.)
+if TYPE_CHECKING:
+    PolicyName = str
+else:
+    PolicyName = Literal[registry.POLICY_NAMES]
 
 DEFAULT_PORTS: dict[str, tuple[int, int]] = {
     # role: (http, grpc)
@@ -319,10 +327,7 @@ class GatewaySettings(_Section):
         default_factory=list,
         description="The units to route to, ID=HTTP_URL,GRPC_TARGET each. Default none.",
     )
-    policy: Literal["lor", "prefix", "p2c", "round_robin", "random"] = Field(
-        "lor",
-        description="How a unit is chosen: lor (least outstanding / capacity), prefix (the unit most likely to hold the prompt's prefix in its KV cache, within a bound on its load, else lor), p2c (power of two choices), round_robin, random. Default lor.",
-    )
+    policy: PolicyName = Field(registry.DEFAULT_POLICY, description=registry.describe_policies())
     prefix_balance: float = Field(
         0.1,
         ge=0,

@@ -9,6 +9,7 @@ import re
 import aiohttp
 import pytest
 
+from proxy.gateway.policies.prefix import PrefixAffinity
 from proxy.gateway.prefix import EngineFeedback, PrefixIndex
 from proxy.gateway.router import Router
 from proxy.load import LoadReport, UnitState
@@ -79,17 +80,17 @@ def test_a_unit_whose_cache_was_emptied_is_forgotten() -> None:
 def test_the_router_feeds_the_reports_counters_to_the_index() -> None:
     targets = [UnitTarget(id="u0", http_url="http://u0:1", grpc_target="u0:2")]
     r = Router(GatewaySettings(policy="prefix"), targets, rng=random.Random(1), clock=Clock())
-    assert r.feedback is not None
+    policy = r.policy
+    assert isinstance(policy, PrefixAffinity) and policy.feedback is not None
     r.apply_report("u0", LoadReport("u0", UnitState.SERVING, 0, 64, seq=1,
                                     prefix_cache_queries=10, prefix_cache_hits=1))  # fmt: skip
-    assert r.prefix is not None
-    r.prefix.record("u0", r.prefix.hashes(prompts(1)[0]), 100.0)
+    policy.index.record("u0", policy.index.hashes(prompts(1)[0]), 100.0)
     r.apply_report("u0", LoadReport("u0", UnitState.SERVING, 0, 64, seq=2,
                                     prefix_cache_queries=11, prefix_cache_hits=1,
                                     prefix_cache_resets=1))  # fmt: skip
-    assert r.prefix.held("u0") == 0
+    assert policy.index.held("u0") == 0
     off = Router(GatewaySettings(policy="prefix", prefix_engine_feedback=False), targets)
-    assert off.feedback is None
+    assert isinstance(off.policy, PrefixAffinity) and off.policy.feedback is None
 
 
 async def test_a_unit_with_a_small_cache_is_trusted_with_fewer_prefixes(
@@ -102,8 +103,10 @@ async def test_a_unit_with_a_small_cache_is_trusted_with_fewer_prefixes(
         sidecar={"unit_id": "a"}, engine={"sim": {"prefix_cache_blocks": 24}}
     )
     gw = await start_gateway([unit], policy="prefix", prefix_chunk_chars=64)
-    feedback, index = gw.router.feedback, gw.router.prefix
-    assert feedback is not None and index is not None
+    policy = gw.router.policy
+    assert isinstance(policy, PrefixAffinity)
+    feedback, index = policy.feedback, policy.index
+    assert feedback is not None
     feedback.window_tokens = 2_000
     texts = prompts(8)
     for text in texts * 4:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from proxy.gateway.prefix import PrefixIndex, prompt_text
+from proxy.gateway.prefix import PrefixIndex
+from proxy.gateway.request import prompt_text
 
 SYSTEM = "You are a careful assistant. " * 40  # 1,160 characters: 4 blocks of 256
 

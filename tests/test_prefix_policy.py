@@ -9,8 +9,9 @@ import pytest
 
 from proxy.errors import NotFound
 from proxy.gateway.index import LeastLoaded
-from proxy.gateway.policies import prefix_affinity
-from proxy.gateway.prefix import Want
+from proxy.gateway.policies.prefix import PrefixAffinity, prefix_affinity
+from proxy.gateway.prefix import PrefixIndex
+from proxy.gateway.request import Want
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import CORRECTED, Unit
 from proxy.load import LoadReport, UnitState
@@ -33,9 +34,14 @@ def fleet(n: int, capacity: int = 64, models: dict[str, tuple[str, ...]] | None 
     return r
 
 
+def index(r: Router) -> PrefixIndex:
+    """The router's policy prefix's index."""
+    assert isinstance(r.policy, PrefixAffinity)
+    return r.policy.index
+
+
 def want(r: Router, text: str, model: str | None = None) -> Want:
-    assert r.prefix is not None
-    return Want(model, r.prefix.hashes(text))
+    return Want(model, index(r).hashes(text))
 
 
 async def test_a_prompt_goes_back_to_the_unit_that_holds_its_prefix() -> None:
@@ -103,8 +109,7 @@ async def test_bounded_load_no_choice_puts_a_unit_above_the_mean_bound() -> None
         while len(started) > 100 + (i // 500 % 3) * 100:
             r.release(started.pop(rng.randrange(len(started))), Outcome.OK)
     assert by_affinity > 1000  # the bound did not simply turn the policy into lor
-    assert r.prefix is not None
-    holders = next(r.prefix.matches(want(r, hot).blocks, 0.0))[1]
+    holders = next(index(r).matches(want(r, hot).blocks, 0.0))[1]
     assert len(holders) >= 4  # the hot prefix (half the traffic) overflowed to more units
 
 
@@ -177,12 +182,11 @@ async def test_prefix_memory_is_bounded_and_a_restarted_unit_is_forgotten() -> N
     for i in range(100):
         u = await r.acquire(want=want(r, f"{i} " * 2000))
         r.release(u, Outcome.OK)
-    assert r.prefix is not None
-    assert r.prefix.stats()[1] <= 2 * 50
-    held = r.prefix.stats()[1]
+    assert index(r).stats()[1] <= 2 * 50
+    held = index(r).stats()[1]
     # u0's sidecar restarts: seq starts over, newer timestamp
     r.apply_report("u0", LoadReport("u0", UnitState.SERVING, 0, 64, seq=1, timestamp_ms=10**12))
-    assert r.prefix.stats()[1] < held and "u0" not in dict.fromkeys(r.prefix._units)
+    assert index(r).stats()[1] < held and "u0" not in dict.fromkeys(index(r)._units)
 
 
 async def test_requests_go_only_to_units_serving_their_model() -> None:

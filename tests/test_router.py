@@ -13,10 +13,12 @@ from collections import Counter
 import pytest
 
 from proxy.errors import NotFound, Overloaded
-from proxy.gateway.policies import POLICIES, least_outstanding, power_of_two
+from proxy.gateway.policies.lor import least_outstanding
+from proxy.gateway.policies.p2c import power_of_two
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit
 from proxy.load import LoadReport, UnitState
+from proxy.registry import POLICIES
 from proxy.settings import GatewaySettings, UnitTarget
 
 pytestmark = pytest.mark.timeout(10)

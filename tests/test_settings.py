@@ -249,6 +249,7 @@ def test_flags_with_a_literal_setting_take_exactly_its_values() -> None:
     import typing
 
     from proxy.flags import COMMON, ENGINE, GATEWAY, SIDECAR, choices_of, field_of
+    from proxy.registry import POLICIES
 
     for flag in COMMON + ENGINE + SIDECAR + GATEWAY:
         annotation = field_of(flag.key).annotation
@@ -258,7 +259,7 @@ def test_flags_with_a_literal_setting_take_exactly_its_values() -> None:
         elif args and typing.get_origin(args[0]) is typing.Literal:  # Literal[...] | None
             assert choices_of(flag) == typing.get_args(args[0]), flag.flag
     by_flag = {f.flag: f for f in GATEWAY + ENGINE}
-    assert choices_of(by_flag["--policy"]) == ("lor", "prefix", "p2c", "round_robin", "random")
+    assert choices_of(by_flag["--policy"]) == tuple(POLICIES)  # the registered policies
     assert choices_of(by_flag["--device"]) == ("neuron", "cuda", "cpu")
     assert choices_of(by_flag["--correct-load"]) == ("true", "false")  # a bool: its own list
     assert choices_of(by_flag["--model"]) is None

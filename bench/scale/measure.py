@@ -13,9 +13,9 @@ from typing import Any
 
 import aiohttp
 
-from proxy.gateway.policies import POLICIES
 from proxy.gateway.router import Outcome, Router
 from proxy.load import LoadReport, UnitState
+from proxy.registry import POLICIES
 from proxy.settings import GatewaySettings, UnitTarget
 
 PAGE = 4096

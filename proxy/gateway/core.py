@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
-from proxy.gateway.prefix import Want, grpc_want, json_want
+from proxy.gateway.request import Want, grpc_want, json_want
 from proxy.gateway.router import NO_WANT, NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.httputil import DEADLINE_HEADER, timeout_header
@@ -172,8 +172,8 @@ class GatewayCore:
 
     def json_want(self, body: bytes) -> Want:
         """What choosing a unit needs of an HTTP request body, when it needs anything
-        (policy prefix; units serving different models); raises NotFound for a model
-        that no unit serves."""
+        (a policy that reads prompts; units serving different models); raises NotFound
+        for a model that no unit serves."""
         return self._want(json_want, body)
 
     def grpc_want(self, request: bytes) -> Want:
@@ -184,7 +184,8 @@ class GatewayCore:
         router = self._router
         if not router.reads_requests:
             return NO_WANT
-        want: Want = parse(raw, router.prefix)
+        policy = router.policy
+        want: Want = parse(raw, policy.prompt_blocks if policy.reads_prompt else None)
         router.check_model(want.model)
         return want
 

@@ -1,7 +1,8 @@
-"""Which unit likely holds a prompt's prefix in its KV cache: the gateway's own index.
+"""Which unit likely holds a prompt's prefix in its KV cache: the gateway's own index,
+kept by policy prefix (``policies/prefix.py``).
 
 The gateway has no tokenizer, so a prompt is cut into blocks of ``chunk_chars``
-characters of its canonical text (``prompt_text``) and each full block is named by a
+characters of its canonical text (``request.prompt_text``) and each full block is named by a
 hash chained over every block before it: block k matches only when the first k + 1
 blocks are the same, as an engine's KV blocks do. What a unit holds is estimated
 from what this gateway sent it: every block of every prompt routed there, with the
@@ -12,8 +13,8 @@ removed is ``forget``-ed.
 
 Lookup walks a request's blocks from the deepest one held anywhere back to the first
 and yields, at each depth, the units whose longest match ends there: the caller takes
-the first that it may route to (``select.prefix_affinity``). One dict lookup per block
-finds the deepest held block (binary search on the chain: a unit that holds block k
+the first that it may route to (``policies.prefix.prefix_affinity``). One dict lookup
+per block finds the deepest held block (binary search on the chain: a unit that holds block k
 was sent blocks 0..k too), so the cost grows with the units that hold the prefix, not
 with the fleet.
 
@@ -37,94 +38,12 @@ there too), so with R replicas a prefix ends up on up to R units.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
-
-from proxy.pb.unitproxy.v1 import inference_pb2
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
-
-NO_BLOCKS: list[int] = []
-
-
-@dataclass(frozen=True, slots=True)
-class Want:
-    """What the router needs of a request: its model (None: any unit), and the blocks
-    of its prompt (policy prefix; empty otherwise)."""
-
-    model: str | None = None
-    blocks: list[int] = field(default_factory=list)
-    chars: int = 0  # the prompt's length in characters (policy prefix)
-
-
-def json_want(body: bytes, index: PrefixIndex | None) -> Want:
-    """The Want of an OpenAI JSON body (one that does not parse wants nothing: the
-    unit answers it with its 400)."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return Want()
-    if not isinstance(data, dict):
-        return Want()
-    model = data.get("model")
-    model = model if isinstance(model, str) and model else None
-    if index is None:
-        return Want(model)
-    text = prompt_text(data)
-    return Want(model, index.hashes(text), len(text))
-
-
-def grpc_want(request: bytes, index: PrefixIndex | None) -> Want:
-    """The Want of a serialized GenerateRequest."""
-    try:
-        req = inference_pb2.GenerateRequest.FromString(request)
-    except Exception:  # protobuf's DecodeError; the unit answers INVALID_ARGUMENT
-        return Want()
-    if index is None:
-        return Want(req.model or None)
-    which = req.WhichOneof("input")
-    if which == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        text = prompt_text({"messages": messages})
-    elif which == "prompt_token_ids":
-        text = prompt_text({"prompt": list(req.prompt_token_ids.ids)})
-    else:
-        text = req.prompt
-    return Want(req.model or None, index.hashes(text), len(text))
-
-
-def prompt_text(body: dict[str, Any]) -> str:
-    """The part of an OpenAI request body that the engine prefills, as one string:
-    the chat messages (role and text content, in order) or the completion prompt. The
-    same conversation gives the same leading text whatever comes after it."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return "".join(_message_text(m) for m in messages)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, str):
-            return first  # a batch of prompts: the first one's prefix
-        return json.dumps(prompt if isinstance(first, int) else first, separators=(",", ":"))
-    return ""
-
-
-def _message_text(message: Any) -> str:
-    if not isinstance(message, dict):
-        return ""
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: their text, in order
-        content = "".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
-    return f"<|{message.get('role', '')}|>\n{content if isinstance(content, str) else ''}\n"
-
 
 MIN_LIMIT = 64  # the fewest blocks the engine's hits may shrink a unit's index to
 

@@ -4,6 +4,10 @@
 SERVING unit is full) and counts the request as started there; ``release`` counts it
 finished and records the outcome for passive health. Reports from the load source
 arrive through ``apply_report``.
+
+Which unit a choice takes is the policy's (``proxy.gateway.policies``): the router
+builds the one its settings name, hands it each choice with the candidates' view, and
+tells it of every unit added, report applied and load moved. It names no policy.
 """
 
 from __future__ import annotations
@@ -18,16 +22,13 @@ from collections.abc import Callable, Collection, Iterable
 from enum import Enum
 
 from proxy.errors import NotFound, Overloaded, Unavailable
-from proxy.gateway.index import LeastLoaded, sample_available
-from proxy.gateway.policies import POLICIES, prefix_affinity
-from proxy.gateway.prefix import EngineFeedback, PrefixIndex, Want
-from proxy.gateway.units import AS_REPORTED, CORRECTED, LoadView, Unit, reason
+from proxy.gateway.policies.base import Candidates, Policy, Shared, create
+from proxy.gateway.request import Want
+from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit, reason
 from proxy.load import LoadReport, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 
 log = logging.getLogger(__name__)
-
-SAMPLED = {"p2c": 2, "random": 1}  # policies that look at this many units drawn at random
 
 
 class Outcome(Enum):
@@ -77,43 +78,26 @@ class Router:
     ):
         self.settings = settings
         self.units: dict[str, Unit] = {}
-        self._select = POLICIES[settings.policy]
         # How every choice reads a unit's load (gauges and /units read it too).
         self.view = CORRECTED if settings.correct_load else AS_REPORTED
         self._rng = rng or random.Random()
         self._clock = clock
-        self._turn = 0
         self._waiters: deque[_Waiter] = deque()
         self._arrivals = itertools.count()
         self._on_change = on_change
         self._aging_paused_at: float | None = None
-        self.prefix: PrefixIndex | None = None
-        self.feedback: EngineFeedback | None = None
-        self._mean = 0.0  # policy prefix: the fleet's mean load at this choice
-        if settings.policy == "prefix":
-            self.prefix = PrefixIndex(
-                settings.prefix_chunk_chars, settings.prefix_max_blocks, settings.prefix_ttl_s
-            )
-            if settings.prefix_engine_feedback:
-                self.feedback = EngineFeedback(self.prefix)
         # How many units list each model, and how many list none (serve any): the
         # gateway reads a request's model only when the units differ.
         self._models: Counter[str] = Counter()
         self._model_sets: Counter[tuple[str, ...]] = Counter()
         self._held_back: set[str] = set()  # units the ejection cap kept in (logged once)
         self._serving_reports = 0  # units whose last report says SERVING (fresh or not)
-        # Large fleets: lor keeps its units in a heap; p2c and random draw from all units
-        # (proxy.gateway.index); round_robin walks on from where it stopped. None passes
-        # over every unit per request.
-        self._index = (
-            # prefix: the least loaded bounds it, and the fleet's mean load bounds that
-            LeastLoaded(self._rng, self.view, sums=settings.policy == "prefix")
-            if settings.policy in ("lor", "prefix")
-            else None
-        )
-        self._sample_k = SAMPLED.get(settings.policy, 0)
         self._all: list[Unit] = []
-        self._cursor = 0  # round_robin: where the next turn starts in _all
+        # The policy the settings name (proxy.gateway.policies): it chooses, and keeps
+        # what it needs to choose fast (a heap, an index) from the events below.
+        shared = Shared(settings, self._rng, clock, self.view, self._all, self.units)
+        self.policy: Policy = create(settings.policy, shared)
+        self._candidates = Candidates(shared)  # set afresh for each choice
         for target in targets:
             self.add(target)
 
@@ -122,6 +106,7 @@ class Router:
         if unit is None:
             unit = self.units[target.id] = Unit(target.id, target.http_url, target.grpc_target)
             self._all.append(unit)
+            self.policy.added(unit)
         return unit
 
     # --- choosing ---------------------------------------------------------------
@@ -152,9 +137,9 @@ class Router:
 
     @property
     def reads_requests(self) -> bool:
-        """Whether choosing needs the request's model or prompt: policy prefix, or units
-        that do not all serve the same models."""
-        return self.prefix is not None or len(self._model_sets) > 1
+        """Whether choosing needs the request's model or prompt: a policy that reads
+        prompts, or units that do not all serve the same models."""
+        return self.policy.reads_prompt or len(self._model_sets) > 1
 
     def check_model(self, model: str | None) -> None:
         """Raises NotFound (model_not_found) when no unit's report lists ``model``."""
@@ -188,87 +173,19 @@ class Router:
         return now if paused_at is None else min(now, paused_at)
 
     def pick(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit | None:
-        unit = self._choose(exclude, want)
-        if unit is not None and self.prefix is not None and want.blocks:
-            unit = self._by_prefix(unit, exclude, want)
+        now = self._clock()
+        candidates = self._candidates
+        candidates.exclude = exclude
+        candidates.now = now
+        candidates.age_at = self._age_at(now)
+        # Units of different models: the policy passes over those serving this one.
+        candidates.model = want.model if len(self._model_sets) > 1 else None
+        unit = self.policy.choose(want, candidates)
         if unit is not None:
-            self._turn += 1
             unit.inflight += 1
             unit.started_since_report += 1
             unit.routed += 1
-            self._moved(unit)
-        return unit
-
-    def _choose(self, exclude: Collection[str], want: Want) -> Unit | None:
-        s, view = self.settings, self.view
-        if want.model is not None and len(self._model_sets) > 1:
-            # Units of different models: a pass over those serving this one (the index
-            # and the samples are over every unit).
-            candidates = self.candidates(exclude, want.model)
-            if self.prefix is not None:
-                self._mean = _mean_load(candidates, view)
-            return self._select(candidates, self._rng, self._turn, view)
-        if self._index is not None and self.prefix is not None:
-            self._mean = self._index.mean_load()
-        if self._index is not None:
-            now = self._clock()
-            return self._index.least(now, s.stale_after_s, self._age_at(now), exclude)
-        if self._sample_k:
-            now = self._clock()
-            age_at = self._age_at(now)
-
-            def can_take(u: Unit) -> bool:
-                return u.id not in exclude and view.available(u, now, s.stale_after_s, age_at)
-
-            drawn = sample_available(self._all, self._sample_k, can_take, self._rng)
-            if drawn is not None:
-                return self._select(drawn, self._rng, self._turn, view)
-        if s.policy == "round_robin":
-            return self._next_in_turn(exclude)
-        return self._select(self.candidates(exclude), self._rng, self._turn, view)
-
-    def _next_in_turn(self, exclude: Collection[str]) -> Unit | None:
-        """round_robin: the next unit after the last one chosen that can take a request."""
-        now, s, units = self._clock(), self.settings, self._all
-        age_at = self._age_at(now)
-        for k in range(len(units)):
-            unit = units[(self._cursor + k) % len(units)]
-            if unit.id not in exclude and self.view.available(unit, now, s.stale_after_s, age_at):
-                self._cursor = (self._cursor + k + 1) % len(units)
-                return unit
-        return None
-
-    def _moved(self, unit: Unit) -> None:
-        """The unit's estimated load changed."""
-        if self._index is not None:
-            self._index.update(unit)
-
-    def _by_prefix(self, least: Unit, exclude: Collection[str], want: Want) -> Unit:
-        """Policy prefix, given the least loaded candidate: looks only at the units that
-        hold a prefix of the prompt, not at the whole fleet."""
-        assert self.prefix is not None
-        now, s = self._clock(), self.settings
-        age_at, units = self._age_at(now), self.units
-
-        def can_take(unit_id: str) -> bool:
-            unit = units.get(unit_id)
-            return (
-                unit is not None
-                and unit_id not in exclude
-                and self.view.available(unit, now, s.stale_after_s, age_at)
-                and unit.serves(want.model)
-            )
-
-        holders = (
-            [units[i] for i in ids if can_take(i)]
-            for _, ids in self.prefix.matches(want.blocks, now)
-        )
-        unit = prefix_affinity(
-            least, holders, self.view, self._mean, s.prefix_balance, s.prefix_slack
-        )
-        if self.feedback is not None:
-            self.feedback.sent(unit.id, want.blocks, want.chars)
-        self.prefix.record(unit.id, want.blocks, now)
+            self.policy.moved(unit)
         return unit
 
     async def acquire(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit:
@@ -365,7 +282,7 @@ class Router:
     def release(self, unit: Unit, outcome: Outcome) -> None:
         unit.inflight -= 1
         unit.finished_since_report += 1
-        self._moved(unit)
+        self.policy.moved(unit)
         if outcome is Outcome.FAILED:
             unit.failures += 1
             if unit.failures >= self.settings.eject_after:
@@ -423,24 +340,13 @@ class Router:
         if unit.lost is not None:
             log.info("unit %s: load reports again (was %s)", unit_id, unit.lost)
             unit.lost = None
-        if self.prefix is not None and _cache_lost(unit.report, report):
-            self.prefix.forget(unit_id)
-            if self.feedback is not None:
-                self.feedback.forget(unit_id)
-        if self.feedback is not None:
-            self.feedback.report(
-                unit_id,
-                report.prefix_cache_queries,
-                report.prefix_cache_hits,
-                report.prefix_cache_resets,
-                self._clock(),
-            )
+        self.policy.reported(unit, report)
         self._count_models(unit.report, -1)
         self._count_models(report, +1)
         self._count_serving(unit.report, -1)
         self._count_serving(report, +1)
         unit.apply(report, self._clock())
-        self._moved(unit)
+        self.policy.moved(unit)
         if report.state != before:
             log.info("unit %s: %s -> %s", unit_id, before or "unknown", report.state)
             if before is UnitState.SERVING:
@@ -505,24 +411,5 @@ class Router:
             self._on_change(unit)
 
 
-def _mean_load(units: Iterable[Unit], view: LoadView) -> float:
-    """The units' estimated outstanding, plus one request, over their capacity."""
-    outstanding, capacity = 1, 0
-    for unit in units:
-        outstanding += view.estimate(unit)
-        capacity += unit.capacity
-    return outstanding / capacity if capacity else float("inf")
-
-
 def _none_serving(model: str | None) -> str:
     return "no unit is SERVING" if model is None else f"no unit serving '{model}' is SERVING"
-
-
-def _cache_lost(before: LoadReport | None, after: LoadReport) -> bool:
-    """The unit's KV cache is likely gone: its sidecar restarted (seq went back) or it
-    left SERVING for NOT_SERVING (a failed node; the engine may be restarted)."""
-    if before is None:
-        return False
-    restarted = after.seq < before.seq and after.timestamp_ms > before.timestamp_ms
-    failed = before.state is UnitState.SERVING and after.state is UnitState.NOT_SERVING
-    return restarted or failed

@@ -94,8 +94,7 @@ class Gateway(Service):
             scaled(settings.gateway), settings.gateway.units, clock=clock,
             on_change=self._unit_changed,
         )  # fmt: skip
-        if self.router.feedback is not None:
-            self.gateway_metrics.count_prefix_corrections(self.router.feedback.counts)
+        self.router.policy.count_to(self.gateway_metrics)
         self.health_service = HealthServicer()
         self.http_url = ""
         self.grpc_target = ""

@@ -1,0 +1,151 @@
+"""Policy ``prefix``: the unit most likely to hold the prompt's prefix in its KV cache,
+within a bound on its load; else ``lor``.
+
+It keeps its own index of the prompt blocks it sent to each unit
+(``proxy.gateway.prefix.PrefixIndex``), corrected by the engines' prefix-cache counters
+in the load reports (``EngineFeedback``), and a heap by load with the fleet's sums
+(``index.LeastLoaded``) for the least loaded unit and the fleet's mean load. A choice
+looks only at the units that hold a prefix of the prompt, not at the whole fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from proxy.gateway.index import LeastLoaded
+from proxy.gateway.policies.base import Candidates, Policy, Shared
+from proxy.gateway.policies.lor import least_outstanding
+from proxy.gateway.prefix import EngineFeedback, PrefixIndex
+from proxy.gateway.request import Want
+from proxy.gateway.units import LoadView, Unit
+from proxy.load import LoadReport, UnitState
+
+if TYPE_CHECKING:
+    from proxy.metrics import GatewayMetrics
+
+
+def prefix_affinity(
+    least: Unit,
+    holders: Iterable[Sequence[Unit]],
+    view: LoadView,
+    mean: float,
+    balance: float,
+    slack: int,
+) -> Unit:
+    """Policy ``prefix``: of the units that hold the longest prefix of the prompt
+    (``holders``, longest match first), the least loaded one that stays within the
+    bound with this request on it: estimated outstanding + 1 at most ``(1 + balance)``
+    x the fleet's mean load (``mean``, outstanding over capacity, this request
+    counted) x its capacity, plus ``slack`` requests; if none does, the next shorter
+    match; if no holder does, ``least`` (lor).
+
+    Bounded load (consistent hashing with bounded loads): no choice puts a unit above
+    ``(1 + balance)`` x the mean plus ``slack``; a popular prefix spreads over more
+    units as its first ones reach the bound, because the unit that takes the overflow
+    holds it from then on.
+    """
+    ceiling = (1.0 + balance) * mean
+    for units in holders:
+        best: Unit | None = None
+        best_load = 0.0
+        for unit in units:
+            estimate = view.estimate(unit)
+            if estimate + 1 <= ceiling * unit.capacity + slack:
+                load = estimate / unit.capacity
+                if best is None or load < best_load:
+                    best, best_load = unit, load
+        if best is not None:
+            return best
+    return least
+
+
+class PrefixAffinity(Policy):
+    def __init__(self, shared: Shared):
+        super().__init__(shared)
+        s = shared.settings
+        self.reads_prompt = True
+        self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
+        self.feedback = EngineFeedback(self.index) if s.prefix_engine_feedback else None
+        # The least loaded bounds a choice, and the fleet's mean load bounds that.
+        self.heap = LeastLoaded(shared.rng, shared.view, sums=True)
+
+    def prompt_blocks(self, text: str) -> list[int]:
+        return self.index.hashes(text)
+
+    def choose(self, want: Want, candidates: Candidates) -> Unit | None:
+        shared, c = self.shared, candidates
+        if c.model is not None:
+            listed = c.listed()
+            mean = _mean_load(listed, shared.view)
+            least = least_outstanding(listed, shared.rng, 0, shared.view)
+        else:
+            mean = self.heap.mean_load()
+            least = self.heap.least(c.now, c.stale_after_s, c.age_at, c.exclude)
+        if least is None or not want.blocks:
+            return least
+        return self._by_prefix(least, want, c, mean)
+
+    def _by_prefix(self, least: Unit, want: Want, c: Candidates, mean: float) -> Unit:
+        """Given the least loaded candidate: looks only at the units that hold a prefix
+        of the prompt, not at the whole fleet."""
+        s, by_id = self.shared.settings, c.by_id
+
+        def can_take(unit_id: str) -> bool:
+            unit = by_id.get(unit_id)
+            return unit is not None and c.can_take(unit) and unit.serves(want.model)
+
+        holders = (
+            [by_id[i] for i in ids if can_take(i)]
+            for _, ids in self.index.matches(want.blocks, c.now)
+        )
+        unit = prefix_affinity(
+            least, holders, self.shared.view, mean, s.prefix_balance, s.prefix_slack
+        )
+        if self.feedback is not None:
+            self.feedback.sent(unit.id, want.blocks, want.chars)
+        self.index.record(unit.id, want.blocks, c.now)
+        return unit
+
+    def reported(self, unit: Unit, report: LoadReport) -> None:
+        if _cache_lost(unit.report, report):
+            self.index.forget(unit.id)
+            if self.feedback is not None:
+                self.feedback.forget(unit.id)
+        if self.feedback is not None:
+            self.feedback.report(
+                unit.id,
+                report.prefix_cache_queries,
+                report.prefix_cache_hits,
+                report.prefix_cache_resets,
+                self.shared.clock(),
+            )
+
+    def moved(self, unit: Unit) -> None:
+        self.heap.update(unit)
+
+    def count_to(self, metrics: GatewayMetrics) -> None:
+        if self.feedback is not None:
+            metrics.count_prefix_corrections(self.feedback.counts)
+
+
+def _mean_load(units: Iterable[Unit], view: LoadView) -> float:
+    """The units' estimated outstanding, plus one request, over their capacity."""
+    outstanding, capacity = 1, 0
+    for unit in units:
+        outstanding += view.estimate(unit)
+        capacity += unit.capacity
+    return outstanding / capacity if capacity else float("inf")
+
+
+def _cache_lost(before: LoadReport | None, after: LoadReport) -> bool:
+    """The unit's KV cache is likely gone: its sidecar restarted (seq went back) or it
+    left SERVING for NOT_SERVING (a failed node; the engine may be restarted)."""
+    if before is None:
+        return False
+    restarted = after.seq < before.seq and after.timestamp_ms > before.timestamp_ms
+    failed = before.state is UnitState.SERVING and after.state is UnitState.NOT_SERVING
+    return restarted or failed
+
+
+POLICY = PrefixAffinity

@@ -1,0 +1,95 @@
+"""What choosing a unit sees of a request: ``Want``, read once from the request's body
+by the wire that received it (``json_want``, ``grpc_want``) and handed to the policy
+at each choice (a retry or a wait chooses again with the same one).
+
+One object, so that what a policy may read of a request (later: its tenant, its
+priority, hints) is a field here rather than one more argument through every layer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.pb.unitproxy.v1 import inference_pb2
+
+# What a policy that reads prompts makes of one (``Policy.prompt_blocks``): the chained
+# hashes of its blocks.
+Blocks = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What the router needs of a request: its model (None: any unit), and the blocks
+    of its prompt (a policy that reads prompts, such as prefix; empty otherwise)."""
+
+    model: str | None = None
+    blocks: list[int] = field(default_factory=list)
+    chars: int = 0  # the prompt's length in characters (with blocks)
+
+
+def json_want(body: bytes, blocks: Blocks | None) -> Want:
+    """The Want of an OpenAI JSON body (one that does not parse wants nothing: the
+    unit answers it with its 400). ``blocks``: the policy's, when it reads prompts."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return Want()
+    if not isinstance(data, dict):
+        return Want()
+    model = data.get("model")
+    model = model if isinstance(model, str) and model else None
+    if blocks is None:
+        return Want(model)
+    text = prompt_text(data)
+    return Want(model, blocks(text), len(text))
+
+
+def grpc_want(request: bytes, blocks: Blocks | None) -> Want:
+    """The Want of a serialized GenerateRequest."""
+    try:
+        req = inference_pb2.GenerateRequest.FromString(request)
+    except Exception:  # protobuf's DecodeError; the unit answers INVALID_ARGUMENT
+        return Want()
+    if blocks is None:
+        return Want(req.model or None)
+    which = req.WhichOneof("input")
+    if which == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        text = prompt_text({"messages": messages})
+    elif which == "prompt_token_ids":
+        text = prompt_text({"prompt": list(req.prompt_token_ids.ids)})
+    else:
+        text = req.prompt
+    return Want(req.model or None, blocks(text), len(text))
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The part of an OpenAI request body that the engine prefills, as one string:
+    the chat messages (role and text content, in order) or the completion prompt. The
+    same conversation gives the same leading text whatever comes after it."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(_message_text(m) for m in messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first  # a batch of prompts: the first one's prefix
+        return json.dumps(prompt if isinstance(first, int) else first, separators=(",", ":"))
+    return ""
+
+
+def _message_text(message: Any) -> str:
+    if not isinstance(message, dict):
+        return ""
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: their text, in order
+        content = "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return f"<|{message.get('role', '')}|>\n{content if isinstance(content, str) else ''}\n"
