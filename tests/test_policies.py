@@ -22,6 +22,7 @@ from proxy.gateway.units import Unit
 from proxy.load import LoadReport, UnitState
 from proxy.registry import DEFAULT_POLICY, POLICIES, POLICY_NAMES
 from proxy.settings import GatewaySettings, UnitTarget
+from tests.test_build import COMPILED
 from tests.test_router import Clock
 
 pytestmark = pytest.mark.timeout(30)
@@ -73,6 +74,14 @@ def test_every_registered_policy_is_documented(path: str) -> None:
 def test_configuration_reference_lists_every_policy() -> None:
     text = (ROOT / "docs" / "configuration.md").read_text()
     assert f"--policy {{{','.join(POLICY_NAMES)}}}" in text
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_each_registered_policy_is_compiled_with_the_router(name: str) -> None:
+    """In the compiled build a policy's class derives from a compiled one: its module
+    must be compiled too, or the gateway cannot import it there."""
+    path = POLICIES[name].module.replace(".", "/") + ".py"
+    assert path in COMPILED, f"setup.py's COMPILED lacks {path}"
 
 
 def test_the_router_names_no_policy() -> None:

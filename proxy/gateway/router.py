@@ -179,7 +179,8 @@ class Router:
         candidates.now = now
         candidates.age_at = self._age_at(now)
         # Units of different models: the policy passes over those serving this one.
-        candidates.model = want.model if len(self._model_sets) > 1 else None
+        model = want.model
+        candidates.model = None if model is None or len(self._model_sets) < 2 else model
         unit = self.policy.choose(want, candidates)
         if unit is not None:
             unit.inflight += 1
