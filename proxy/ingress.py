@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from http import HTTPStatus
 from typing import cast
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy.errors import RequestTimeout, Unavailable
+from proxy.errors import RequestTimeout, Unavailable, UnitProxyError, VersionNotSupported
 from proxy.httputil import Handler
 from proxy.metrics import IngressMetrics
 from proxy.settings import ServerSettings
@@ -41,18 +42,19 @@ from proxy.timers import Timer, Wheel
 log = logging.getLogger(__name__)
 
 
-def _refusal() -> bytes:
-    body = json.dumps(
-        Unavailable("too many client connections", code="max_connections").body()
-    ).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+def error_response(error: UnitProxyError, *headers: str) -> bytes:
+    """The whole HTTP/1.1 answer of ``error``, closing the connection; ``headers`` are
+    more "Name: value" lines."""
+    body = json.dumps(error.body()).encode()
+    lines = [f"HTTP/1.1 {error.http_status} {HTTPStatus(error.http_status).phrase}",
+             "Content-Type: application/json", *headers, "Connection: close",
+             f"Content-Length: {len(body)}", "", ""]  # fmt: skip
+    return "\r\n".join(lines).encode() + body
 
 
-REFUSAL = _refusal()
+REFUSAL = error_response(
+    Unavailable("too many client connections", code="max_connections"), "Retry-After: 1"
+)
 # Connections the kernel queues before they are accepted (asyncio's default is 100, which
 # a burst of clients overflows into SYN retries); capped by net.core.somaxconn.
 LISTEN_BACKLOG = 1024
@@ -265,12 +267,20 @@ class Guard(asyncio.Protocol):
 
 
 def request_timeout_response(phase: str) -> bytes:
-    body = json.dumps(RequestTimeout(f"the request {phase} took too long").body()).encode()
-    head = (
-        "HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+    return error_response(RequestTimeout(f"the request {phase} took too long"))
+
+
+def version_not_supported(request: web.Request) -> web.Response:
+    """505 to a request line of HTTP/2.0 or 0.9 (the parser takes both), and close.
+    Written here, since aiohttp's status line would echo the request's version; aiohttp
+    then finds the connection closed, as if the client had left."""
+    version = f"HTTP/{request.version.major}.{request.version.minor}"
+    error = VersionNotSupported(f"{version} is not served here; send HTTP/1.1")
+    transport = request.transport
+    if transport is not None:
+        transport.write(error_response(error))
+        transport.close()
+    return web.Response(status=error.http_status)
 
 
 def guard_of(request: web.BaseRequest) -> Guard | None:
@@ -285,6 +295,8 @@ def phase_middleware() -> Middleware:
 
     @web.middleware
     async def phases(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.version.major != 1:
+            return version_not_supported(request)
         guard = guard_of(request)
         if guard is None:
             return await handler(request)

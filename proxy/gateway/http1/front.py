@@ -5,10 +5,12 @@ Every connection starts here. A request head is parsed by httptools; a plain
 requests a gateway lives on) is served on this connection without building request or
 response objects: the body is handed to the forwarder, the unit's answer written back
 in one write per read, SSE chunk-framed as it comes. Anything else (other routes and
-methods, chunked or compressed bodies, ``Expect``, HTTP/1.0, a head that does not
-parse, a body over the limit, a header the error middleware refuses) hands the
+methods, chunked or compressed bodies, ``Expect``, HTTP/1.0, no ``Host``, a head that
+does not parse, a body over the limit, a header the error middleware refuses) hands the
 connection, with every byte of that request, to aiohttp's request handler, which
 serves it from then on: one set of rules for errors, auth and limits, written once.
+An offer to switch protocols (``Upgrade: h2c`` or ``websocket``) is ignored on either
+path: the gateway speaks HTTP/1.1 on this port and nothing else.
 
 Requests are framed by Content-Length, so bytes of a next (pipelined) request are
 never lost; they wait until the current response is written.
@@ -46,9 +48,9 @@ MAX_HEADERS = 128
 # The request headers the gateway reads; the others are checked, not kept.
 USED_HEADERS = frozenset(
     {b"content-length", b"content-type", b"authorization", REQUEST_ID_HEADER.encode(),
-     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode()}
+     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode(), b"host"}
 )  # fmt: skip
-HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect"})
 
 
 class Head:
@@ -125,6 +127,12 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     parser = httptools.HttpRequestParser(found)
     try:
         parser.feed_data(raw)
+    except httptools.HttpParserUpgrade:
+        # An offer to switch protocols (Upgrade: h2c from curl --http2, websocket): the
+        # gateway switches to none, and ignores it as RFC 9110 section 7.8 allows, serving
+        # the request as HTTP/1.1 framed by its Content-Length. (httptools raises this
+        # after the whole head; a CONNECT is no POST and goes to aiohttp below.)
+        pass
     except httptools.HttpParserError:
         return None
     # The request line is valid (httptools said so): its version is its last word.
@@ -141,6 +149,8 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     if route is None:
         return None
     headers = found.headers
+    if "host" not in headers:
+        return None  # HTTP/1.1 with no Host: aiohttp answers the 400 (RFC 9112 section 3.2)
     length = headers.get("content-length", "")
     if not length.isdigit() or int(length) > max_body:
         return None
