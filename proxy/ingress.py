@@ -3,8 +3,10 @@
 A client connection is always in one phase, and each phase has its own timer,
 armed when the phase begins and dropped when it ends:
 
-    idle   between requests (and before the first)   keepalive_timeout_s, then closed
+    new    from the connect to its first byte         head_timeout_s, then closed
+    idle   between requests                           keepalive_timeout_s, then closed
     head   from the first byte of a head to its end  head_timeout_s, then 408 and closed
+           (the first head: from the connect)
     body   from the end of the head to its last byte body_timeout_s, then 408 and closed
     serve  the request runs; no read timer
 
@@ -140,17 +142,25 @@ class Guard(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._limits.admit(transport):
-            self.take_over(transport)
+            self.take_over(transport, new=True)
 
     def take_over(
-        self, transport: asyncio.BaseTransport, head_deadline: float | None = None
+        self,
+        transport: asyncio.BaseTransport,
+        head_deadline: float | None = None,
+        new: bool = False,
     ) -> None:
         """Serve ``transport``, counted in the limits already; ``head_deadline``: the loop
-        time by which the head under way must be whole (it began before a handoff)."""
+        time by which the head under way must be whole (it began before a handoff);
+        ``new``: a connection just accepted, which must bring its first head within the
+        head timeout."""
         self._counted = True
         self.transport = cast(asyncio.Transport, transport)
         self._handler.connection_made(transport)
-        if head_deadline is None:
+        if new:
+            self._phase = "new"
+            self._set_read_timer(self._limits.head_timeout_s, self._head_expired)
+        elif head_deadline is None:
             self._set_read_timer(self._limits.keepalive_s, self._idle_expired)
         else:
             self._phase = "head"
@@ -163,6 +173,8 @@ class Guard(asyncio.Protocol):
         if self._phase == "idle":
             self._phase = "head"
             self._set_read_timer(self._limits.head_timeout_s, self._head_expired)
+        elif self._phase == "new":
+            self._phase = "head"  # its timer runs from the connect
         elif self._phase == "serve" and not self._next_head_at:
             self._next_head_at = asyncio.get_running_loop().time()
         self._handler.data_received(data)
@@ -242,7 +254,10 @@ class Guard(asyncio.Protocol):
 
     def _head_expired(self) -> None:
         self._read_timer = None
-        if self._phase == "head" and self.transport is not None:
+        if self._phase == "new" and self.transport is not None:
+            self._limits.timed_out("head_timeout")  # not a byte came: nothing to answer
+            self.transport.close()
+        elif self._phase == "head" and self.transport is not None:
             self._limits.timed_out("head_timeout")
             self.transport.write(request_timeout_response("head"))
             self.transport.close()

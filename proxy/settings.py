@@ -98,7 +98,7 @@ class ServerSettings(_Section):
     head_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Longest time a request head may take, from its first byte to its end, in s; past it the client gets 408 and the connection closes. Default 10.",
+        description="Longest time a request head may take, from its first byte to its end (a new connection's first head: from the connect), in s; past it the client gets 408 and the connection closes (a new connection that sent nothing is closed without an answer). Default 10.",
     )
     body_timeout_s: float = Field(
         30.0,

@@ -14,6 +14,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ SLOW = {
         408,
         "body_timeout",
     ),
-    "nothing at all": (b"", 0, "idle"),
+    "nothing at all": (b"", 0, "head_timeout"),
 }
 
 
@@ -167,6 +168,51 @@ async def test_the_head_timer_is_rearmed_after_each_request(
     writer.close()
     assert status(got) == 408
     assert after_s < LATE_S
+
+
+@pytest.mark.parametrize("role", ["gateway", "sidecar", "follower"])
+async def test_a_new_connection_that_sends_nothing_gets_the_head_timeout(
+    start_sidecar: SidecarFactory, role: str
+) -> None:
+    # Not the keep-alive time: a socket that never sends a byte holds a connection
+    # (of server.max_connections) for head_timeout_s, counted from the connect.
+    limits = {**LIMITS, "keepalive_timeout_s": 60.0}
+    async with serving(start_sidecar, role, limits) as server:
+        before = closed_total(server, "head_timeout")
+        reader, writer = await connect(server.http_url)
+        got, after_s = await closed_with(reader, time.monotonic())
+        writer.close()
+        assert got == b"", got  # no request: nothing to answer
+        assert TIMEOUT_S * 0.9 <= after_s < LATE_S, f"closed after {after_s:.2f} s"
+        assert closed_total(server, "head_timeout") == before + 1
+        # A head begun late on a new connection has what is left of that time.
+        reader, writer = await connect(server.http_url)
+        await asyncio.sleep(TIMEOUT_S / 2)
+        started = time.monotonic()
+        writer.write(b"GET /hea")
+        got, after_s = await closed_with(reader, started)
+        writer.close()
+        assert status(got) == 408 and after_s < TIMEOUT_S * 0.75, f"{after_s:.2f} s {got!r}"
+
+
+@asynccontextmanager
+async def serving(
+    start_sidecar: SidecarFactory, role: str, limits: dict[str, Any]
+) -> AsyncIterator[Gateway | Sidecar | FollowerAgent]:
+    """A server of ``role`` under the server settings ``limits``."""
+    base = {"host": HOST, "http_port": 0, "grpc_port": 0, **limits}
+    if role == "follower":
+        async with FollowerAgent(load({"server": base})) as follower:
+            yield follower
+        return
+    sidecar = await start_sidecar(server=limits)
+    if role == "sidecar":
+        yield sidecar
+        return
+    unit = f"a={sidecar.http_url},{sidecar.grpc_target}"
+    async with Gateway(load({"server": base, "gateway": {"units": [unit]}})) as gateway:
+        await wait_until(lambda: len(gateway.router.serving()) == 1, what="unit SERVING")
+        yield gateway
 
 
 @pytest.mark.parametrize("role", ROLES)

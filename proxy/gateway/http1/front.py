@@ -325,8 +325,10 @@ class ClientConnection(asyncio.Protocol):
             return
         self._counted = True
         self._front.connections.add(self)
-        self._idle_since = self._loop.time()
-        self._arm("idle", self._limits.keepalive_s)
+        # A new connection must bring its first head within the head timeout, counted
+        # from now: a socket that sends nothing holds a connection only that long.
+        self._head_deadline = self._loop.time() + self._limits.head_timeout_s
+        self._arm("new", self._limits.head_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -400,6 +402,8 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._phase == "closing":
             pass  # answered already (a refusal from the head): just close
+        elif self._phase == "new":
+            self._limits.timed_out("head_timeout")  # not a byte came: nothing to answer
         elif self._phase == "idle":
             self._limits.timed_out("idle")
         else:
@@ -439,6 +443,8 @@ class ClientConnection(asyncio.Protocol):
             if end < 0:
                 if self._phase == "idle":
                     self._arm("head", self._limits.head_timeout_s)
+                elif self._phase == "new":
+                    self._phase = "head"  # its timer runs from the connect
                 return
             head = parse_head(bytes(buf[: end + 4]), self._front.routes, self._front.max_body)
             if head is None:
