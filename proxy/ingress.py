@@ -54,6 +54,10 @@ def error_response(error: UnitProxyError, *headers: str) -> bytes:
     return "\r\n".join(lines).encode() + body
 
 
+BODY_BUFFER_FULL = "request bodies under way fill the server's body buffer; retry"
+BODY_BUFFER_REFUSAL = error_response(
+    Unavailable(BODY_BUFFER_FULL, code="body_buffer_full"), "Retry-After: 1"
+)
 REFUSAL = error_response(
     Unavailable("too many client connections", code="max_connections"), "Retry-After: 1"
 )
@@ -71,12 +75,14 @@ class Limits:
         self.keepalive_s = server.keepalive_timeout_s
         self.write_timeout_s = server.write_timeout_s
         self.max_connections = server.max_connections
-        self.max_body = server.max_body_bytes
         self.body_budget = server.max_body_buffer_bytes
-        self.body_held = 0  # bytes of the bodies of the requests under way
+        self.body_held = 0  # bytes received of the bodies of the requests under way
+        self.pipeline_budget = server.max_pipelined_bytes
+        self.pipelined = 0  # bytes received behind requests being served
         self.wheel = wheel
         self.metrics = metrics
         metrics.body_buffer.set_function(lambda: self.body_held)  # read at scrape time
+        metrics.pipelined.set_function(lambda: self.pipelined)
         self.open = 0
         self._refusing = 0  # connections refused since the cap was reached; 0: not at it
         self._loop = asyncio.get_running_loop()
@@ -105,9 +111,11 @@ class Limits:
             self._refusing = 0
 
     def hold_body(self, size: int) -> bool:
-        """Count in a request body of ``size`` bytes coming in; False if the bodies held would
-        pass max_body_buffer_bytes (the refusal is counted; the caller answers it)."""
-        if size and self.body_held + size > self.body_budget:
+        """Count in ``size`` bytes received of a body under way; False if the bodies held
+        would pass max_body_buffer_bytes (the refusal is counted; the caller answers it).
+        Bodies are counted by what arrived, never by what they declare: a client that
+        announces a large body and sends it slowly holds only what it sent."""
+        if self.body_held >= self.body_budget or self.body_held + size > self.body_budget:
             self.metrics.closed.labels("body_buffer").inc()
             return False
         self.body_held += size
@@ -135,6 +143,7 @@ class Guard(asyncio.Protocol):
         self._next_head_at = 0.0  # bytes of the next head came while a request was served
         self._read_timer: Timer | None = None
         self._write_timer: Timer | None = None
+        self._held = 0  # bytes of the body coming in, held in the limits' body budget
 
     @property
     def limits(self) -> Limits:
@@ -177,6 +186,8 @@ class Guard(asyncio.Protocol):
             self._phase = "head"  # its timer runs from the connect
         elif self._phase == "serve" and not self._next_head_at:
             self._next_head_at = asyncio.get_running_loop().time()
+        elif self._phase == "body" and not self._hold(len(data)):
+            return
         self._handler.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -187,6 +198,7 @@ class Guard(asyncio.Protocol):
             return
         self._counted = False
         self._limits.release()
+        self._free_body()
         self._set_read_timer(0, None)
         self._stop_write_timer()
         self._handler.connection_lost(exc)
@@ -212,11 +224,13 @@ class Guard(asyncio.Protocol):
 
     def body_done(self) -> None:
         self._phase = "serve"
+        self._free_body()
         self._set_read_timer(0, None)
 
     def refused(self) -> None:
         """Answered without reading the body (a bad API key): aiohttp reads and drops
         what comes; the connection closes when the body timer runs out."""
+        self._free_body()
         self._phase = "closing"
         self._set_read_timer(self._limits.body_timeout_s, self._close_quietly)
 
@@ -231,6 +245,27 @@ class Guard(asyncio.Protocol):
             self._phase = "idle"
             self._set_read_timer(self._limits.keepalive_s, self._idle_expired)
         self._next_head_at = 0.0
+
+    # -- the body budget ---------------------------------------------------------------
+
+    def _hold(self, size: int) -> bool:
+        """Hold ``size`` more bytes of the body coming in; past the port's budget, answer
+        503 and close (aiohttp finds its body cut short)."""
+        if self._limits.hold_body(size):
+            self._held += size
+            return True
+        self._free_body()
+        self._phase = "closing"
+        self._set_read_timer(0, None)
+        if self.transport is not None:
+            self.transport.write(BODY_BUFFER_REFUSAL)
+            self.transport.close()
+        return False
+
+    def _free_body(self) -> None:
+        if self._held:
+            self._limits.free_body(self._held)
+            self._held = 0
 
     # -- timers ------------------------------------------------------------------------
 
@@ -324,30 +359,21 @@ def phase_middleware() -> Middleware:
     return phases
 
 
-BODY_BUFFER_FULL = "request bodies under way fill the server's body buffer; retry"
-
-
 def body_middleware() -> Middleware:
     """After the API key check: read the whole body (the handler's ``request.read()``
-    then returns it at once) under the guard's body timer, held in the port's body
-    budget (its declared length, or the largest body allowed when it has none) until
-    it is whole."""
+    then returns it at once) under the guard's body timer, its bytes held in the port's
+    body budget as they arrive (the guard counts them) until it is whole; a request
+    that comes while the budget is full gets 503 from its head."""
 
     @web.middleware
     async def body(request: web.Request, handler: Handler) -> web.StreamResponse:
         guard = guard_of(request)
         if not request.can_read_body or guard is None:
             return await handler(request)
-        limits = guard.limits
-        length = request.content_length
-        size = length if length is not None else limits.max_body
-        if not limits.hold_body(size):
+        if not guard.limits.hold_body(0):
             guard.refused()
             raise Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
-        try:
-            await request.read()
-        finally:
-            limits.free_body(size)
+        await request.read()
         guard.body_done()
         return await handler(request)
 

@@ -274,6 +274,13 @@ class IngressMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+        self.pipelined = Gauge(
+            "pipelined_bytes",
+            "Bytes of later requests held behind requests being served on the HTTP port "
+            "(about server.max_pipelined_bytes at most).",
+            namespace=PREFIX,
+            registry=registry,
+        )
 
 
 class HealthMetrics:

@@ -123,7 +123,12 @@ class ServerSettings(_Section):
     max_body_buffer_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,
-        description="Most bytes of request bodies coming in at once on the HTTP port, all connections together, each from its head until it is whole (a chunked body counts as max_body_bytes); a request whose body would pass it gets 503 before its body is read. Default 64 MiB.",
+        description="Most bytes of request bodies received and not yet whole on the HTTP port, all connections together (counted as they arrive, not by their declared length); a request that comes while it is full, or whose bytes would pass it, gets 503 and the connection closes. Default 64 MiB.",
+    )
+    max_pipelined_bytes: int = Field(
+        16 * 1024 * 1024,
+        gt=0,
+        description="Most bytes of later requests a client sends behind one being served (pipelined) that the HTTP port holds, all connections together; past it, or past 64 KiB on one connection, the server stops reading that connection until its request is answered. Default 16 MiB.",
     )
     max_prompt_chars: int = Field(
         1_000_000,

@@ -312,6 +312,50 @@ async def test_pipelined_requests_are_answered_in_order(cell: Cell, raw: RawFact
     await assert_settled(cell)
 
 
+async def pipeline_behind_a_stream(url: str) -> tuple[socket.socket, int]:
+    """A connection whose stream is being served, then as many bytes pipelined behind it
+    as the gateway takes before the client's writes block (for half a second)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    sock.setblocking(False)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    await loop.sock_connect(sock, (host, int(port)))
+    await loop.sock_sendall(sock, request(COMPLETIONS, SLOW_STREAM))
+    async with asyncio.timeout(CALL_S):
+        assert (await loop.sock_recv(sock, 65536)).startswith(b"HTTP/1.1 200")
+    chunk = b"x" * (256 * 1024)
+    sent = 0
+    with contextlib.suppress(TimeoutError):
+        while sent < (16 << 20):
+            await asyncio.wait_for(loop.sock_sendall(sock, chunk), 0.5)
+            sent += len(chunk)
+    return sock, sent
+
+
+async def test_bytes_pipelined_behind_a_request_are_held_briefly(
+    start_sidecar: SidecarFactory, start_gateway_with: GatewayStarter
+) -> None:
+    # A client pipelines megabytes behind a long stream: the gateway holds a little of
+    # it and stops reading (the kernel's buffers hold the rest), on each connection and,
+    # past server.max_pipelined_bytes, on the port: a second connection that comes
+    # once the port's share is held gets nothing more read behind its request.
+    unit = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway_with([unit_spec(unit)], server={"max_pipelined_bytes": 1000})
+    first, sent = await pipeline_behind_a_stream(gw.http_url)
+    try:
+        assert sent < (3 << 20), f"the client pipelined {sent >> 10} KiB unblocked"
+        held = metric(gw, "unitproxy_pipelined_bytes")
+        assert 0 < held <= 512 * 1024, held
+        second, _ = await pipeline_behind_a_stream(gw.http_url)
+        second.close()
+        assert metric(gw, "unitproxy_pipelined_bytes") == held, "the port's budget is spent"
+    finally:
+        first.close()
+    await wait_until(lambda: metric(gw, "unitproxy_pipelined_bytes") == 0, 3.0, "all freed")
+    await wait_until(lambda: gw.gate.in_flight == 0, 3.0, "gateway in flight 0")
+
+
 # --- the handoff to aiohttp in the middle of a connection --------------------------------
 
 

@@ -42,7 +42,9 @@ from proxy.timers import Timer
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 64 * 1024  # a longer head goes to aiohttp, which answers it with its limits
-MAX_UNREAD = 4 * 1024 * 1024  # bytes of later requests buffered before reading pauses
+# Bytes of later requests buffered behind one being served before reading pauses (a
+# head or two); all connections together hold about server.max_pipelined_bytes.
+PIPELINE_KEEP = 64 * 1024
 MAX_FIELD = 8190  # aiohttp's limits on a line and a header: past them it answers 400
 MAX_HEADERS = 128
 # The request headers the gateway reads; the others are checked, not kept.
@@ -309,6 +311,7 @@ class ClientConnection(asyncio.Protocol):
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
         self._held = 0  # bytes of the body coming in, held in the limits' body budget
+        self._pipelined = 0  # bytes that came behind the request served, in the limits
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
@@ -340,10 +343,17 @@ class ClientConnection(asyncio.Protocol):
             return
         self._buf += data
         if self.task is None:
+            if self._head is not None and not self._hold(len(data)):
+                return
             self._next()
-        elif len(self._buf) > MAX_UNREAD and not self._read_paused and self.transport:
-            self._read_paused = True
-            self.transport.pause_reading()
+        else:
+            # Pipelined behind the request served: held until it is answered, within the
+            # port's budget; reading pauses past a little (the kernel holds the rest).
+            limits = self._limits
+            self._pipelined += len(data)
+            limits.pipelined += len(data)
+            if self._pipelined > PIPELINE_KEEP or limits.pipelined > limits.pipeline_budget:
+                self._pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -354,6 +364,7 @@ class ClientConnection(asyncio.Protocol):
             self._counted = False
             self._limits.release()
         self._free_body()  # gone while a body came
+        self._free_pipelined()
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
         self._wake_writer()
@@ -452,14 +463,13 @@ class ClientConnection(asyncio.Protocol):
                 return
             if not self._authorized(head):
                 return
-            if not self._limits.hold_body(head.length):
-                refusal = Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
-                self._refuse(head, refusal.http_status, refusal.body(), {"Retry-After": "1"})
-                return
-            self._held = head.length
             total = head.size + head.length
             if len(buf) < total:
+                # The body is not whole: what came of it is held in the body budget, and
+                # what comes, until it is (most requests come whole in one read).
                 self._head = head
+                if not self._hold(len(buf) - head.size):
+                    return
                 self._arm("body", self._limits.body_timeout_s)
                 return
         else:
@@ -477,6 +487,11 @@ class ClientConnection(asyncio.Protocol):
         else:
             body = bytes(buf[head.size : total])
             del buf[:total]
+            self._pipelined = len(buf)  # the next request's bytes, come already
+            self._limits.pipelined += len(buf)
+        limits = self._limits
+        if limits.pipelined >= limits.pipeline_budget or self._pipelined > PIPELINE_KEEP:
+            self._pause_reading()  # the port holds its share of later requests already
         self.task = self._loop.create_task(self._serve(head, body))
 
     def _authorized(self, head: Head) -> bool:
@@ -504,10 +519,34 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._arm("closing", self._limits.body_timeout_s)
 
+    def _hold(self, size: int) -> bool:
+        """Hold ``size`` more bytes of the body coming in (of ``self._head``); past the
+        port's budget, answer 503 and close."""
+        if self._limits.hold_body(size):
+            self._held += size
+            return True
+        head = self._head
+        assert head is not None
+        self._free_body()
+        self._head = None
+        refusal = Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
+        self._refuse(head, refusal.http_status, refusal.body(), {"Retry-After": "1"})
+        return False
+
     def _free_body(self) -> None:
         if self._held:
             self._limits.free_body(self._held)
             self._held = 0
+
+    def _free_pipelined(self) -> None:
+        if self._pipelined:
+            self._limits.pipelined -= self._pipelined
+            self._pipelined = 0
+
+    def _pause_reading(self) -> None:
+        if not self._read_paused and self.transport is not None:
+            self._read_paused = True
+            self.transport.pause_reading()
 
     async def _serve(self, head: Head, body: bytes) -> None:
         response = Response(self, close=not head.keep_alive)
@@ -531,6 +570,7 @@ class ClientConnection(asyncio.Protocol):
             self._after()
 
     def _after(self) -> None:
+        self._free_pipelined()  # the bytes buffered are the next request's now
         if self._read_paused and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
