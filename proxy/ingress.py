@@ -35,7 +35,13 @@ from typing import cast
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy.errors import RequestTimeout, Unavailable, UnitProxyError, VersionNotSupported
+from proxy.errors import (
+    Overloaded,
+    RequestTimeout,
+    Unavailable,
+    UnitProxyError,
+    VersionNotSupported,
+)
 from proxy.httputil import Handler
 from proxy.metrics import IngressMetrics
 from proxy.settings import ServerSettings
@@ -61,6 +67,10 @@ BODY_BUFFER_REFUSAL = error_response(
 REFUSAL = error_response(
     Unavailable("too many client connections", code="max_connections"), "Retry-After: 1"
 )
+CLIENT_REFUSAL = error_response(
+    Overloaded("too many connections from this client address", code="max_client_connections"),
+    "Retry-After: 1",
+)
 # Connections the kernel queues before they are accepted (asyncio's default is 100, which
 # a burst of clients overflows into SYN retries); capped by net.core.somaxconn.
 LISTEN_BACKLOG = 1024
@@ -75,6 +85,9 @@ class Limits:
         self.keepalive_s = server.keepalive_timeout_s
         self.write_timeout_s = server.write_timeout_s
         self.max_connections = server.max_connections
+        self.per_client = server.max_connections_per_client  # 0: no cap
+        self._clients: dict[str, int] = {}  # open connections by client address
+        self._capped: set[str] = set()  # client addresses refused (and logged) at their cap
         self.body_budget = server.max_body_buffer_bytes
         self.body_held = 0  # bytes received of the bodies of the requests under way
         self.pipeline_budget = server.max_pipelined_bytes
@@ -87,8 +100,10 @@ class Limits:
         self._refusing = 0  # connections refused since the cap was reached; 0: not at it
         self._loop = asyncio.get_running_loop()
 
-    def admit(self, transport: asyncio.BaseTransport) -> bool:
-        """Count a new connection in; at the cap, answer it 503, close it, False."""
+    def admit(self, transport: asyncio.BaseTransport) -> str | None:
+        """Count a new connection in and return its client's address (for ``release``);
+        at a cap, answer it (503 at max_connections, 429 at its client's cap), close it,
+        and return None."""
         if self.open >= self.max_connections:
             if not self._refusing:
                 log.warning("%d client connections open (server.max_connections): refusing "
@@ -97,14 +112,38 @@ class Limits:
             self.metrics.closed.labels("max_connections").inc()
             cast(asyncio.WriteTransport, transport).write(REFUSAL)
             transport.close()
-            return False
+            return None
+        client = ""
+        if self.per_client:
+            peer = transport.get_extra_info("peername")
+            client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            count = self._clients.get(client, 0)
+            if count >= self.per_client:
+                if client not in self._capped:
+                    self._capped.add(client)
+                    log.warning("%d connections open from %s "
+                                "(server.max_connections_per_client): refusing more "
+                                "from it (logged once while it has connections)",
+                                count, client)  # fmt: skip
+                self.metrics.closed.labels("max_client_connections").inc()
+                cast(asyncio.WriteTransport, transport).write(CLIENT_REFUSAL)
+                transport.close()
+                return None
+            self._clients[client] = count + 1
         self.open += 1
         self.metrics.connections.inc()
-        return True
+        return client
 
-    def release(self) -> None:
+    def release(self, client: str) -> None:
+        """A connection admitted for ``client`` (what ``admit`` returned) closed."""
         self.open -= 1
         self.metrics.connections.dec()
+        if self.per_client:
+            count = self._clients.pop(client, 1) - 1
+            if count:
+                self._clients[client] = count
+            elif self._capped:
+                self._capped.discard(client)  # logged again if it comes back to the cap
         if self._refusing and self.open < self.max_connections:
             log.warning("client connections below server.max_connections again; "
                         "%d were refused", self._refusing)  # fmt: skip
@@ -138,6 +177,7 @@ class Guard(asyncio.Protocol):
         self._limits = limits
         self._handler = handler
         self._counted = False
+        self._client = ""  # its address, as the limits count it
         self.transport: asyncio.Transport | None = None
         self._phase = "idle"  # idle, head, body, serve
         self._next_head_at = 0.0  # bytes of the next head came while a request was served
@@ -150,20 +190,24 @@ class Guard(asyncio.Protocol):
         return self._limits
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._limits.admit(transport):
-            self.take_over(transport, new=True)
+        client = self._limits.admit(transport)
+        if client is not None:
+            self.take_over(transport, client, new=True)
 
     def take_over(
         self,
         transport: asyncio.BaseTransport,
+        client: str,
         head_deadline: float | None = None,
         new: bool = False,
     ) -> None:
-        """Serve ``transport``, counted in the limits already; ``head_deadline``: the loop
+        """Serve ``transport``, counted in the limits already (for ``client``, the
+        address ``Limits.admit`` gave); ``head_deadline``: the loop
         time by which the head under way must be whole (it began before a handoff);
         ``new``: a connection just accepted, which must bring its first head within the
         head timeout."""
         self._counted = True
+        self._client = client
         self.transport = cast(asyncio.Transport, transport)
         self._handler.connection_made(transport)
         if new:
@@ -197,7 +241,7 @@ class Guard(asyncio.Protocol):
         if not self._counted:
             return
         self._counted = False
-        self._limits.release()
+        self._limits.release(self._client)
         self._free_body()
         self._set_read_timer(0, None)
         self._stop_write_timer()

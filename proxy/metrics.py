@@ -244,6 +244,7 @@ CLOSE_REASONS = (
     "write_timeout",
     "idle",
     "max_connections",
+    "max_client_connections",
     "body_buffer",
 )
 

@@ -120,6 +120,11 @@ class ServerSettings(_Section):
         gt=0,
         description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
     )
+    max_connections_per_client: int = Field(
+        1024,
+        ge=0,
+        description="Most client connections open on the HTTP port at once from one client address (an IPv4 or IPv6 address); one more is answered 429 and closed. 0: no cap per client. Behind a proxy or load balancer that connects from a few addresses, raise it or give 0. Default 1024.",
+    )
     max_body_buffer_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,
@@ -128,7 +133,7 @@ class ServerSettings(_Section):
     max_pipelined_bytes: int = Field(
         16 * 1024 * 1024,
         gt=0,
-        description="Most bytes of later requests a client sends behind one being served (pipelined) that the HTTP port holds, all connections together; past it, or past 64 KiB on one connection, the server stops reading that connection until its request is answered. Default 16 MiB.",
+        description="Most bytes of later requests a client sends behind one being served (pipelined) that the gateway's HTTP port holds, all connections together; past it, or past 64 KiB on one connection, the server stops reading that connection until its request is answered. Default 16 MiB.",
     )
     max_prompt_chars: int = Field(
         1_000_000,

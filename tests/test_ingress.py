@@ -276,7 +276,43 @@ async def check_cap(server: Gateway | Sidecar) -> None:
         w.close()
 
 
-def gauge(server: Gateway | Sidecar) -> float:
+@pytest.mark.parametrize("role", ROLES)
+async def test_one_client_address_is_capped_and_others_are_served(
+    start_sidecar: SidecarFactory, role: str
+) -> None:
+    # server.max_connections_per_client: one address that holds its share of the
+    # connections is refused 429; another address (127.0.0.2 on loopback) is served.
+    async with serving(start_sidecar, role, {"max_connections_per_client": 2}) as server:
+        held = [await connect(server.http_url) for _ in range(2)]
+        await wait_until(lambda: gauge(server) == 2, what="2 connections counted")
+        reader, writer = await connect(server.http_url)
+        got, _ = await closed_with(reader, time.monotonic())
+        writer.close()
+        assert status(got) == 429, got
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+            "max_client_connections"
+        )
+        assert closed_total(server, "max_client_connections") == 1
+        port = int(server.http_url.rsplit(":", 1)[1])
+        for _ in range(2):  # beyond one address's cap, from another
+            reader, writer = await asyncio.open_connection(HOST, port, local_addr=("127.0.0.2", 0))
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+            async with asyncio.timeout(LATE_S):
+                assert status(await reader.readuntil(b"\r\n\r\n")) == 200
+            held.append((reader, writer))
+        held.pop(0)[1].close()  # one of the first address's closes: it may open one more
+        await wait_until(lambda: gauge(server) == 3, what="3 connections counted")
+        reader, writer = await connect(server.http_url)
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        async with asyncio.timeout(LATE_S):
+            assert status(await reader.readuntil(b"\r\n\r\n")) == 200
+        writer.close()
+        for _, w in held:
+            w.close()
+        await wait_until(lambda: gauge(server) == 0, what="all closed")
+
+
+def gauge(server: Gateway | Sidecar | FollowerAgent) -> float:
     return server.registry.get_sample_value("unitproxy_client_connections") or 0.0
 
 

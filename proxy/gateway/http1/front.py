@@ -318,14 +318,17 @@ class ClientConnection(asyncio.Protocol):
         self.producer: Producer | None = None  # a unit's stream spliced into this client
         self.closed = False
         self._counted = False
+        self._client = ""  # its address, as the limits count it
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        if not self._limits.admit(transport):
+        client = self._limits.admit(transport)
+        if client is None:
             self.closed = True
             return
+        self._client = client
         self._counted = True
         self._front.connections.add(self)
         # A new connection must bring its first head within the head timeout, counted
@@ -362,7 +365,7 @@ class ClientConnection(asyncio.Protocol):
         self._stop_write_timer()
         if self._counted:
             self._counted = False
-            self._limits.release()
+            self._limits.release(self._client)
         self._free_body()  # gone while a body came
         self._free_pipelined()
         if self.task is not None:
@@ -592,7 +595,7 @@ class ClientConnection(asyncio.Protocol):
         self.closed = True  # this protocol's part is over
         guard = Guard(self._limits, self._front.fallback())
         transport.set_protocol(guard)
-        guard.take_over(transport, self._head_deadline)
+        guard.take_over(transport, self._client, self._head_deadline)
         data, self._buf = bytes(self._buf), bytearray()
         if self._read_paused:
             transport.resume_reading()
