@@ -13,6 +13,7 @@
     │   └── UnitFailed             503  UNAVAILABLE        the unit failed under a running request
     │                                                      (code ``unit_failed``: a gateway migrates it)
     ├── DeadlineExceeded           504  DEADLINE_EXCEEDED  the request's deadline passed
+    ├── VersionNotSupported        505  UNIMPLEMENTED      an HTTP version other than 1.x
     └── EngineError                500  INTERNAL           the engine failed this request
         └── EngineDeadError        503  UNAVAILABLE        the engine is gone: nothing more will run
 
@@ -54,6 +55,7 @@ __all__ = [
     "Unavailable",
     "UnitFailed",
     "UnitProxyError",
+    "VersionNotSupported",
 ]
 
 # gRPC trailing metadata key that carries an error's ``code`` (as ``error.code`` does in an
@@ -103,3 +105,12 @@ class DeadlineExceeded(UnitProxyError):
     http_status = 504
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     error_type = "timeout_error"
+
+
+class VersionNotSupported(UnitProxyError):
+    """A request line of an HTTP version other than 1.0 and 1.1 (HTTP/2 is spoken on the
+    gRPC port, never upgraded to on the HTTP one)."""
+
+    http_status = 505
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+    error_type = "http_version_not_supported"

@@ -50,6 +50,7 @@ SERVING = (
     Flag("--keepalive-timeout", "server.keepalive_timeout_s", "SECONDS"),
     Flag("--write-timeout", "server.write_timeout_s", "SECONDS"),
     Flag("--max-connections", "server.max_connections", "N"),
+    Flag("--max-connections-per-client", "server.max_connections_per_client", "N"),
     Flag("--drain-timeout", "server.drain_timeout_s", "SECONDS"),
 )
 ENGINE = (

@@ -3,8 +3,10 @@
 A client connection is always in one phase, and each phase has its own timer,
 armed when the phase begins and dropped when it ends:
 
-    idle   between requests (and before the first)   keepalive_timeout_s, then closed
+    new    from the connect to its first byte         head_timeout_s, then closed
+    idle   between requests                           keepalive_timeout_s, then closed
     head   from the first byte of a head to its end  head_timeout_s, then 408 and closed
+           (the first head: from the connect)
     body   from the end of the head to its last byte body_timeout_s, then 408 and closed
     serve  the request runs; no read timer
 
@@ -27,12 +29,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from http import HTTPStatus
 from typing import cast
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy.errors import RequestTimeout, Unavailable
+from proxy.errors import (
+    Overloaded,
+    RequestTimeout,
+    Unavailable,
+    UnitProxyError,
+    VersionNotSupported,
+)
 from proxy.httputil import Handler
 from proxy.metrics import IngressMetrics
 from proxy.settings import ServerSettings
@@ -41,18 +50,27 @@ from proxy.timers import Timer, Wheel
 log = logging.getLogger(__name__)
 
 
-def _refusal() -> bytes:
-    body = json.dumps(
-        Unavailable("too many client connections", code="max_connections").body()
-    ).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+def error_response(error: UnitProxyError, *headers: str) -> bytes:
+    """The whole HTTP/1.1 answer of ``error``, closing the connection; ``headers`` are
+    more "Name: value" lines."""
+    body = json.dumps(error.body()).encode()
+    lines = [f"HTTP/1.1 {error.http_status} {HTTPStatus(error.http_status).phrase}",
+             "Content-Type: application/json", *headers, "Connection: close",
+             f"Content-Length: {len(body)}", "", ""]  # fmt: skip
+    return "\r\n".join(lines).encode() + body
 
 
-REFUSAL = _refusal()
+BODY_BUFFER_FULL = "request bodies under way fill the server's body buffer; retry"
+BODY_BUFFER_REFUSAL = error_response(
+    Unavailable(BODY_BUFFER_FULL, code="body_buffer_full"), "Retry-After: 1"
+)
+REFUSAL = error_response(
+    Unavailable("too many client connections", code="max_connections"), "Retry-After: 1"
+)
+CLIENT_REFUSAL = error_response(
+    Overloaded("too many connections from this client address", code="max_client_connections"),
+    "Retry-After: 1",
+)
 # Connections the kernel queues before they are accepted (asyncio's default is 100, which
 # a burst of clients overflows into SYN retries); capped by net.core.somaxconn.
 LISTEN_BACKLOG = 1024
@@ -67,18 +85,25 @@ class Limits:
         self.keepalive_s = server.keepalive_timeout_s
         self.write_timeout_s = server.write_timeout_s
         self.max_connections = server.max_connections
-        self.max_body = server.max_body_bytes
+        self.per_client = server.max_connections_per_client  # 0: no cap
+        self._clients: dict[str, int] = {}  # open connections by client address
+        self._capped: set[str] = set()  # client addresses refused (and logged) at their cap
         self.body_budget = server.max_body_buffer_bytes
-        self.body_held = 0  # bytes of the bodies of the requests under way
+        self.body_held = 0  # bytes received of the bodies of the requests under way
+        self.pipeline_budget = server.max_pipelined_bytes
+        self.pipelined = 0  # bytes received behind requests being served
         self.wheel = wheel
         self.metrics = metrics
         metrics.body_buffer.set_function(lambda: self.body_held)  # read at scrape time
+        metrics.pipelined.set_function(lambda: self.pipelined)
         self.open = 0
         self._refusing = 0  # connections refused since the cap was reached; 0: not at it
         self._loop = asyncio.get_running_loop()
 
-    def admit(self, transport: asyncio.BaseTransport) -> bool:
-        """Count a new connection in; at the cap, answer it 503, close it, False."""
+    def admit(self, transport: asyncio.BaseTransport) -> str | None:
+        """Count a new connection in and return its client's address (for ``release``);
+        at a cap, answer it (503 at max_connections, 429 at its client's cap), close it,
+        and return None."""
         if self.open >= self.max_connections:
             if not self._refusing:
                 log.warning("%d client connections open (server.max_connections): refusing "
@@ -87,23 +112,49 @@ class Limits:
             self.metrics.closed.labels("max_connections").inc()
             cast(asyncio.WriteTransport, transport).write(REFUSAL)
             transport.close()
-            return False
+            return None
+        client = ""
+        if self.per_client:
+            peer = transport.get_extra_info("peername")
+            client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            count = self._clients.get(client, 0)
+            if count >= self.per_client:
+                if client not in self._capped:
+                    self._capped.add(client)
+                    log.warning("%d connections open from %s "
+                                "(server.max_connections_per_client): refusing more "
+                                "from it (logged once while it has connections)",
+                                count, client)  # fmt: skip
+                self.metrics.closed.labels("max_client_connections").inc()
+                cast(asyncio.WriteTransport, transport).write(CLIENT_REFUSAL)
+                transport.close()
+                return None
+            self._clients[client] = count + 1
         self.open += 1
         self.metrics.connections.inc()
-        return True
+        return client
 
-    def release(self) -> None:
+    def release(self, client: str) -> None:
+        """A connection admitted for ``client`` (what ``admit`` returned) closed."""
         self.open -= 1
         self.metrics.connections.dec()
+        if self.per_client:
+            count = self._clients.pop(client, 1) - 1
+            if count:
+                self._clients[client] = count
+            elif self._capped:
+                self._capped.discard(client)  # logged again if it comes back to the cap
         if self._refusing and self.open < self.max_connections:
             log.warning("client connections below server.max_connections again; "
                         "%d were refused", self._refusing)  # fmt: skip
             self._refusing = 0
 
     def hold_body(self, size: int) -> bool:
-        """Count in a request body of ``size`` bytes coming in; False if the bodies held would
-        pass max_body_buffer_bytes (the refusal is counted; the caller answers it)."""
-        if size and self.body_held + size > self.body_budget:
+        """Count in ``size`` bytes received of a body under way; False if the bodies held
+        would pass max_body_buffer_bytes (the refusal is counted; the caller answers it).
+        Bodies are counted by what arrived, never by what they declare: a client that
+        announces a large body and sends it slowly holds only what it sent."""
+        if self.body_held >= self.body_budget or self.body_held + size > self.body_budget:
             self.metrics.closed.labels("body_buffer").inc()
             return False
         self.body_held += size
@@ -126,29 +177,43 @@ class Guard(asyncio.Protocol):
         self._limits = limits
         self._handler = handler
         self._counted = False
+        self._client = ""  # its address, as the limits count it
         self.transport: asyncio.Transport | None = None
         self._phase = "idle"  # idle, head, body, serve
         self._next_head_at = 0.0  # bytes of the next head came while a request was served
         self._read_timer: Timer | None = None
         self._write_timer: Timer | None = None
+        self._held = 0  # bytes of the body coming in, held in the limits' body budget
 
     @property
     def limits(self) -> Limits:
         return self._limits
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self._limits.admit(transport):
-            self.take_over(transport)
+        client = self._limits.admit(transport)
+        if client is not None:
+            self.take_over(transport, client, new=True)
 
     def take_over(
-        self, transport: asyncio.BaseTransport, head_deadline: float | None = None
+        self,
+        transport: asyncio.BaseTransport,
+        client: str,
+        head_deadline: float | None = None,
+        new: bool = False,
     ) -> None:
-        """Serve ``transport``, counted in the limits already; ``head_deadline``: the loop
-        time by which the head under way must be whole (it began before a handoff)."""
+        """Serve ``transport``, counted in the limits already (for ``client``, the
+        address ``Limits.admit`` gave); ``head_deadline``: the loop
+        time by which the head under way must be whole (it began before a handoff);
+        ``new``: a connection just accepted, which must bring its first head within the
+        head timeout."""
         self._counted = True
+        self._client = client
         self.transport = cast(asyncio.Transport, transport)
         self._handler.connection_made(transport)
-        if head_deadline is None:
+        if new:
+            self._phase = "new"
+            self._set_read_timer(self._limits.head_timeout_s, self._head_expired)
+        elif head_deadline is None:
             self._set_read_timer(self._limits.keepalive_s, self._idle_expired)
         else:
             self._phase = "head"
@@ -161,8 +226,12 @@ class Guard(asyncio.Protocol):
         if self._phase == "idle":
             self._phase = "head"
             self._set_read_timer(self._limits.head_timeout_s, self._head_expired)
+        elif self._phase == "new":
+            self._phase = "head"  # its timer runs from the connect
         elif self._phase == "serve" and not self._next_head_at:
             self._next_head_at = asyncio.get_running_loop().time()
+        elif self._phase == "body" and not self._hold(len(data)):
+            return
         self._handler.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -172,7 +241,8 @@ class Guard(asyncio.Protocol):
         if not self._counted:
             return
         self._counted = False
-        self._limits.release()
+        self._limits.release(self._client)
+        self._free_body()
         self._set_read_timer(0, None)
         self._stop_write_timer()
         self._handler.connection_lost(exc)
@@ -198,11 +268,13 @@ class Guard(asyncio.Protocol):
 
     def body_done(self) -> None:
         self._phase = "serve"
+        self._free_body()
         self._set_read_timer(0, None)
 
     def refused(self) -> None:
         """Answered without reading the body (a bad API key): aiohttp reads and drops
         what comes; the connection closes when the body timer runs out."""
+        self._free_body()
         self._phase = "closing"
         self._set_read_timer(self._limits.body_timeout_s, self._close_quietly)
 
@@ -217,6 +289,27 @@ class Guard(asyncio.Protocol):
             self._phase = "idle"
             self._set_read_timer(self._limits.keepalive_s, self._idle_expired)
         self._next_head_at = 0.0
+
+    # -- the body budget ---------------------------------------------------------------
+
+    def _hold(self, size: int) -> bool:
+        """Hold ``size`` more bytes of the body coming in; past the port's budget, answer
+        503 and close (aiohttp finds its body cut short)."""
+        if self._limits.hold_body(size):
+            self._held += size
+            return True
+        self._free_body()
+        self._phase = "closing"
+        self._set_read_timer(0, None)
+        if self.transport is not None:
+            self.transport.write(BODY_BUFFER_REFUSAL)
+            self.transport.close()
+        return False
+
+    def _free_body(self) -> None:
+        if self._held:
+            self._limits.free_body(self._held)
+            self._held = 0
 
     # -- timers ------------------------------------------------------------------------
 
@@ -240,7 +333,10 @@ class Guard(asyncio.Protocol):
 
     def _head_expired(self) -> None:
         self._read_timer = None
-        if self._phase == "head" and self.transport is not None:
+        if self._phase == "new" and self.transport is not None:
+            self._limits.timed_out("head_timeout")  # not a byte came: nothing to answer
+            self.transport.close()
+        elif self._phase == "head" and self.transport is not None:
             self._limits.timed_out("head_timeout")
             self.transport.write(request_timeout_response("head"))
             self.transport.close()
@@ -265,12 +361,20 @@ class Guard(asyncio.Protocol):
 
 
 def request_timeout_response(phase: str) -> bytes:
-    body = json.dumps(RequestTimeout(f"the request {phase} took too long").body()).encode()
-    head = (
-        "HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+    return error_response(RequestTimeout(f"the request {phase} took too long"))
+
+
+def version_not_supported(request: web.Request) -> web.Response:
+    """505 to a request line of HTTP/2.0 or 0.9 (the parser takes both), and close.
+    Written here, since aiohttp's status line would echo the request's version; aiohttp
+    then finds the connection closed, as if the client had left."""
+    version = f"HTTP/{request.version.major}.{request.version.minor}"
+    error = VersionNotSupported(f"{version} is not served here; send HTTP/1.1")
+    transport = request.transport
+    if transport is not None:
+        transport.write(error_response(error))
+        transport.close()
+    return web.Response(status=error.http_status)
 
 
 def guard_of(request: web.BaseRequest) -> Guard | None:
@@ -285,6 +389,8 @@ def phase_middleware() -> Middleware:
 
     @web.middleware
     async def phases(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.version.major != 1:
+            return version_not_supported(request)
         guard = guard_of(request)
         if guard is None:
             return await handler(request)
@@ -297,30 +403,21 @@ def phase_middleware() -> Middleware:
     return phases
 
 
-BODY_BUFFER_FULL = "request bodies under way fill the server's body buffer; retry"
-
-
 def body_middleware() -> Middleware:
     """After the API key check: read the whole body (the handler's ``request.read()``
-    then returns it at once) under the guard's body timer, held in the port's body
-    budget (its declared length, or the largest body allowed when it has none) until
-    it is whole."""
+    then returns it at once) under the guard's body timer, its bytes held in the port's
+    body budget as they arrive (the guard counts them) until it is whole; a request
+    that comes while the budget is full gets 503 from its head."""
 
     @web.middleware
     async def body(request: web.Request, handler: Handler) -> web.StreamResponse:
         guard = guard_of(request)
         if not request.can_read_body or guard is None:
             return await handler(request)
-        limits = guard.limits
-        length = request.content_length
-        size = length if length is not None else limits.max_body
-        if not limits.hold_body(size):
+        if not guard.limits.hold_body(0):
             guard.refused()
             raise Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
-        try:
-            await request.read()
-        finally:
-            limits.free_body(size)
+        await request.read()
         guard.body_done()
         return await handler(request)
 

@@ -244,6 +244,7 @@ CLOSE_REASONS = (
     "write_timeout",
     "idle",
     "max_connections",
+    "max_client_connections",
     "body_buffer",
 )
 
@@ -271,6 +272,13 @@ class IngressMetrics:
             "body_buffer_bytes",
             "Bytes of request bodies coming in on the HTTP port, each from its head until "
             "it is whole (at most server.max_body_buffer_bytes).",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.pipelined = Gauge(
+            "pipelined_bytes",
+            "Bytes of later requests held behind requests being served on the HTTP port "
+            "(about server.max_pipelined_bytes at most).",
             namespace=PREFIX,
             registry=registry,
         )

@@ -106,7 +106,7 @@ class ServerSettings(_Section):
     head_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Longest time a request head may take, from its first byte to its end, in s; past it the client gets 408 and the connection closes. Default 10.",
+        description="Longest time a request head may take, from its first byte to its end (a new connection's first head: from the connect), in s; past it the client gets 408 and the connection closes (a new connection that sent nothing is closed without an answer). Default 10.",
     )
     body_timeout_s: float = Field(
         30.0,
@@ -128,10 +128,20 @@ class ServerSettings(_Section):
         gt=0,
         description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
     )
+    max_connections_per_client: int = Field(
+        1024,
+        ge=0,
+        description="Most client connections open on the HTTP port at once from one client address (an IPv4 or IPv6 address); one more is answered 429 and closed. 0: no cap per client. Behind a proxy or load balancer that connects from a few addresses, raise it or give 0. Default 1024.",
+    )
     max_body_buffer_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,
-        description="Most bytes of request bodies coming in at once on the HTTP port, all connections together, each from its head until it is whole (a chunked body counts as max_body_bytes); a request whose body would pass it gets 503 before its body is read. Default 64 MiB.",
+        description="Most bytes of request bodies received and not yet whole on the HTTP port, all connections together (counted as they arrive, not by their declared length); a request that comes while it is full, or whose bytes would pass it, gets 503 and the connection closes. Default 64 MiB.",
+    )
+    max_pipelined_bytes: int = Field(
+        16 * 1024 * 1024,
+        gt=0,
+        description="Most bytes of later requests a client sends behind one being served (pipelined) that the gateway's HTTP port holds, all connections together; past it, or past 64 KiB on one connection, the server stops reading that connection until its request is answered. Default 16 MiB.",
     )
     max_prompt_chars: int = Field(
         1_000_000,

@@ -312,6 +312,50 @@ async def test_pipelined_requests_are_answered_in_order(cell: Cell, raw: RawFact
     await assert_settled(cell)
 
 
+async def pipeline_behind_a_stream(url: str) -> tuple[socket.socket, int]:
+    """A connection whose stream is being served, then as many bytes pipelined behind it
+    as the gateway takes before the client's writes block (for half a second)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    sock.setblocking(False)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    await loop.sock_connect(sock, (host, int(port)))
+    await loop.sock_sendall(sock, request(COMPLETIONS, SLOW_STREAM))
+    async with asyncio.timeout(CALL_S):
+        assert (await loop.sock_recv(sock, 65536)).startswith(b"HTTP/1.1 200")
+    chunk = b"x" * (256 * 1024)
+    sent = 0
+    with contextlib.suppress(TimeoutError):
+        while sent < (16 << 20):
+            await asyncio.wait_for(loop.sock_sendall(sock, chunk), 0.5)
+            sent += len(chunk)
+    return sock, sent
+
+
+async def test_bytes_pipelined_behind_a_request_are_held_briefly(
+    start_sidecar: SidecarFactory, start_gateway_with: GatewayStarter
+) -> None:
+    # A client pipelines megabytes behind a long stream: the gateway holds a little of
+    # it and stops reading (the kernel's buffers hold the rest), on each connection and,
+    # past server.max_pipelined_bytes, on the port: a second connection that comes
+    # once the port's share is held gets nothing more read behind its request.
+    unit = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway_with([unit_spec(unit)], server={"max_pipelined_bytes": 1000})
+    first, sent = await pipeline_behind_a_stream(gw.http_url)
+    try:
+        assert sent < (3 << 20), f"the client pipelined {sent >> 10} KiB unblocked"
+        held = metric(gw, "unitproxy_pipelined_bytes")
+        assert 0 < held <= 512 * 1024, held
+        second, _ = await pipeline_behind_a_stream(gw.http_url)
+        second.close()
+        assert metric(gw, "unitproxy_pipelined_bytes") == held, "the port's budget is spent"
+    finally:
+        first.close()
+    await wait_until(lambda: metric(gw, "unitproxy_pipelined_bytes") == 0, 3.0, "all freed")
+    await wait_until(lambda: gw.gate.in_flight == 0, 3.0, "gateway in flight 0")
+
+
 # --- the handoff to aiohttp in the middle of a connection --------------------------------
 
 
@@ -505,6 +549,74 @@ async def test_head_with_bare_lf_line_ends_is_answered(cell: Cell, raw: RawFacto
     assert reply.status == 400, str(reply)
 
 
+# --- offers to switch protocols, versions and hosts ----------------------------------------
+
+H2C = (
+    "Connection: Upgrade, HTTP2-Settings",
+    "Upgrade: h2c",
+    "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
+)
+WEBSOCKET = ("Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")  # fmt: skip
+UPGRADES = {  # (what curl --http2 or a websocket client sends, on the lean path or not)
+    "h2c, inference": (H2C, True),
+    "websocket, inference": (WEBSOCKET, True),
+    "h2c, GET /health": (H2C, False),
+    "websocket, GET /v1/models": (WEBSOCKET, False),
+}
+
+
+@pytest.mark.parametrize("name", list(UPGRADES))
+async def test_an_offer_to_upgrade_is_ignored_and_served_as_http_1_1(
+    cell: Cell, raw: RawFactory, name: str
+) -> None:
+    # The gateway switches to no other protocol: it answers as HTTP/1.1 (RFC 9110
+    # section 7.8 lets a server ignore Upgrade), never a close with no answer.
+    offer, inference = UPGRADES[name]
+    conn = await raw(cell.url)
+    for _ in range(2):  # and the connection goes on as HTTP/1.1
+        if inference:
+            conn.send(request(COMPLETIONS, None, *offer))
+            reply = await conn.reply()
+            check_completion(reply, 2)
+            assert not reply.by_aiohttp, "the lean path serves it, the offer ignored"
+        else:
+            path = "/health" if "health" in name else "/v1/models"
+            conn.send(f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\n".encode()
+                      + "".join(f"{h}\r\n" for h in offer).encode() + b"\r\n")  # fmt: skip
+            reply = await conn.reply()
+            assert reply.status == 200, str(reply)
+        assert reply.status != 101
+    await assert_settled(cell)
+
+
+async def test_a_request_without_host_gets_400(cell: Cell, raw: RawFactory) -> None:
+    # HTTP/1.1 asks for a Host header (RFC 9112 section 3.2): the sidecar and the gateway
+    # on either path answer 400.
+    for url in (cell.sidecar.http_url, cell.url):
+        conn = await raw(url)
+        conn.send(request().replace(f"Host: {HOST}\r\n".encode(), b""))
+        reply = await conn.reply()
+        assert reply.status == 400, str(reply)
+    assert metric(cell.gateway, "unitproxy_requests_total", route="completions", code="200") == 0
+    await assert_settled(cell)
+
+
+@pytest.mark.parametrize("version", ["2.0", "0.9"])
+async def test_a_request_line_of_another_http_version_gets_505(
+    cell: Cell, raw: RawFactory, version: str
+) -> None:
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for url in (cell.url, cell.sidecar.http_url):
+        conn = await raw(url)
+        conn.send(head_only(COMPLETIONS, *json_headers(body), version=version) + body)
+        reply = await conn.reply()  # which asserts an HTTP/1.x status line
+        error = check_error(reply, 505)
+        assert error["code"] == "http_version_not_supported", error
+        assert await conn.closed_by_server()
+    await assert_settled(cell)
+
+
 # --- Connection: close -----------------------------------------------------------------
 
 
@@ -566,7 +678,9 @@ class FakeUnit:
     request comes on it; ``connection_close`` says so in its answer and closes;
     ``silent_close`` closes after its answer without saying so; ``close_delimited``
     sends neither Content-Length nor chunks: its answer ends where the connection does
-    (RFC 9112 section 6.3), as an HTTP/1.0 server's would.
+    (RFC 9112 section 6.3), as an HTTP/1.0 server's would. ``interim`` keeps alive
+    and sends a 100 and a 103 before each answer; ``switch`` answers 101 Switching
+    Protocols, which it was never asked for, then bytes of another protocol.
     A request with ``"endless": true`` gets an SSE stream that goes on as long as the
     gateway reads it (``streamed`` counts its bytes); ``"pad": N`` a JSON answer of
     about N bytes.
@@ -622,9 +736,14 @@ class FakeUnit:
                 if body.get("endless"):
                     await self._endless(writer)
                     return
+                if self.mode == "interim":  # the answer comes in a later read
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n"
+                                 b"Link: </style.css>; rel=preload\r\n\r\n")  # fmt: skip
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
                 writer.write(self._completion(body))
                 await writer.drain()
-                if self.mode not in ("keep", "close_on_reuse"):
+                if self.mode not in ("keep", "close_on_reuse", "interim"):
                     return
         except ConnectionError:
             return
@@ -650,6 +769,9 @@ class FakeUnit:
                 b"Content-Length: %d\r\n\r\n%b" % (len(report), report))  # fmt: skip
 
     def _completion(self, request: dict[str, Any]) -> bytes:
+        if self.mode == "switch":
+            return (b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                    b"Upgrade: h2c\r\n\r\n\x00\x00\x12\x04\x00\x00\x00\x00\x00")  # fmt: skip
         close = b"Connection: close\r\n" if self.mode == "connection_close" else b""
         if self.mode == "close_delimited":
             return self._close_delimited(request)
@@ -689,6 +811,7 @@ class FakeUnit:
         "connection_close",
         "silent_close",
         "close_delimited",
+        "interim",
     ],
 )
 async def test_unit_that_closes_its_connections(
@@ -713,10 +836,28 @@ async def test_unit_that_closes_its_connections(
         if mode == "close_on_reuse":
             # Every reuse met a closed connection and went once more on a new one.
             assert unit.refused == 19, "the gateway reused connections the unit then closed"
-        assert unit.connections == 20
+        # (interim: one connection kept, the 1xx before each answer dropped)
+        assert unit.connections == (1 if mode == "interim" else 20)
         assert metric(gw, "unitproxy_gateway_retries_total", reason="connect") == 0
         assert gw.router.units["fake"].ejected_until == 0
         await conn.close()
+        await wait_until(lambda: gw.gate.in_flight == 0, 3.0, "gateway in flight 0")
+
+
+async def test_a_unit_that_switches_protocols_fails_the_request_clearly(
+    start_gateway_with: GatewayStarter, raw: RawFactory
+) -> None:
+    # A 101 the gateway never asked for (it sends no Upgrade): the unit's answer is
+    # broken, and the client gets the gateway's error, not the 101.
+    async with FakeUnit("switch") as unit:
+        gw = await start_gateway_with(
+            [f"fake={unit.url},{HOST}:9"], load_source="poll", poll_interval_s=0.05
+        )
+        conn = await raw(gw.http_url)
+        conn.send(request(COMPLETIONS, {"prompt": "x", "max_tokens": 3}))
+        error = check_error(await conn.reply(), 503)
+        assert error["code"] == "unit_failed", error
+        assert unit.answered >= 1
         await wait_until(lambda: gw.gate.in_flight == 0, 3.0, "gateway in flight 0")
 
 

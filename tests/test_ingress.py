@@ -14,6 +14,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ SLOW = {
         408,
         "body_timeout",
     ),
-    "nothing at all": (b"", 0, "idle"),
+    "nothing at all": (b"", 0, "head_timeout"),
 }
 
 
@@ -167,6 +168,51 @@ async def test_the_head_timer_is_rearmed_after_each_request(
     writer.close()
     assert status(got) == 408
     assert after_s < LATE_S
+
+
+@pytest.mark.parametrize("role", ["gateway", "sidecar", "follower"])
+async def test_a_new_connection_that_sends_nothing_gets_the_head_timeout(
+    start_sidecar: SidecarFactory, role: str
+) -> None:
+    # Not the keep-alive time: a socket that never sends a byte holds a connection
+    # (of server.max_connections) for head_timeout_s, counted from the connect.
+    limits = {**LIMITS, "keepalive_timeout_s": 60.0}
+    async with serving(start_sidecar, role, limits) as server:
+        before = closed_total(server, "head_timeout")
+        reader, writer = await connect(server.http_url)
+        got, after_s = await closed_with(reader, time.monotonic())
+        writer.close()
+        assert got == b"", got  # no request: nothing to answer
+        assert TIMEOUT_S * 0.9 <= after_s < LATE_S, f"closed after {after_s:.2f} s"
+        assert closed_total(server, "head_timeout") == before + 1
+        # A head begun late on a new connection has what is left of that time.
+        reader, writer = await connect(server.http_url)
+        await asyncio.sleep(TIMEOUT_S / 2)
+        started = time.monotonic()
+        writer.write(b"GET /hea")
+        got, after_s = await closed_with(reader, started)
+        writer.close()
+        assert status(got) == 408 and after_s < TIMEOUT_S * 0.75, f"{after_s:.2f} s {got!r}"
+
+
+@asynccontextmanager
+async def serving(
+    start_sidecar: SidecarFactory, role: str, limits: dict[str, Any]
+) -> AsyncIterator[Gateway | Sidecar | FollowerAgent]:
+    """A server of ``role`` under the server settings ``limits``."""
+    base = {"host": HOST, "http_port": 0, "grpc_port": 0, **limits}
+    if role == "follower":
+        async with FollowerAgent(load({"server": base})) as follower:
+            yield follower
+        return
+    sidecar = await start_sidecar(server=limits)
+    if role == "sidecar":
+        yield sidecar
+        return
+    unit = f"a={sidecar.http_url},{sidecar.grpc_target}"
+    async with Gateway(load({"server": base, "gateway": {"units": [unit]}})) as gateway:
+        await wait_until(lambda: len(gateway.router.serving()) == 1, what="unit SERVING")
+        yield gateway
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -230,7 +276,43 @@ async def check_cap(server: Gateway | Sidecar) -> None:
         w.close()
 
 
-def gauge(server: Gateway | Sidecar) -> float:
+@pytest.mark.parametrize("role", ROLES)
+async def test_one_client_address_is_capped_and_others_are_served(
+    start_sidecar: SidecarFactory, role: str
+) -> None:
+    # server.max_connections_per_client: one address that holds its share of the
+    # connections is refused 429; another address (127.0.0.2 on loopback) is served.
+    async with serving(start_sidecar, role, {"max_connections_per_client": 2}) as server:
+        held = [await connect(server.http_url) for _ in range(2)]
+        await wait_until(lambda: gauge(server) == 2, what="2 connections counted")
+        reader, writer = await connect(server.http_url)
+        got, _ = await closed_with(reader, time.monotonic())
+        writer.close()
+        assert status(got) == 429, got
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+            "max_client_connections"
+        )
+        assert closed_total(server, "max_client_connections") == 1
+        port = int(server.http_url.rsplit(":", 1)[1])
+        for _ in range(2):  # beyond one address's cap, from another
+            reader, writer = await asyncio.open_connection(HOST, port, local_addr=("127.0.0.2", 0))
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+            async with asyncio.timeout(LATE_S):
+                assert status(await reader.readuntil(b"\r\n\r\n")) == 200
+            held.append((reader, writer))
+        held.pop(0)[1].close()  # one of the first address's closes: it may open one more
+        await wait_until(lambda: gauge(server) == 3, what="3 connections counted")
+        reader, writer = await connect(server.http_url)
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        async with asyncio.timeout(LATE_S):
+            assert status(await reader.readuntil(b"\r\n\r\n")) == 200
+        writer.close()
+        for _, w in held:
+            w.close()
+        await wait_until(lambda: gauge(server) == 0, what="all closed")
+
+
+def gauge(server: Gateway | Sidecar | FollowerAgent) -> float:
     return server.registry.get_sample_value("unitproxy_client_connections") or 0.0
 
 
@@ -308,7 +390,7 @@ async def test_the_followers_http_port_closes_slow_heads_too() -> None:
 
 
 BUDGET = {"max_body_bytes": 1000, "max_body_buffer_bytes": 1000, "body_timeout_s": 10.0}
-PADDED = BODY + b" " * (600 - len(BODY))  # 600 bytes: two of them pass the budget
+PADDED = BODY + b" " * (600 - len(BODY))  # a valid body of 600 bytes
 
 
 async def budget_server(start_sidecar: SidecarFactory, role: str) -> Gateway | Sidecar:
@@ -335,55 +417,73 @@ async def answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
         return status(head), await reader.readexactly(length)
 
 
+def opening(framing: str, length: int) -> bytes:
+    """A request head announcing a body of ``length`` bytes (chunked: of no length)."""
+    if framing == "length":
+        return post("/v1/completions", length)
+    return post("/v1/completions", 0).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+
+
+def part(framing: str, data: bytes, last: bool = False) -> bytes:
+    if framing == "length":
+        return data
+    return b"%x\r\n%b\r\n" % (len(data), data) + (b"0\r\n\r\n" if last else b"")
+
+
+async def start_body(
+    server: Gateway | Sidecar, framing: str, length: int, data: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client that sends a head, then (once the server reads its body) ``data``."""
+    reader, writer = await connect(server.http_url)
+    writer.write(opening(framing, length))
+    await asyncio.sleep(0.1)  # the head read on its own: the body bytes come after it
+    writer.write(part(framing, data))
+    return reader, writer
+
+
 @pytest.mark.parametrize(
-    ("role", "first"),
+    ("role", "framing"),
     [("gateway", "length"), ("gateway", "chunked"), ("sidecar", "length")],
 )
-async def test_bodies_under_way_share_one_buffer_budget(
-    start_sidecar: SidecarFactory, role: str, first: str
+async def test_bodies_under_way_are_held_by_the_bytes_that_came(
+    start_sidecar: SidecarFactory, role: str, framing: str
 ) -> None:
-    # One client holds a body half sent (chunked: the largest body allowed, since its
-    # length is unknown); another's body would pass max_body_buffer_bytes: it gets 503
-    # from its head, and once the first body is whole the budget is free again.
+    # Bodies are held in max_body_buffer_bytes (1000 here) by the bytes that arrived,
+    # never by what they announce: clients that announce large bodies and send a few
+    # bytes hold a few bytes, and other requests go through.
     server = await budget_server(start_sidecar, role)
+    body = PADDED + b" " * (900 - len(PADDED))
     try:
-        before = closed_total(server, "body_buffer")
-        slow_reader, slow = await connect(server.http_url)
-        if first == "length":
-            slow.write(post("/v1/completions", len(PADDED)) + PADDED[:100])
-        else:
-            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            slow.write(head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % 100 + PADDED[:100])
-        await wait_until(lambda: server_limits_held(server) > 0, what="the body held")
-
+        slow = [await start_body(server, framing, 900, body[:10]) for _ in range(3)]
+        await wait_until(lambda: server_limits_held(server) >= 30, what="the bytes held")
+        assert server_limits_held(server) < 100
         reader, writer = await connect(server.http_url)
-        writer.write(post("/v1/completions", len(PADDED)))
+        writer.write(post("/v1/completions", len(PADDED)) + PADDED)
+        code, error = await answer(reader)
+        assert code == 200, error
+        writer.close()
+        for _, w in slow:
+            w.close()
+        await wait_until(lambda: server_limits_held(server) == 0, what="their bytes freed")
+
+        # The budget holds against bytes that did come: one body of 800 bytes under way,
+        # another's 300 more would pass it: that one gets 503 and its connection closes.
+        before = closed_total(server, "body_buffer")
+        big_reader, big = await start_body(server, framing, 900, body[:800])
+        await wait_until(lambda: server_limits_held(server) >= 800, what="800 bytes held")
+        reader, writer = await start_body(server, framing, 900, body[:300])
         code, error = await answer(reader)
         assert code == 503, error
         assert json.loads(error)["error"]["code"] == "body_buffer_full"
-        if role == "gateway":  # the lean path drops the body unread, then closes
-            writer.write(PADDED)
-            rest, _ = await closed_with(reader, time.monotonic())
-            assert rest == b""
-        # (aiohttp drops the body as it comes and closes at the body timer, as after a
-        # bad API key: the API key test checks that close.)
+        writer.write(part(framing, body[300:], last=True))  # dropped, then closed
+        assert (await closed_with(reader, time.monotonic()))[0] == b""
         writer.close()
         assert closed_total(server, "body_buffer") == before + 1
-
-        if first == "length":
-            slow.write(PADDED[100:])
-        else:
-            slow.write(b"\r\n%x\r\n" % (len(PADDED) - 100) + PADDED[100:] + b"\r\n0\r\n\r\n")
-        code, _ = await answer(slow_reader)
-        assert code == 200
-        slow.close()
+        big.write(part(framing, body[800:], last=True))
+        code, error = await answer(big_reader)
+        assert code == 200, error
+        big.close()
         await wait_until(lambda: server_limits_held(server) == 0, what="the budget freed")
-
-        reader, writer = await connect(server.http_url)
-        writer.write(post("/v1/completions", len(PADDED)) + PADDED)
-        code, _ = await answer(reader)
-        writer.close()
-        assert code == 200
     finally:
         if isinstance(server, Gateway):
             await server.__aexit__(None, None, None)

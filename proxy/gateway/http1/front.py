@@ -5,10 +5,12 @@ Every connection starts here. A request head is parsed by httptools; a plain
 requests a gateway lives on) is served on this connection without building request or
 response objects: the body is handed to the forwarder, the unit's answer written back
 in one write per read, SSE chunk-framed as it comes. Anything else (other routes and
-methods, chunked or compressed bodies, ``Expect``, HTTP/1.0, a head that does not
-parse, a body over the limit, a header the error middleware refuses) hands the
+methods, chunked or compressed bodies, ``Expect``, HTTP/1.0, no ``Host``, a head that
+does not parse, a body over the limit, a header the error middleware refuses) hands the
 connection, with every byte of that request, to aiohttp's request handler, which
 serves it from then on: one set of rules for errors, auth and limits, written once.
+An offer to switch protocols (``Upgrade: h2c`` or ``websocket``) is ignored on either
+path: the gateway speaks HTTP/1.1 on this port and nothing else.
 
 Requests are framed by Content-Length, so bytes of a next (pipelined) request are
 never lost; they wait until the current response is written.
@@ -40,15 +42,17 @@ from proxy.timers import Timer
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 64 * 1024  # a longer head goes to aiohttp, which answers it with its limits
-MAX_UNREAD = 4 * 1024 * 1024  # bytes of later requests buffered before reading pauses
+# Bytes of later requests buffered behind one being served before reading pauses (a
+# head or two); all connections together hold about server.max_pipelined_bytes.
+PIPELINE_KEEP = 64 * 1024
 MAX_FIELD = 8190  # aiohttp's limits on a line and a header: past them it answers 400
 MAX_HEADERS = 128
 # The request headers the gateway reads; the others are checked, not kept.
 USED_HEADERS = frozenset(
     {b"content-length", b"content-type", b"authorization", REQUEST_ID_HEADER.encode(),
-     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode()}
+     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode(), b"host"}
 )  # fmt: skip
-HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect"})
 
 
 class Head:
@@ -125,6 +129,12 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     parser = httptools.HttpRequestParser(found)
     try:
         parser.feed_data(raw)
+    except httptools.HttpParserUpgrade:
+        # An offer to switch protocols (Upgrade: h2c from curl --http2, websocket): the
+        # gateway switches to none, and ignores it as RFC 9110 section 7.8 allows, serving
+        # the request as HTTP/1.1 framed by its Content-Length. (httptools raises this
+        # after the whole head; a CONNECT is no POST and goes to aiohttp below.)
+        pass
     except httptools.HttpParserError:
         return None
     # The request line is valid (httptools said so): its version is its last word.
@@ -141,6 +151,8 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     if route is None:
         return None
     headers = found.headers
+    if "host" not in headers:
+        return None  # HTTP/1.1 with no Host: aiohttp answers the 400 (RFC 9112 section 3.2)
     length = headers.get("content-length", "")
     if not length.isdigit() or int(length) > max_body:
         return None
@@ -299,24 +311,30 @@ class ClientConnection(asyncio.Protocol):
         self._write_timer: Timer | None = None
         self._discard = 0  # body bytes still to drop after a refusal from the head
         self._held = 0  # bytes of the body coming in, held in the limits' body budget
+        self._pipelined = 0  # bytes that came behind the request served, in the limits
         self._drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self._read_paused = False
         self.producer: Producer | None = None  # a unit's stream spliced into this client
         self.closed = False
         self._counted = False
+        self._client = ""  # its address, as the limits count it
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        if not self._limits.admit(transport):
+        client = self._limits.admit(transport)
+        if client is None:
             self.closed = True
             return
+        self._client = client
         self._counted = True
         self._front.connections.add(self)
-        self._idle_since = self._loop.time()
-        self._arm("idle", self._limits.keepalive_s)
+        # A new connection must bring its first head within the head timeout, counted
+        # from now: a socket that sends nothing holds a connection only that long.
+        self._head_deadline = self._loop.time() + self._limits.head_timeout_s
+        self._arm("new", self._limits.head_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -328,10 +346,17 @@ class ClientConnection(asyncio.Protocol):
             return
         self._buf += data
         if self.task is None:
+            if self._head is not None and not self._hold(len(data)):
+                return
             self._next()
-        elif len(self._buf) > MAX_UNREAD and not self._read_paused and self.transport:
-            self._read_paused = True
-            self.transport.pause_reading()
+        else:
+            # Pipelined behind the request served: held until it is answered, within the
+            # port's budget; reading pauses past a little (the kernel holds the rest).
+            limits = self._limits
+            self._pipelined += len(data)
+            limits.pipelined += len(data)
+            if self._pipelined > PIPELINE_KEEP or limits.pipelined > limits.pipeline_budget:
+                self._pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -340,8 +365,9 @@ class ClientConnection(asyncio.Protocol):
         self._stop_write_timer()
         if self._counted:
             self._counted = False
-            self._limits.release()
+            self._limits.release(self._client)
         self._free_body()  # gone while a body came
+        self._free_pipelined()
         if self.task is not None:
             self.task.cancel()  # the client went away: the forwarder cancels upstream
         self._wake_writer()
@@ -390,6 +416,8 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._phase == "closing":
             pass  # answered already (a refusal from the head): just close
+        elif self._phase == "new":
+            self._limits.timed_out("head_timeout")  # not a byte came: nothing to answer
         elif self._phase == "idle":
             self._limits.timed_out("idle")
         else:
@@ -429,6 +457,8 @@ class ClientConnection(asyncio.Protocol):
             if end < 0:
                 if self._phase == "idle":
                     self._arm("head", self._limits.head_timeout_s)
+                elif self._phase == "new":
+                    self._phase = "head"  # its timer runs from the connect
                 return
             head = parse_head(bytes(buf[: end + 4]), self._front.routes, self._front.max_body)
             if head is None:
@@ -436,14 +466,13 @@ class ClientConnection(asyncio.Protocol):
                 return
             if not self._authorized(head):
                 return
-            if not self._limits.hold_body(head.length):
-                refusal = Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
-                self._refuse(head, refusal.http_status, refusal.body(), {"Retry-After": "1"})
-                return
-            self._held = head.length
             total = head.size + head.length
             if len(buf) < total:
+                # The body is not whole: what came of it is held in the body budget, and
+                # what comes, until it is (most requests come whole in one read).
                 self._head = head
+                if not self._hold(len(buf) - head.size):
+                    return
                 self._arm("body", self._limits.body_timeout_s)
                 return
         else:
@@ -461,6 +490,11 @@ class ClientConnection(asyncio.Protocol):
         else:
             body = bytes(buf[head.size : total])
             del buf[:total]
+            self._pipelined = len(buf)  # the next request's bytes, come already
+            self._limits.pipelined += len(buf)
+        limits = self._limits
+        if limits.pipelined >= limits.pipeline_budget or self._pipelined > PIPELINE_KEEP:
+            self._pause_reading()  # the port holds its share of later requests already
         self.task = self._loop.create_task(self._serve(head, body))
 
     def _authorized(self, head: Head) -> bool:
@@ -488,10 +522,34 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._arm("closing", self._limits.body_timeout_s)
 
+    def _hold(self, size: int) -> bool:
+        """Hold ``size`` more bytes of the body coming in (of ``self._head``); past the
+        port's budget, answer 503 and close."""
+        if self._limits.hold_body(size):
+            self._held += size
+            return True
+        head = self._head
+        assert head is not None
+        self._free_body()
+        self._head = None
+        refusal = Unavailable(BODY_BUFFER_FULL, code="body_buffer_full")
+        self._refuse(head, refusal.http_status, refusal.body(), {"Retry-After": "1"})
+        return False
+
     def _free_body(self) -> None:
         if self._held:
             self._limits.free_body(self._held)
             self._held = 0
+
+    def _free_pipelined(self) -> None:
+        if self._pipelined:
+            self._limits.pipelined -= self._pipelined
+            self._pipelined = 0
+
+    def _pause_reading(self) -> None:
+        if not self._read_paused and self.transport is not None:
+            self._read_paused = True
+            self.transport.pause_reading()
 
     async def _serve(self, head: Head, body: bytes) -> None:
         response = Response(self, close=not head.keep_alive)
@@ -515,6 +573,7 @@ class ClientConnection(asyncio.Protocol):
             self._after()
 
     def _after(self) -> None:
+        self._free_pipelined()  # the bytes buffered are the next request's now
         if self._read_paused and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
@@ -536,7 +595,7 @@ class ClientConnection(asyncio.Protocol):
         self.closed = True  # this protocol's part is over
         guard = Guard(self._limits, self._front.fallback())
         transport.set_protocol(guard)
-        guard.take_over(transport, self._head_deadline)
+        guard.take_over(transport, self._client, self._head_deadline)
         data, self._buf = bytes(self._buf), bytearray()
         if self._read_paused:
             transport.resume_reading()

@@ -95,6 +95,8 @@ class UnitConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(f"not a valid HTTP response: {exc}")
             self.close()
+        except httptools.HttpParserUpgrade:  # 101 Switching Protocols: failed already
+            self.close()
         if self._wake:
             self._wake = False
             if self._sink is not None and self._chunks:
@@ -128,6 +130,13 @@ class UnitConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        if self.status < 200:
+            # An interim response (100 Continue, 103 Early Hints) comes before the answer
+            # and is dropped. A 101 switches protocols, which the gateway never asks for:
+            # the answer is broken (not unreachable: the unit took the request).
+            if self.status == 101:
+                self._fail("it switched protocols (101), which the gateway never asks", True)
+            return
         self._keep_alive = self._parser.should_keep_alive()  # known only until the end
         # No length and not chunked: the body ends when the unit closes the connection.
         self._to_eof = (
@@ -147,6 +156,8 @@ class UnitConnection(asyncio.Protocol):
             self.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self.status < 200:
+            return  # an interim response ended: the answer comes next
         self._complete = True
         self._wake = True
 
@@ -237,11 +248,13 @@ class UnitConnection(asyncio.Protocol):
                 self.transport.close()
             self._pool.lost(self)
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, answered: bool = False) -> None:
+        """The response failed (``answered``: the unit took the request, though no head
+        came that the gateway can pass on)."""
         if self._error is not None:
             return
         head_came = self._head is not None and self._head.done()
-        self._error = Broken(why) if head_came else ConnectFailed(why)
+        self._error = Broken(why) if head_came or answered else ConnectFailed(why)
         if self._head is not None and not self._head.done():
             self._head.set_exception(self._error)
             self._head.exception()  # retrieved: no "never retrieved" warning if unawaited
