@@ -47,7 +47,7 @@ NO_WANT = Want()
 class _Waiter:
     """A request in the wait queue, and the units it must not be given."""
 
-    __slots__ = ("exclude", "future", "model", "seq")
+    __slots__ = ("exclude", "future", "model", "queued", "seq")
 
     def __init__(
         self,
@@ -60,6 +60,7 @@ class _Waiter:
         self.exclude = exclude
         self.seq = seq  # its place in line
         self.model = model
+        self.queued = False  # in the router's line (a cancelled future may still be)
 
     def may_take(self, unit: Unit) -> bool:
         return unit.id not in self.exclude and unit.serves(self.model)
@@ -298,6 +299,7 @@ class Router:
     async def _wait(self, exclude: Collection[str], want: Want) -> Unit:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), exclude, next(self._arrivals), want.model)
+        waiter.queued = True
         self._waiters.append(waiter)
         self.wake()
         try:
@@ -317,11 +319,18 @@ class Router:
                 code="queue_timeout",
             ) from None
         finally:
-            if not waiter.future.done():
-                self._waiters.remove(waiter)
+            # Still in line unless a unit (or NoUnit) was handed to it: a client that
+            # left or timed out has a cancelled future, and must not count in ``waiting``.
+            if waiter.queued:
+                self._dequeue(waiter)
             self.wake()  # the next in line may find room too
 
+    def _dequeue(self, waiter: _Waiter) -> None:
+        waiter.queued = False
+        self._waiters.remove(waiter)
+
     def _insert(self, waiter: _Waiter) -> None:
+        waiter.queued = True
         at = next((i for i, w in enumerate(self._waiters) if w.seq > waiter.seq), None)
         if at is None:
             self._waiters.append(waiter)
@@ -332,7 +341,7 @@ class Router:
         """Hand a unit that can take a request to the first waiter that may take it (a
         retried request excludes the units it tried; those behind it need not wait)."""
         while self._waiters and self._waiters[0].future.done():
-            self._waiters.popleft()
+            self._waiters.popleft().queued = False
         if not self._waiters:
             return
         free = self.candidates()
@@ -340,7 +349,7 @@ class Router:
             return
         for waiter in self._waiters:
             if not waiter.future.done() and any(waiter.may_take(u) for u in free):
-                self._waiters.remove(waiter)
+                self._dequeue(waiter)
                 waiter.future.set_result(None)
                 return
 
@@ -353,7 +362,7 @@ class Router:
         serving = self.serving()
         for waiter in list(self._waiters):
             if not waiter.future.done() and not any(waiter.may_take(u) for u in serving):
-                self._waiters.remove(waiter)
+                self._dequeue(waiter)
                 waiter.future.set_result(None)
 
     @property
