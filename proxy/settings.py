@@ -41,6 +41,11 @@ DEFAULT_PORTS: dict[str, tuple[int, int]] = {
 }
 
 
+def _digits(text: str) -> bool:
+    """Only the ASCII digits 0-9: ``str.isdigit`` also passes "²", which ``int`` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -164,7 +169,7 @@ class FollowerTarget(BaseModel):
             raise ValueError(f"{spec!r} is not NAME=TARGET (TARGET: host:port or http://...)")
         if not target.startswith(("http://", "https://")):
             host, colon, port = target.rpartition(":")
-            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not colon or not host or not _digits(port) or not 0 < int(port) < 65536:
                 raise ValueError(f"{spec!r}: TARGET must be host:port or an http:// URL")
         return cls(name=name, target=target)
 
@@ -264,12 +269,12 @@ class CheckSpec(BaseModel):
     def parse(cls, spec: str) -> CheckSpec:
         kind, _, rest = spec.partition(":")
         if kind == "process":
-            if not rest.isdigit() or int(rest) <= 0:
+            if not _digits(rest) or int(rest) <= 0:
                 raise ValueError(f"{spec!r}: process:PID needs a positive pid")
             return cls(kind="process", arg=rest)
         if kind == "tcp":
             host, _, port = rest.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not host or not _digits(port) or not 0 < int(port) < 65536:
                 raise ValueError(f"{spec!r}: tcp:HOST:PORT needs a host and a port 1-65535")
             return cls(kind="tcp", arg=host, port=int(port))
         if kind == "command":
@@ -309,7 +314,7 @@ class UnitTarget(BaseModel):
         if not http_url.startswith(("http://", "https://")):
             raise ValueError(f"{spec!r}: HTTP_URL must start with http:// or https://")
         host, colon, port = grpc_target.rpartition(":")
-        if not colon or not host or not port.isdigit():
+        if not colon or not host or not _digits(port):
             raise ValueError(f"{spec!r}: GRPC_TARGET must be host:port")
         return cls(id=unit_id, http_url=http_url.rstrip("/"), grpc_target=grpc_target)
 

@@ -145,6 +145,10 @@ async def test_load_watch_over_http_takes_the_same_request(start_sidecar: Sideca
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{sidecar.http_url}/load/watch?heartbeat_ms=x") as resp:
             assert resp.status == 400
+        # "²" passes str.isdigit() but not int(): a 400 that says why, not a 500.
+        async with session.get(f"{sidecar.http_url}/load/watch?min_interval_ms=\u00b2") as resp:
+            assert resp.status == 400
+            assert "min_interval_ms must be a whole number" in await resp.text()
         async with session.get(f"{sidecar.http_url}/load/watch?heartbeat_ms=1000") as resp:
             assert resp.status == 200
             first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)

@@ -142,7 +142,7 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
         return None
     headers = found.headers
     length = headers.get("content-length", "")
-    if not length.isdigit() or int(length) > max_body:
+    if not (length.isascii() and length.isdigit()) or int(length) > max_body:
         return None
     content_type = headers.get("content-type")
     if content_type is not None and content_type.split(";", 1)[0].strip().lower() in FORM_TYPES:
