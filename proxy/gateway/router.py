@@ -188,6 +188,12 @@ class Router:
         paused_at = self._aging_paused_at
         return now if paused_at is None else min(now, paused_at)
 
+    def age_at(self, now: float) -> float:
+        """When a report's age is taken at ``now``: now, or the time the load source went
+        down (``pause_aging``). Whatever shows a unit's state reads it by this, as the
+        router routes by it."""
+        return self._age_at(now)
+
     def pick(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit | None:
         unit = self._choose(exclude, want)
         if unit is not None and self.prefix is not None and want.blocks:

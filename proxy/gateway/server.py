@@ -280,15 +280,15 @@ class Gateway(Service):
         """Every unit's state, report age and load as this gateway sees them now, for
         the per-unit series at scrape time. A LOST or UNKNOWN unit has no load (a dead
         unit must not read as idle), and its report age keeps growing."""
-        now, stale_after_s, estimate = (
-            self.clock(),
+        age_at, stale_after_s, estimate = (
+            self.router.age_at(self.clock()),
             self.router.settings.stale_after_s,
             self.router.view.estimate,
         )
         for unit in list(self.router.units.values()):
-            state, _ = unit.view(now, stale_after_s)
+            state, _ = unit.view(age_at, stale_after_s)
             lost = state in ("LOST", "UNKNOWN")
-            yield unit.id, state, unit.report_age(now), None if lost else estimate(unit)
+            yield unit.id, state, unit.report_age(age_at), None if lost else estimate(unit)
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -448,8 +448,8 @@ class Gateway(Service):
         return json_response(body, status=200 if body["state"] == "SERVING" else 503)
 
     def _ready_body(self) -> dict[str, Any]:
-        now, stale = self.clock(), self.router.settings.stale_after_s
-        counts = Counter(u.view(now, stale)[0] for u in self.router.units.values())
+        age_at, stale = self.router.age_at(self.clock()), self.router.settings.stale_after_s
+        counts = Counter(u.view(age_at, stale)[0] for u in self.router.units.values())
         serving = len(self.router.serving())
         state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
         return {"state": state, "serving_units": serving, "units": dict(counts),
@@ -461,8 +461,9 @@ class Gateway(Service):
         return json_response({"units": units, "waiting": self.router.waiting})
 
     def _unit_json(self, u: Unit, now: float) -> dict[str, Any]:
-        state, why = u.view(now, self.router.settings.stale_after_s)
-        age = u.report_age(now)
+        age_at = self.router.age_at(now)
+        state, why = u.view(age_at, self.router.settings.stale_after_s)
+        age = u.report_age(age_at)
         return {
             "id": u.id,
             "http_url": u.http_url,

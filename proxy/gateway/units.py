@@ -76,19 +76,24 @@ class Unit:
     def capacity(self) -> int:
         return self.report.capacity if self.report else 0
 
-    def view(self, now: float, stale_after_s: float) -> tuple[str, str | None]:
-        """The unit's state as this gateway sees it, and why it is LOST or UNKNOWN."""
+    def view(self, age_at: float, stale_after_s: float) -> tuple[str, str | None]:
+        """The unit's state as this gateway sees it, and why it is LOST or UNKNOWN.
+
+        ``age_at``: the time its report's age is taken at, the router's ``age_at(now)``
+        (earlier than now while the load source is down), so that a unit shows LOST
+        exactly when the router stops routing to it."""
         if self.report is None:
             state = "UNKNOWN" if math.isinf(self.report_at) else "LOST"
             return state, self.lost or ("no load report yet" if state == "UNKNOWN" else None)
-        age = now - self.report_at
+        age = age_at - self.report_at
         if age >= stale_after_s:
             return "LOST", self.lost or f"no load report for {age:.0f} s"
         return self.report.state.value, None
 
-    def report_age(self, now: float) -> float:
-        """Seconds since the last report arrived, growing while none comes; -1: none yet."""
-        return -1.0 if math.isinf(self.report_at) else now - self.report_at
+    def report_age(self, age_at: float) -> float:
+        """Seconds since the last report arrived, growing while none comes (not while the
+        load source is down: ``age_at`` as for ``view``); -1: none yet."""
+        return -1.0 if math.isinf(self.report_at) else age_at - self.report_at
 
     def estimate(self) -> int:
         """Outstanding requests now: the last report, corrected by what this gateway
