@@ -396,7 +396,19 @@ class GatewaySettings(_Section):
         description="Consecutive failures (connection errors, 5xx) that eject a unit. Default 3.",
     )
     eject_s: float = Field(
-        5.0, gt=0, description="How long an ejected unit gets no requests, in s. Default 5."
+        5.0,
+        gt=0,
+        description="How long an ejected unit gets no requests the first time, in s: a unit ejected again right after its cool-down is ejected for eject_s times the number of its ejections in a row (up to max_eject_s); each eject_s it then answers without an ejection takes one off that number. Default 5.",
+    )
+    max_eject_s: float = Field(
+        300.0,
+        gt=0,
+        description="The longest one ejection lasts, however many came before it in a row, in s (never below eject_s). Default 300.",
+    )
+    gave_up_failure_s: float = Field(
+        30.0,
+        gt=0,
+        description="A client that leaves (or whose deadline passes) after waiting at least this long for a unit's first byte (its response head; a gRPC stream's first message) counts as a failure of that unit toward ejection, as response_timeout_s does: a unit that takes requests and never answers is ejected even when clients give up long before response_timeout_s. One that leaves sooner, or after the unit started answering, says nothing about the unit. Raise it where a first token can take longer (very long prompts), in s. Default 30.",
     )
     max_ejection_percent: int = Field(
         50,

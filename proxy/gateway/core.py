@@ -147,6 +147,10 @@ class Job(Protocol):
     def migratable(self) -> bool:
         """Whether the request can still be continued on another unit."""
 
+    def unanswered_s(self) -> float:
+        """How long the unit of the current attempt has had the request without sending
+        a byte of its answer (0 once it sent one)."""
+
     def interrupt(self) -> None:
         """The gateway stops now: end the response with an error as soon as possible."""
 
@@ -225,6 +229,8 @@ class GatewayCore:
                 result = await job.attempt(unit)
                 health = result.health
             finally:
+                if health is Outcome.CANCELLED:
+                    health = self._gave_up(unit, job)
                 self._router.release(unit, health)
             if result.next is Next.DONE:
                 if result.error is not None:
@@ -245,6 +251,17 @@ class GatewayCore:
             self._count(self._migrations, self._metrics.migrations, result.reason)
             log.info("unit %s failed under a request (%s): continuing it elsewhere",
                      unit.id, result.reason)  # fmt: skip
+
+    def _gave_up(self, unit: Unit, job: Job) -> Outcome:
+        """The client left or its deadline passed: a failure of the unit if it had waited
+        gave_up_failure_s with no byte from it (so a unit that takes requests and never
+        answers is ejected, whatever the response timeout), else nothing learnt."""
+        waited = job.unanswered_s()
+        if waited < self._settings.gave_up_failure_s:
+            return Outcome.CANCELLED
+        log.info("unit %s sent nothing in %.1f s and the client gave up: a failure of the "
+                 "unit", unit.id, waited)  # fmt: skip
+        return Outcome.FAILED
 
     def interrupt_all(self) -> None:
         """The gateway stops at once: every open response ends with an error."""

@@ -197,12 +197,17 @@ class HttpJob:
         self._watch: Timer | None = None
         self._idle = False
         self._stopping = False
+        self._asked_at = 0.0  # when the current attempt was sent (loop time)
+        self._answered = False  # its unit's response head came
 
     # -- core.Job ------------------------------------------------------------------------
 
     @property
     def migratable(self) -> bool:
         return self._req.migrate and not self._stopping and self._next is not None
+
+    def unanswered_s(self) -> float:
+        return 0.0 if self._answered else self._loop.time() - self._asked_at
 
     def interrupt(self) -> None:
         self._stopping = True
@@ -226,11 +231,12 @@ class HttpJob:
         headers = self._fw.unit_headers(self._req)
         if hint is not None:
             headers[RESUME_HEADER] = hint
-        now = self._loop.time()
+        now = self._asked_at = self._loop.time()
+        self._answered = False
         try:
             left = send_deadline(headers, self._deadline)
         except DeadlineExceeded as late:
-            return Tried(Next.DONE, Outcome.OK, error=late)
+            return Tried(Next.DONE, Outcome.CANCELLED, error=late)
         end = None if left is None else now + left
         limit = self._fw.settings.response_timeout_s
         head_by = now + limit
@@ -246,6 +252,7 @@ class HttpJob:
                 except ConnectFailed as failed:
                     return self._unreachable(unit, failed)
                 self._conn = conn
+                self._answered = True
                 scope.reschedule(end)
                 return await self._answer(unit, conn)
         except TimeoutError:
@@ -253,7 +260,7 @@ class HttpJob:
                 message = f"unit {unit.id} sent no response within {limit:g} s"
                 log.warning("%s", message)
                 return Tried(Next.DONE, Outcome.FAILED, error=UnitTimeout(message))
-            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+            return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         except Broken as exc:  # a whole body was being read
             return self._failed(unit, "broken", f"unit {unit.id} broke its answer: {exc}")
         finally:

@@ -195,6 +195,7 @@ class GrpcJob:
         self._last = 0.0
         self._putting = False
         self._received = False  # a message of this attempt's unit came
+        self._asked_at = 0.0  # when this attempt was sent (loop time)
         self._watch: Timer | None = None
         self._idle = False
         self._stopping = False
@@ -204,6 +205,9 @@ class GrpcJob:
     @property
     def migratable(self) -> bool:
         return self._migrate and not self._stopping and self._next is not None
+
+    def unanswered_s(self) -> float:
+        return 0.0 if self._received else self._loop.time() - self._asked_at
 
     def interrupt(self) -> None:
         self._stopping = True
@@ -248,15 +252,16 @@ class GrpcJob:
         if self._deadline is not None:
             timeout = self._deadline - time.monotonic()
             if timeout <= 0.001:
-                return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+                return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         call = self._call = self._proxy.call_for(unit)(request, timeout=timeout, metadata=metadata)
-        received = False
+        received = self._received = False
+        self._asked_at = self._loop.time()
         self._idle = False
         self._watch_idle(self._proxy.settings.response_timeout_s)
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
                 if not received:
-                    received = True
+                    received = self._received = True
                     self._unwatch()
                     self._watch_idle(self._proxy.settings.stream_idle_timeout_s)
                 await self._deliver(message)
@@ -286,11 +291,11 @@ class GrpcJob:
             headers["Authorization"] = value
         if hint is not None:
             headers[RESUME_HEADER] = hint
-        now = self._loop.time()
+        now = self._asked_at = self._loop.time()
         try:
             left = send_deadline(headers, self._deadline)
         except DeadlineExceeded as late:
-            return Tried(Next.DONE, Outcome.OK, error=late)
+            return Tried(Next.DONE, Outcome.CANCELLED, error=late)
         end = None if left is None else now + left
         head_by = now + settings.response_timeout_s
         frames = grpcweb.Frames()
@@ -318,7 +323,7 @@ class GrpcJob:
                 return Tried(Next.DONE, Outcome.OK, error=shutting_down())
             if conn is None and (end is None or head_by < end):
                 return self._silent(unit, False)
-            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+            return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         except Broken as exc:
             return await self._broken(unit, str(exc))
         finally:
@@ -428,7 +433,7 @@ class GrpcJob:
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+            return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not received:
             return Tried(Next.RETRY, Outcome.REFUSED, "resource_exhausted", error)
         if code is grpc.StatusCode.UNAVAILABLE:

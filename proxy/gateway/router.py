@@ -34,7 +34,9 @@ class Outcome(Enum):
     OK = "ok"  # the unit answered (any status that is not its own failure)
     REFUSED = "refused"  # 429 or 503: the unit said no before doing work
     FAILED = "failed"  # connection error or 5xx: counts toward ejection
-    CANCELLED = "cancelled"  # the client went away: says nothing about the unit
+    # The client went away or its deadline passed: says nothing about the unit, unless
+    # it waited gateway.gave_up_failure_s for a first byte (the core makes that FAILED).
+    CANCELLED = "cancelled"
 
 
 class NoUnit(Unavailable):
@@ -380,28 +382,54 @@ class Router:
     def release(self, unit: Unit, outcome: Outcome) -> None:
         unit.inflight -= 1
         unit.finished_since_report += 1
-        self._moved(unit)
         if outcome is Outcome.FAILED:
             unit.failures += 1
-            if unit.failures >= self.settings.eject_after:
+            if unit.failures >= self.settings.eject_after or unit.probation:
                 self._eject(unit)
         elif outcome is Outcome.OK:
             unit.failures = 0
+            if unit.ejections:
+                self._healed(unit)
             if self._held_back:
                 self._held_back.discard(unit.id)
+        self._moved(unit)  # after the outcome: an answer ends probation (capacity 1)
         self.wake()  # no _changed: a release changes no state (gauges refresh on a timer)
 
     def _eject(self, unit: Unit) -> None:
-        now = self._clock()
+        """Eject for eject_s times the ejections in a row, up to max_eject_s (Envoy's
+        outlier detection): a unit that fails again once back stays out longer. Back, it
+        is on probation (capacity 1) until a request there is answered, and its first
+        failure ejects it again (a half-open circuit breaker). A failure of a request
+        sent before the ejection extends it without adding one."""
+        now, s = self._clock(), self.settings
         if now >= unit.ejected_until:
             if not self._may_eject(unit, now):
                 unit.failures = 0
                 return
-            log.warning("unit %s ejected for %g s after %d consecutive failures",
-                        unit.id, self.settings.eject_s, unit.failures)  # fmt: skip
+            unit.ejections += 1
+            log.warning("unit %s ejected for %g s after %d consecutive failures (ejection "
+                        "%d in a row)", unit.id, self._eject_time(unit), unit.failures,
+                        unit.ejections)  # fmt: skip
         self._held_back.discard(unit.id)
-        unit.ejected_until = now + self.settings.eject_s
+        unit.ejected_until = now + self._eject_time(unit)
+        unit.decay_at = unit.ejected_until + s.eject_s
         unit.failures = 0
+        unit.probation = True  # once back: one request at a time until one is answered
+
+    def _eject_time(self, unit: Unit) -> float:
+        s = self.settings
+        return min(s.eject_s * unit.ejections, max(s.max_eject_s, s.eject_s))
+
+    def _healed(self, unit: Unit) -> None:
+        """The unit answered: every eject_s since its last ejection ended (the first one
+        excepted) takes one ejection off the count, so that a unit that failed long ago
+        is ejected for eject_s again. A unit that never answers never heals this way."""
+        unit.probation = False
+        now = self._clock()
+        if now >= unit.decay_at:
+            healed = int((now - unit.decay_at) // self.settings.eject_s) + 1
+            unit.ejections = max(0, unit.ejections - healed)
+            unit.decay_at = now + self.settings.eject_s
 
     def _may_eject(self, unit: Unit, now: float) -> bool:
         """Within gateway.max_ejection_percent of the units SERVING by their reports

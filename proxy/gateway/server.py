@@ -476,6 +476,8 @@ class Gateway(Service):
             "capacity": u.capacity,
             "report_age_s": None if age < 0 else round(age, 3),
             "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
+            "ejections": u.ejections,
+            "probation": u.probation,
             "routed": u.routed,
         }
 
