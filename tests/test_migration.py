@@ -237,14 +237,17 @@ async def test_grpc_call_cancelled_by_its_client_counts_cancelled(
 # --- real processes ----------------------------------------------------------------------
 
 
-async def cell(procs: Procs, units: int, *gateway_args: str) -> tuple[list[Any], Any]:
+async def cell(
+    procs: Procs, units: int, *gateway_args: str, sidecar_args: tuple[str, ...] = ()
+) -> tuple[list[Any], Any]:
     ports = free_ports(2 * units + 2)
     sidecars = [
         await procs.sidecar(
-            ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}", "--sim-decode-step-ms", "5"
+            ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}", "--sim-decode-step-ms", "5",
+            *sidecar_args,
         )
         for i in range(units)
-    ]
+    ]  # fmt: skip
     unit_flags = [
         arg
         for i, s in enumerate(sidecars)
@@ -301,6 +304,67 @@ async def test_a_killed_or_silent_unit_is_invisible_to_a_grpc_client(
         text = await metrics.text()
     reason = "broken" if how == "kill" else "idle"
     assert f'unitproxy_migrations_total{{reason="{reason}"}} 1.0' in text
+
+
+# Reports every 0.2 s, LOST after 1 s without one; streams idle out only after the
+# default 60 s. A stopped unit's streams must move once it shows LOST, not at 60 s.
+QUICK_LOSS = ("--stale-after", "1")
+QUICK_REPORTS = ("--report-interval", "0.2")
+
+
+async def metrics_of(http: aiohttp.ClientSession, gateway: Any) -> str:
+    async with http.get(f"{gateway.http_url}/metrics") as resp:
+        return await resp.text()
+
+
+@pytest.mark.slow
+async def test_streams_on_a_stopped_unit_move_as_soon_as_it_is_lost(
+    procs: Procs, http: aiohttp.ClientSession
+) -> None:
+    sidecars, gateway = await cell(procs, 2, *QUICK_LOSS, sidecar_args=QUICK_REPORTS)
+    body = {**CHAT, "max_tokens": 1000}  # about 5 s of tokens
+    resp = await http.post(f"{gateway.http_url}/v1/chat/completions", json=body)
+    first = await read_events(resp, 10)
+    victim = sidecars[int(resp.headers["x-unitproxy-unit"][1:])]
+    victim.signal(signal.SIGSTOP)
+    try:
+        events = first + await rest_of(resp)  # 20 s at most: well before the idle timeout
+    finally:
+        victim.signal(signal.SIGCONT)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 1000
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    text = await metrics_of(http, gateway)
+    assert 'unitproxy_migrations_total{reason="unit_lost"} 1.0' in text
+    assert 'unitproxy_migrations_total{reason="idle"} 0.0' in text
+
+
+@pytest.mark.slow
+async def test_grpc_streams_on_a_stopped_unit_move_as_soon_as_it_is_lost(
+    procs: Procs, http: aiohttp.ClientSession
+) -> None:
+    sidecars, gateway = await cell(procs, 2, *QUICK_LOSS, sidecar_args=QUICK_REPORTS)
+    request = inference_pb2.GenerateRequest(
+        prompt="tell me a story", sampling=inference_pb2.SamplingParams(max_tokens=1000)
+    )
+    chunks: list[inference_pb2.GenerateChunk] = []
+    stopped: list[Any] = []
+    try:
+        async with grpc.aio.insecure_channel(gateway.grpc_target) as channel:
+            call = inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=20)
+            async for chunk in call:
+                chunks.append(chunk)
+                if len(chunks) == 5:
+                    stopped.append(sidecars[int(chunk.unit_id[1:])])
+                    stopped[0].signal(signal.SIGSTOP)
+    finally:
+        for victim in stopped:
+            victim.signal(signal.SIGCONT)
+    assert sum(len(c.token_ids) for c in chunks) == 1000
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 1000
+    assert len({c.unit_id for c in chunks}) == 2, "continued on the other unit"
+    assert 'unitproxy_migrations_total{reason="unit_lost"} 1.0' in await metrics_of(http, gateway)
 
 
 @pytest.mark.slow

@@ -514,6 +514,22 @@ class Router:
             if unit.report is not None and unit.report_at <= paused_at:
                 unit.report_at += down_s
 
+    def stopped(self, unit: Unit) -> str | None:
+        """Why the router routes nothing to ``unit`` whatever its load (None: it may):
+        ejected, NOT_SERVING, or LOST (no report, or one older than stale_after_s by
+        ``age_at``). A DRAINING unit is not stopped: it finishes what it holds."""
+        now = self._clock()
+        if now < unit.ejected_until:
+            return "ejected"
+        report = unit.report
+        if report is None:
+            return f"LOST ({unit.lost})" if unit.lost else "LOST"
+        if report.state is UnitState.NOT_SERVING:
+            return "NOT_SERVING"
+        if self._age_at(now) - unit.report_at >= self.settings.stale_after_s:
+            return "LOST (no load report)"
+        return None
+
     @property
     def aging_paused(self) -> bool:
         return self._aging_paused_at is not None

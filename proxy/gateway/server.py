@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 # What only time changes (an ejection ending, the last report going stale) is looked at
 # this often, in s.
 TICK_S = 0.5
+# How often requests on units the router stopped routing to are moved elsewhere: a
+# stopped unit's streams resume within its detection time plus this and the migration.
+MOVE_CHECK_S = 0.1
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -150,6 +153,7 @@ class Gateway(Service):
         stack.push_async_callback(cancel_tasks, self._tasks)
         self._start_load_source()
         self._tasks.append(asyncio.create_task(self._wake_queue_loop(), name="gateway queue"))
+        self._tasks.append(asyncio.create_task(self._move_loop(), name="gateway moves"))
         self._tasks.append(asyncio.create_task(self._health_watch(), name="gateway health"))
         source: str = s.gateway.load_source
         if source == "watch" and self.watches_over_http:
@@ -313,6 +317,17 @@ class Gateway(Service):
             self.router.release_stranded()
             self.router.wake()
             await asyncio.sleep(TICK_S)
+
+    async def _move_loop(self) -> None:
+        """Move requests off units the router stopped routing to (ejected, NOT_SERVING,
+        LOST): a unit that went silent is noticed by its reports (stale_after_s), not
+        by each stream's idle timeout."""
+        while True:
+            try:
+                self.core.move_off_stopped_units()  # each request logs its move
+            except Exception:
+                log.exception("moving requests off stopped units failed")
+            await asyncio.sleep(MOVE_CHECK_S)
 
     # --- HTTP ---------------------------------------------------------------------
 
