@@ -16,7 +16,9 @@ import aiohttp
 import grpc
 import pytest
 
+from proxy.gateway.router import Outcome
 from proxy.gateway.server import Gateway
+from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.sidecar.server import Sidecar
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
@@ -113,6 +115,45 @@ async def test_a_stream_goes_on_when_its_unit_stops(
     assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
     assert sample(gw, "unitproxy_migration_pause_seconds_count") == 1
     assert sample(gw, "unitproxy_requests_total", route="chat", code="200") == 1
+    await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
+
+
+def eject(gw: Gateway, unit_id: str) -> None:
+    """Passive health ejects the unit: one failure with eject_after 1."""
+    unit = gw.router.units[unit_id]
+    unit.inflight += 1  # the failed request's own count, as the core would hold it
+    gw.router.release(unit, Outcome.FAILED)
+    assert gw.router.stopped(unit) == "ejected"
+
+
+async def test_a_stream_leaves_its_unit_once_ejected_and_a_draining_one_keeps_it(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    # The unit still streams: only the router's verdict moves the request, within a
+    # tick, not at the 60 s idle timeout (rest_of gives up after 20 s).
+    a, b, gw = await two_units(start_sidecar, start_gateway, eject_after=1)
+    resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=CHAT)
+    first = await read_events(resp, 20)
+    left = sidecar_of(resp, a, b)
+    eject(gw, left.core.unit_id)
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}, "one response, one id"
+    assert chunks[-1]["usage"]["completion_tokens"] == 200
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_lost") == 1
+    assert gw.router.units[left.core.unit_id].failures == 0, "leaving is not a failure"
+    # A draining unit finishes what it holds: nothing moves.
+    survivor = b if left is a else a
+    resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=CHAT)
+    first = await read_events(resp, 5)
+    assert resp.headers["x-unitproxy-unit"] == survivor.core.unit_id
+    survivor.start_drain()
+    unit = gw.router.units[survivor.core.unit_id]
+    await wait_until(lambda: unit.state is UnitState.DRAINING, what="the gateway sees DRAINING")
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_lost") == 1
     await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
 
 
