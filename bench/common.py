@@ -82,7 +82,7 @@ def descendants(root: int) -> list[int]:
     """Live processes below ``root``, found by walking every process's parent."""
     parents: dict[int, int] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
+        if entry.name.isascii() and entry.name.isdigit():
             fields = _stat_fields(int(entry.name))
             if fields is not None:
                 parents[int(entry.name)] = int(fields[1])

@@ -131,6 +131,8 @@ GATEWAY = (
     Flag("--queue-timeout", "gateway.queue_timeout_s", "SECONDS"),
     Flag("--eject-after", "gateway.eject_after", "N"),
     Flag("--eject-time", "gateway.eject_s", "SECONDS"),
+    Flag("--max-eject-time", "gateway.max_eject_s", "SECONDS"),
+    Flag("--gave-up-failure", "gateway.gave_up_failure_s", "SECONDS"),
     Flag("--max-ejection-percent", "gateway.max_ejection_percent", "PERCENT"),
     Flag("--discover-allow", "gateway.discover_allow", "URL_PATTERN", many=True),
     Flag("--max-units", "gateway.max_units", "N"),

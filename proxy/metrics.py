@@ -40,7 +40,7 @@ GRPC_CODES = (
     "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL",
 )  # fmt: skip
 RETRY_REASONS = ("429", "503", "connect", "resource_exhausted", "unavailable")
-MIGRATION_REASONS = ("unit_failed", "broken", "idle")
+MIGRATION_REASONS = ("unit_failed", "broken", "idle", "unit_lost")
 HEALTH_TRANSITIONS = ("healthy", "unhealthy")
 GATEWAY_UNIT_STATES = (*UNIT_STATES, "LOST", "UNKNOWN")
 

@@ -63,7 +63,7 @@ MAX_ASKED_MS = 60_000  # the longest report interval gateways may ask of sidecar
 
 def asked_s(value: str | None) -> float:
     """The interval in ``Keys.asked``, in s; 0 when unset or unreadable."""
-    if value is None or not value.isdigit():
+    if value is None or not (value.isascii() and value.isdigit()):
         return 0.0
     return min(int(value), MAX_ASKED_MS) / 1000
 

@@ -49,6 +49,11 @@ DEFAULT_PORTS: dict[str, tuple[int, int]] = {
 }
 
 
+def _digits(text: str) -> bool:
+    """Only the ASCII digits 0-9: ``str.isdigit`` also passes "²", which ``int`` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -182,7 +187,7 @@ class FollowerTarget(BaseModel):
             raise ValueError(f"{spec!r} is not NAME=TARGET (TARGET: host:port or http://...)")
         if not target.startswith(("http://", "https://")):
             host, colon, port = target.rpartition(":")
-            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not colon or not host or not _digits(port) or not 0 < int(port) < 65536:
                 raise ValueError(f"{spec!r}: TARGET must be host:port or an http:// URL")
         return cls(name=name, target=target)
 
@@ -282,12 +287,12 @@ class CheckSpec(BaseModel):
     def parse(cls, spec: str) -> CheckSpec:
         kind, _, rest = spec.partition(":")
         if kind == "process":
-            if not rest.isdigit() or int(rest) <= 0:
+            if not _digits(rest) or int(rest) <= 0:
                 raise ValueError(f"{spec!r}: process:PID needs a positive pid")
             return cls(kind="process", arg=rest)
         if kind == "tcp":
             host, _, port = rest.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not host or not _digits(port) or not 0 < int(port) < 65536:
                 raise ValueError(f"{spec!r}: tcp:HOST:PORT needs a host and a port 1-65535")
             return cls(kind="tcp", arg=host, port=int(port))
         if kind == "command":
@@ -327,7 +332,7 @@ class UnitTarget(BaseModel):
         if not http_url.startswith(("http://", "https://")):
             raise ValueError(f"{spec!r}: HTTP_URL must start with http:// or https://")
         host, colon, port = grpc_target.rpartition(":")
-        if not colon or not host or not port.isdigit():
+        if not colon or not host or not _digits(port):
             raise ValueError(f"{spec!r}: GRPC_TARGET must be host:port")
         return cls(id=unit_id, http_url=http_url.rstrip("/"), grpc_target=grpc_target)
 
@@ -406,7 +411,19 @@ class GatewaySettings(_Section):
         description="Consecutive failures (connection errors, 5xx) that eject a unit. Default 3.",
     )
     eject_s: float = Field(
-        5.0, gt=0, description="How long an ejected unit gets no requests, in s. Default 5."
+        5.0,
+        gt=0,
+        description="How long an ejected unit gets no requests the first time, in s: a unit ejected again right after its cool-down is ejected for eject_s times the number of its ejections in a row (up to max_eject_s); each eject_s it then answers without an ejection takes one off that number. Default 5.",
+    )
+    max_eject_s: float = Field(
+        300.0,
+        gt=0,
+        description="The longest one ejection lasts, however many came before it in a row, in s (never below eject_s). Default 300.",
+    )
+    gave_up_failure_s: float = Field(
+        30.0,
+        gt=0,
+        description="A client that leaves (or whose deadline passes) after waiting at least this long for a unit's first byte (its response head; a gRPC stream's first message) counts as a failure of that unit toward ejection, as response_timeout_s does: a unit that takes requests and never answers is ejected even when clients give up long before response_timeout_s. One that leaves sooner, or after the unit started answering, says nothing about the unit. Raise it where a first token can take longer (very long prompts), in s. Default 30.",
     )
     max_ejection_percent: int = Field(
         50,

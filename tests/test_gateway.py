@@ -411,6 +411,117 @@ async def test_a_unit_that_never_answers_gets_504_and_is_ejected(
         await wedged.wait_closed()
 
 
+async def test_clients_that_give_up_on_a_silent_unit_count_as_its_failures(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    # The unit takes requests and never answers while it reports SERVING; the response
+    # timeout (300 s) never passes. A client that left after gave_up_failure_s with no
+    # byte is a failure of the unit (HTTP and gRPC alike); one that left sooner is not.
+    import contextlib
+
+    from proxy.settings import load
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_and_say_nothing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    wedged = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = wedged.sockets[0].getsockname()[1]
+    reports = await start_sidecar(sidecar={"unit_id": "a"})  # its gRPC says SERVING
+    settings = load({
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        "gateway": {"units": [f"a=http://127.0.0.1:{port},{reports.grpc_target}"],
+                    "load_source": "watch", "gave_up_failure_s": 0.5,
+                    "eject_after": 2, "eject_s": 30, "max_ejection_percent": 100},
+    })  # fmt: skip
+    async with Gateway(settings) as gw:
+        await wait_until(lambda: bool(gw.router.serving()), what="a reports SERVING")
+        unit = gw.router.units["a"]
+
+        async def give_up_after(seconds: float) -> None:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await http.post(f"{gw.http_url}/v1/completions", json={"prompt": "x"})
+            await wait_until(lambda: unit.inflight == 0, what="the gateway let the unit go")
+
+        for _ in range(3):
+            await give_up_after(0.05)  # impatient clients say nothing about the unit
+        assert unit.failures == 0 and unit.ejected_until == 0
+        await give_up_after(1.5)
+        assert unit.failures == 1
+        async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+            call = inference_pb2_grpc.InferenceStub(channel).Generate(
+                inference_pb2.GenerateRequest(prompt="x"), timeout=1.5
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await call.read()
+            assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_until(lambda: unit.ejected_until > 0, what="a ejected")
+        async with http.get(f"{gw.http_url}/units") as resp:
+            shown = (await resp.json())["units"][0]
+        assert shown["ejected_for_s"] > 0 and shown["ejections"] == 1
+    for writer in held:
+        writer.close()
+    wedged.close()
+    with contextlib.suppress(Exception):
+        await wedged.wait_closed()
+
+
+async def test_a_request_waiting_on_a_unit_that_is_ejected_goes_on_elsewhere(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    # a takes requests and says nothing (its reports come from a real sidecar's gRPC);
+    # a request waiting there for a head moves to b once a is ejected, not after the
+    # 300 s response timeout.
+    import contextlib
+
+    from proxy.gateway.router import Outcome
+    from proxy.settings import load
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept_and_say_nothing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    wedged = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = wedged.sockets[0].getsockname()[1]
+    reports = await start_sidecar(sidecar={"unit_id": "a"})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    settings = load({
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        "gateway": {"units": [f"a=http://127.0.0.1:{port},{reports.grpc_target}",
+                              f"b={b.http_url},{b.grpc_target}"],
+                    "load_source": "watch", "eject_after": 1},
+    })  # fmt: skip
+    async with Gateway(settings) as gw:
+        await wait_until(lambda: len(gw.router.serving()) == 2, what="both SERVING")
+        a = gw.router.units["a"]
+        body = {"prompt": "x", "max_tokens": 3}
+        waiting = None
+        for _ in range(50):  # until one lands on a (lor draws between idle units)
+            task = asyncio.create_task(http.post(f"{gw.http_url}/v1/completions", json=body))
+            while not task.done() and a.inflight == 0:
+                await asyncio.sleep(0.01)
+            if a.inflight:
+                waiting = task
+                break
+            (await task).release()
+        assert waiting is not None, "no request went to a"
+        a.inflight += 1
+        gw.router.release(a, Outcome.FAILED)  # a is ejected
+        async with asyncio.timeout(10):
+            resp = await waiting
+        assert resp.status == 200 and resp.headers["x-unitproxy-unit"] == "b"
+        resp.release()
+        assert counter_value(gw, "unitproxy_migrations_total", reason="unit_lost") == 1
+    for writer in held:
+        writer.close()
+    wedged.close()
+    with contextlib.suppress(Exception):
+        await wedged.wait_closed()
+
+
 async def test_load_over_http_watch_routes_and_drops_a_stopped_unit_at_once(
     start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
 ) -> None:

@@ -484,6 +484,43 @@ async def test_hostile_bodies_get_4xx(
     await assert_sidecar_well(sidecar, http)
 
 
+def chat_part(part: object) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": [part]}]}).encode()
+
+
+# What a gateway reads of the body to choose a unit (policy prefix: the prompt's text).
+PROMPT_BODIES = {
+    "text part a number": chat_part({"type": "text", "text": 5}),
+    "text part a list": chat_part({"type": "text", "text": ["a", "b"]}),
+    "text part an object": chat_part({"type": "text", "text": {"a": 1}}),
+    "text part null": chat_part({"type": "text", "text": None}),
+    "role an object": b'{"messages":[{"role":{"a":1},"content":"hi"}]}',
+    "deep content": HOSTILE_BODIES["deep content"],
+    "deep prompt": HOSTILE_BODIES["deep prompt"],
+    "deep arrays": HOSTILE_BODIES["deep arrays"],
+}
+
+
+@pytest.mark.parametrize("policy", ["prefix", "lor"])
+async def test_a_body_a_policy_reads_gets_the_units_own_4xx(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    http: aiohttp.ClientSession,
+    policy: str,
+) -> None:
+    # Policy prefix reads the prompt before choosing: what it cannot read goes on to the
+    # unit, which refuses it as it refuses it under lor, never a gateway 500.
+    unit = await start_sidecar(server={"max_body_bytes": 1 << 20})
+    cell = Cell(unit, await start_gateway([unit], policy=policy))
+    for name, body in PROMPT_BODIES.items():
+        path = ROUTES["chat" if b"messages" in body else "completions"]
+        direct = await post(http, unit.http_url + path, body, {})
+        through = await post(http, cell.url + path, body, {})
+        assert direct.status == 400, (name, str(direct))
+        assert (through.status, through.body) == (direct.status, direct.body), name
+    await assert_cell_well(cell, http)
+
+
 @fuzz(40)
 @given(case=st.one_of(field_bodies(), st.tuples(st.sampled_from(sorted(ROUTES)), JSON_VALUES)))
 async def test_through_the_gateway_4xx_pass_through(

@@ -16,7 +16,9 @@ import aiohttp
 import grpc
 import pytest
 
+from proxy.gateway.router import Outcome
 from proxy.gateway.server import Gateway
+from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.sidecar.server import Sidecar
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
@@ -113,6 +115,45 @@ async def test_a_stream_goes_on_when_its_unit_stops(
     assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
     assert sample(gw, "unitproxy_migration_pause_seconds_count") == 1
     assert sample(gw, "unitproxy_requests_total", route="chat", code="200") == 1
+    await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
+
+
+def eject(gw: Gateway, unit_id: str) -> None:
+    """Passive health ejects the unit: one failure with eject_after 1."""
+    unit = gw.router.units[unit_id]
+    unit.inflight += 1  # the failed request's own count, as the core would hold it
+    gw.router.release(unit, Outcome.FAILED)
+    assert gw.router.stopped(unit) == "ejected"
+
+
+async def test_a_stream_leaves_its_unit_once_ejected_and_a_draining_one_keeps_it(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    # The unit still streams: only the router's verdict moves the request, within a
+    # tick, not at the 60 s idle timeout (rest_of gives up after 20 s).
+    a, b, gw = await two_units(start_sidecar, start_gateway, eject_after=1)
+    resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=CHAT)
+    first = await read_events(resp, 20)
+    left = sidecar_of(resp, a, b)
+    eject(gw, left.core.unit_id)
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}, "one response, one id"
+    assert chunks[-1]["usage"]["completion_tokens"] == 200
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_lost") == 1
+    assert gw.router.units[left.core.unit_id].failures == 0, "leaving is not a failure"
+    # A draining unit finishes what it holds: nothing moves.
+    survivor = b if left is a else a
+    resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=CHAT)
+    first = await read_events(resp, 5)
+    assert resp.headers["x-unitproxy-unit"] == survivor.core.unit_id
+    survivor.start_drain()
+    unit = gw.router.units[survivor.core.unit_id]
+    await wait_until(lambda: unit.state is UnitState.DRAINING, what="the gateway sees DRAINING")
+    events = first + await rest_of(resp)
+    assert events[-1] == b"[DONE]"
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_lost") == 1
     await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
 
 
@@ -237,14 +278,17 @@ async def test_grpc_call_cancelled_by_its_client_counts_cancelled(
 # --- real processes ----------------------------------------------------------------------
 
 
-async def cell(procs: Procs, units: int, *gateway_args: str) -> tuple[list[Any], Any]:
+async def cell(
+    procs: Procs, units: int, *gateway_args: str, sidecar_args: tuple[str, ...] = ()
+) -> tuple[list[Any], Any]:
     ports = free_ports(2 * units + 2)
     sidecars = [
         await procs.sidecar(
-            ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}", "--sim-decode-step-ms", "5"
+            ports[2 * i], ports[2 * i + 1], "--unit-id", f"u{i}", "--sim-decode-step-ms", "5",
+            *sidecar_args,
         )
         for i in range(units)
-    ]
+    ]  # fmt: skip
     unit_flags = [
         arg
         for i, s in enumerate(sidecars)
@@ -301,6 +345,67 @@ async def test_a_killed_or_silent_unit_is_invisible_to_a_grpc_client(
         text = await metrics.text()
     reason = "broken" if how == "kill" else "idle"
     assert f'unitproxy_migrations_total{{reason="{reason}"}} 1.0' in text
+
+
+# Reports every 0.2 s, LOST after 1 s without one; streams idle out only after the
+# default 60 s. A stopped unit's streams must move once it shows LOST, not at 60 s.
+QUICK_LOSS = ("--stale-after", "1")
+QUICK_REPORTS = ("--report-interval", "0.2")
+
+
+async def metrics_of(http: aiohttp.ClientSession, gateway: Any) -> str:
+    async with http.get(f"{gateway.http_url}/metrics") as resp:
+        return await resp.text()
+
+
+@pytest.mark.slow
+async def test_streams_on_a_stopped_unit_move_as_soon_as_it_is_lost(
+    procs: Procs, http: aiohttp.ClientSession
+) -> None:
+    sidecars, gateway = await cell(procs, 2, *QUICK_LOSS, sidecar_args=QUICK_REPORTS)
+    body = {**CHAT, "max_tokens": 1000}  # about 5 s of tokens
+    resp = await http.post(f"{gateway.http_url}/v1/chat/completions", json=body)
+    first = await read_events(resp, 10)
+    victim = sidecars[int(resp.headers["x-unitproxy-unit"][1:])]
+    victim.signal(signal.SIGSTOP)
+    try:
+        events = first + await rest_of(resp)  # 20 s at most: well before the idle timeout
+    finally:
+        victim.signal(signal.SIGCONT)
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 1000
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    text = await metrics_of(http, gateway)
+    assert 'unitproxy_migrations_total{reason="unit_lost"} 1.0' in text
+    assert 'unitproxy_migrations_total{reason="idle"} 0.0' in text
+
+
+@pytest.mark.slow
+async def test_grpc_streams_on_a_stopped_unit_move_as_soon_as_it_is_lost(
+    procs: Procs, http: aiohttp.ClientSession
+) -> None:
+    sidecars, gateway = await cell(procs, 2, *QUICK_LOSS, sidecar_args=QUICK_REPORTS)
+    request = inference_pb2.GenerateRequest(
+        prompt="tell me a story", sampling=inference_pb2.SamplingParams(max_tokens=1000)
+    )
+    chunks: list[inference_pb2.GenerateChunk] = []
+    stopped: list[Any] = []
+    try:
+        async with grpc.aio.insecure_channel(gateway.grpc_target) as channel:
+            call = inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=20)
+            async for chunk in call:
+                chunks.append(chunk)
+                if len(chunks) == 5:
+                    stopped.append(sidecars[int(chunk.unit_id[1:])])
+                    stopped[0].signal(signal.SIGSTOP)
+    finally:
+        for victim in stopped:
+            victim.signal(signal.SIGCONT)
+    assert sum(len(c.token_ids) for c in chunks) == 1000
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 1000
+    assert len({c.unit_id for c in chunks}) == 2, "continued on the other unit"
+    assert 'unitproxy_migrations_total{reason="unit_lost"} 1.0' in await metrics_of(http, gateway)
 
 
 @pytest.mark.slow

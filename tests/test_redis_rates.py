@@ -17,7 +17,7 @@ from proxy.gateway.loadsource import RedisSource
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
 from proxy.load import LoadReport, UnitState
-from proxy.redis_reports import Keys
+from proxy.redis_reports import Keys, asked_s
 from proxy.settings import GatewaySettings, RedisSettings, UnitTarget
 from proxy.sidecar.publisher import ReportPublisher
 from tests.conftest import wait_until
@@ -78,6 +78,11 @@ async def test_a_sidecar_reports_as_seldom_as_gateways_ask_but_a_state_change_at
         unit.state = UnitState.NOT_SERVING
         changes.notify()
         await wait_until(lambda: publisher.published > before, 0.25, "the state change")
+
+
+def test_an_asked_interval_that_is_not_ascii_digits_reads_as_none_asked() -> None:
+    # "²" passes str.isdigit() but not int(): the publisher logged a traceback each time.
+    assert [asked_s(v) for v in ("300", "\u00b2", "-5", "", None)] == [0.3, 0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,10 @@ async def test_load_watch_over_http_takes_the_same_request(start_sidecar: Sideca
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{sidecar.http_url}/load/watch?heartbeat_ms=x") as resp:
             assert resp.status == 400
+        # "²" passes str.isdigit() but not int(): a 400 that says why, not a 500.
+        async with session.get(f"{sidecar.http_url}/load/watch?min_interval_ms=\u00b2") as resp:
+            assert resp.status == 400
+            assert "min_interval_ms must be a whole number" in await resp.text()
         async with session.get(f"{sidecar.http_url}/load/watch?heartbeat_ms=1000") as resp:
             assert resp.status == 200
             first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
@@ -175,3 +179,31 @@ def test_what_the_gateway_shows_ages_reports_by_the_bound_it_routes_by() -> None
     now[0] += 4.0  # at the stretched bound: routing stops, and so does what is shown
     assert gw.router.candidates() == []
     assert shown() == ("LOST", "-", "LOST")
+
+
+def test_while_the_load_source_is_down_units_show_as_they_are_routed() -> None:
+    # A Redis outage pauses the router's aging: /units, /ready and unit_state must not
+    # call a unit LOST (UnitproxyUnitLost firing for the whole fleet) that still takes
+    # requests, and must show it LOST once it no longer does.
+    now = [100.0]
+    gw = Gateway(Settings(gateway=gateway(2, load_source="redis")), clock=lambda: now[0])
+    for uid in ("u0", "u1"):
+        gw.router.apply_report(uid, LoadReport(uid, UnitState.SERVING, 0, 4, seq=1))
+    u0 = gw.router.units["u0"]
+
+    def shown() -> tuple[str, float, int, str]:
+        shown = gw._unit_json(u0, now[0])
+        scraped = {uid: state for uid, state, _, _ in gw._unit_views()}  # the unit_state series
+        serving = gw._ready_body()["units"].get("SERVING", 0)
+        return shown["state"], shown["report_age_s"], serving, scraped["u0"]
+
+    now[0] += 2.0
+    gw.router.pause_aging()  # Redis is down
+    now[0] += 60.0
+    assert {u.id for u in gw.router.candidates()} == {"u0", "u1"}
+    assert shown() == ("SERVING", 2.0, 2, "SERVING")
+    gw.router.resume_aging()  # back: reports age again from 2 s old
+    gw.router.apply_report("u1", LoadReport("u1", UnitState.SERVING, 0, 4, seq=2))
+    now[0] += 3.0
+    assert [u.id for u in gw.router.candidates()] == ["u1"]  # u0 is 5 s old: routing stops
+    assert shown() == ("LOST", 5.0, 1, "LOST")

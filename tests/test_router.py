@@ -119,6 +119,26 @@ async def test_a_full_queue_and_a_long_wait_are_429_with_their_codes() -> None:
     waiting.cancel()
 
 
+async def test_a_client_that_leaves_the_queue_is_no_longer_counted_in_it() -> None:
+    r = router("a", queue_size=2)
+    await r.acquire()
+    first = asyncio.create_task(r.acquire())
+    second = asyncio.create_task(r.acquire())
+    third = asyncio.create_task(r.acquire())
+    await settle()
+    assert r.waiting == 2 and isinstance(third.exception(), Overloaded)
+    second.cancel()  # the client went away: behind the head of the line, not at it
+    await settle()
+    assert r.waiting == 1
+    again = asyncio.create_task(r.acquire())  # its place is free again: no queue_full
+    await settle()
+    assert not again.done() and r.waiting == 2
+    for task in (first, again):
+        task.cancel()
+    await settle()
+    assert r.waiting == 0
+
+
 async def test_waiters_get_no_unit_once_the_last_unit_they_could_take_stops() -> None:
     r, clock = fleet("a", "b", queue_timeout_s=5)
     await r.acquire()

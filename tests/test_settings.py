@@ -334,3 +334,20 @@ def test_the_follower_refuses_a_redis_url() -> None:
         config.check_role("follower", config.load({"redis": redis}))
     assert len(info.value.problems) == 1 and info.value.problems[0].startswith("redis.url:")
     config.check_role("follower", config.load({}))
+
+
+@pytest.mark.parametrize(
+    ("parse", "spec"),
+    [
+        (config.UnitTarget.parse, "u1=http://h:1,h:\u00b2"),
+        (config.FollowerTarget.parse, "f1=h:\u00b2"),
+        (config.CheckSpec.parse, "process:\u00b2"),
+        (config.CheckSpec.parse, "tcp:h:\u00b9\u00b2"),
+    ],
+)
+def test_a_port_or_pid_of_unicode_digits_is_refused_by_name(parse: Any, spec: str) -> None:
+    # "²".isdigit() is true but int("²") fails: the message must name the field.
+    with pytest.raises(ValueError) as refused:
+        parse(spec)
+    assert "invalid literal" not in str(refused.value)
+    assert spec in str(refused.value)

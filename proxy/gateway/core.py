@@ -5,8 +5,10 @@
       -> RETRY    the unit said no before any work (429, 503 not taking work, connection
                   failure): another unit at once, up to ``gateway.retries``
       -> MIGRATE  the unit failed under the request (connection lost, its unit_failed
-                  error, silent for ``stream_idle_timeout_s``): another unit continues
-                  it after what the client already got, up to ``gateway.migrations``
+                  error, silent for ``stream_idle_timeout_s``) or the router stopped
+                  routing to it (``move_off_stopped_units``: ejected, NOT_SERVING,
+                  LOST): another unit continues it after what the client already
+                  got, up to ``gateway.migrations``
 
 The wires (``forward.HttpJob``, ``grpc_proxy.GrpcJob``) make attempts and say which of
 the three each was; this module owns the loop, the budgets and their metrics. With
@@ -147,8 +149,18 @@ class Job(Protocol):
     def migratable(self) -> bool:
         """Whether the request can still be continued on another unit."""
 
+    def unanswered_s(self) -> float:
+        """How long the unit of the current attempt has had the request without sending
+        a byte of its answer (0 once it sent one)."""
+
     def interrupt(self) -> None:
         """The gateway stops now: end the response with an error as soon as possible."""
+
+    def abandon(self, why: str) -> bool:
+        """The gateway stopped routing to the unit of the current attempt (``why``):
+        leave it now and go on elsewhere (migration reason ``unit_lost``) instead of
+        waiting for its answer's head or the stream's idle timeout. False: nothing to
+        leave, or left already."""
 
 
 class GatewayCore:
@@ -162,6 +174,7 @@ class GatewayCore:
         self._metrics = metrics
         self._settings = settings
         self._active: set[Job] = set()
+        self._on_unit: dict[str, set[Job]] = {}  # the jobs with an attempt on each unit
         self._routed: dict[str, LoopCount] = {}  # metric series by unit, found once
         self._retries = {r: metrics.retries.labels(r) for r in RETRY_REASONS}
         self._migrations = {r: metrics.migrations.labels(r) for r in MIGRATION_REASONS}
@@ -222,10 +235,19 @@ class GatewayCore:
             tried.add(unit.id)
             self._count(self._routed, self._metrics.routed, unit.id)
             health = Outcome.CANCELLED  # unless the attempt says otherwise: the client left
+            on_unit = self._on_unit.get(unit.id)
+            if on_unit is None:
+                on_unit = self._on_unit[unit.id] = set()
+            on_unit.add(job)
             try:
                 result = await job.attempt(unit)
                 health = result.health
             finally:
+                on_unit.discard(job)
+                if not on_unit:
+                    self._on_unit.pop(unit.id, None)
+                if health is Outcome.CANCELLED:
+                    health = self._gave_up(unit, job)
                 self._router.release(unit, health)
             if result.next is Next.DONE:
                 if result.error is not None:
@@ -246,6 +268,34 @@ class GatewayCore:
             self._count(self._migrations, self._metrics.migrations, result.reason)
             log.info("unit %s failed under a request (%s): continuing it elsewhere",
                      unit.id, result.reason)  # fmt: skip
+
+    def _gave_up(self, unit: Unit, job: Job) -> Outcome:
+        """The client left or its deadline passed: a failure of the unit if it had waited
+        gave_up_failure_s with no byte from it (so a unit that takes requests and never
+        answers is ejected, whatever the response timeout), else nothing learnt."""
+        waited = job.unanswered_s()
+        if waited < self._settings.gave_up_failure_s:
+            return Outcome.CANCELLED
+        log.info("unit %s sent nothing in %.1f s and the client gave up: a failure of the "
+                 "unit", unit.id, waited)  # fmt: skip
+        return Outcome.FAILED
+
+    def move_off_stopped_units(self) -> int:
+        """Every request whose answer is coming from a unit the router stopped routing
+        to (ejected, NOT_SERVING, LOST) leaves it and goes on elsewhere now, not at the
+        stream's idle timeout: a SIGSTOPped unit's streams pause for as long as its
+        reports take to go stale, plus the migration. Returns the requests moved."""
+        moved = 0
+        router = self._router
+        for unit_id, jobs in list(self._on_unit.items()):
+            unit = router.units.get(unit_id)
+            why = None if unit is None else router.stopped(unit)
+            if why is None:
+                continue
+            for job in list(jobs):
+                if job.migratable and job.abandon(why):
+                    moved += 1
+        return moved
 
     def interrupt_all(self) -> None:
         """The gateway stops at once: every open response ends with an error."""

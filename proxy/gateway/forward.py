@@ -8,7 +8,8 @@ An attempt sends the request (or its continuation) to a unit and says how it end
   through as they come, never re-encoded, and kept (``resume.SseTranscript``) in case
   the unit fails: DONE;
 - the unit failed under the request (connection lost, its ``unit_failed`` error event or
-  503, no byte for ``stream_idle_timeout_s``): MIGRATE. The next attempt sends the
+  503, no byte for ``stream_idle_timeout_s``), or the gateway stopped routing to it
+  (``abandon``): MIGRATE. The next attempt sends the
   request with what the client already got appended, and that unit's events follow on
   in the same response;
 - anything else ends the client's response: an error before the response started is a
@@ -197,12 +198,32 @@ class HttpJob:
         self._watch: Timer | None = None
         self._idle = False
         self._stopping = False
+        self._asked_at = 0.0  # when the current attempt was sent (loop time)
+        self._answered = False  # its unit's response head came
+        self._lost: str | None = None  # why the gateway stopped routing to its unit
+        self._scope: Deadline | None = None  # the attempt's deadline, while it runs
 
     # -- core.Job ------------------------------------------------------------------------
 
     @property
     def migratable(self) -> bool:
         return self._req.migrate and not self._stopping and self._next is not None
+
+    def unanswered_s(self) -> float:
+        return 0.0 if self._answered else self._loop.time() - self._asked_at
+
+    def abandon(self, why: str) -> bool:
+        if self._lost is not None or self._stopping:
+            return False
+        conn, scope = self._conn, self._scope
+        if conn is None and scope is None:
+            return False
+        self._lost = why
+        if conn is not None:
+            conn.close()  # the answer breaks off: _failed migrates it
+        elif scope is not None:
+            scope.reschedule(self._loop.time())  # no head yet: stop waiting for it
+        return True
 
     def interrupt(self) -> None:
         self._stopping = True
@@ -226,11 +247,11 @@ class HttpJob:
         headers = self._fw.unit_headers(self._req)
         if hint is not None:
             headers[RESUME_HEADER] = hint
-        now = self._loop.time()
+        now = self._begin()
         try:
             left = send_deadline(headers, self._deadline)
         except DeadlineExceeded as late:
-            return Tried(Next.DONE, Outcome.OK, error=late)
+            return Tried(Next.DONE, Outcome.CANCELLED, error=late)
         end = None if left is None else now + left
         limit = self._fw.settings.response_timeout_s
         head_by = now + limit
@@ -239,6 +260,7 @@ class HttpJob:
             async with Deadline(
                 self._fw.wheel, head_by if end is None else min(head_by, end)
             ) as scope:
+                self._scope = scope
                 try:
                     conn = await self._fw.pools[unit.id].request(
                         POST, self._req.path, headers, body
@@ -246,20 +268,30 @@ class HttpJob:
                 except ConnectFailed as failed:
                     return self._unreachable(unit, failed)
                 self._conn = conn
+                self._answered = True
                 scope.reschedule(end)
                 return await self._answer(unit, conn)
         except TimeoutError:
+            if self._lost is not None:
+                return self._failed(unit, "unit_lost", "")
             if conn is None and (end is None or head_by < end):
                 message = f"unit {unit.id} sent no response within {limit:g} s"
                 log.warning("%s", message)
                 return Tried(Next.DONE, Outcome.FAILED, error=UnitTimeout(message))
-            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+            return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         except Broken as exc:  # a whole body was being read
             return self._failed(unit, "broken", f"unit {unit.id} broke its answer: {exc}")
         finally:
-            self._conn = None
+            self._conn = self._scope = None
             if conn is not None:
                 conn.done()  # kept for reuse only when its response was read to the end
+
+    def _begin(self) -> float:
+        """A new attempt starts now (returned, in loop time)."""
+        self._asked_at = now = self._loop.time()
+        self._answered = False
+        self._lost = None
+        return now
 
     # -- one unit's answer -----------------------------------------------------------------
 
@@ -295,15 +327,20 @@ class HttpJob:
         return Tried(Next.RETRY, Outcome.FAILED, "connect", error, reply)
 
     def _failed(self, unit: Unit, reason: str, message: str, reply: Any = None) -> Tried:
-        """The unit failed under the request: continue it elsewhere, if it can be."""
+        """The unit failed under the request, or the gateway left it (``abandon``):
+        continue it elsewhere, if it can be."""
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        health = Outcome.FAILED
+        if self._lost is not None:  # the router's verdict, not something this one saw
+            reason, health = "unit_lost", Outcome.CANCELLED
+            message = f"unit {unit.id} is {self._lost}: the request goes on elsewhere"
         log.warning("request %s: %s", self._req.request_id, message)
         if self._failed_at is None:
             self._failed_at = time.monotonic()
         self._next = self._continuation()
         error = Unavailable(message, code="unit_failed")
-        return Tried(Next.MIGRATE, Outcome.FAILED, reason, error, reply)
+        return Tried(Next.MIGRATE, health, reason, error, reply)
 
     def _continuation(self) -> tuple[bytes, str | None] | None:
         if not self._down.started:

@@ -195,6 +195,9 @@ class GrpcJob:
         self._last = 0.0
         self._putting = False
         self._received = False  # a message of this attempt's unit came
+        self._asked_at = 0.0  # when this attempt was sent (loop time)
+        self._lost: str | None = None  # why the gateway stopped routing to its unit
+        self._scope: Deadline | None = None  # the HTTP attempt's deadline, while it runs
         self._watch: Timer | None = None
         self._idle = False
         self._stopping = False
@@ -204,6 +207,24 @@ class GrpcJob:
     @property
     def migratable(self) -> bool:
         return self._migrate and not self._stopping and self._next is not None
+
+    def unanswered_s(self) -> float:
+        return 0.0 if self._received else self._loop.time() - self._asked_at
+
+    def abandon(self, why: str) -> bool:
+        if self._lost is not None or self._stopping:
+            return False
+        call, conn, scope = self._call, self._conn, self._scope
+        if call is None and conn is None and scope is None:
+            return False
+        self._lost = why
+        if call is not None:
+            call.cancel()
+        elif conn is not None:
+            conn.close()
+        elif scope is not None:
+            scope.reschedule(self._loop.time())  # no head yet: stop waiting for it
+        return True
 
     def interrupt(self) -> None:
         self._stopping = True
@@ -232,6 +253,7 @@ class GrpcJob:
 
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None
+        self._reset_lost()
         request, hint = self._next
         pool_for = self._proxy.pool_for
         if pool_for is not None and unit.id not in self._proxy.grpc_only:
@@ -248,15 +270,16 @@ class GrpcJob:
         if self._deadline is not None:
             timeout = self._deadline - time.monotonic()
             if timeout <= 0.001:
-                return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+                return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         call = self._call = self._proxy.call_for(unit)(request, timeout=timeout, metadata=metadata)
-        received = False
+        received = self._received = False
+        self._asked_at = self._loop.time()
         self._idle = False
         self._watch_idle(self._proxy.settings.response_timeout_s)
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
                 if not received:
-                    received = True
+                    received = self._received = True
                     self._unwatch()
                     self._watch_idle(self._proxy.settings.stream_idle_timeout_s)
                 await self._deliver(message)
@@ -286,11 +309,11 @@ class GrpcJob:
             headers["Authorization"] = value
         if hint is not None:
             headers[RESUME_HEADER] = hint
-        now = self._loop.time()
+        now = self._asked_at = self._loop.time()
         try:
             left = send_deadline(headers, self._deadline)
         except DeadlineExceeded as late:
-            return Tried(Next.DONE, Outcome.OK, error=late)
+            return Tried(Next.DONE, Outcome.CANCELLED, error=late)
         end = None if left is None else now + left
         head_by = now + settings.response_timeout_s
         frames = grpcweb.Frames()
@@ -301,6 +324,7 @@ class GrpcJob:
             async with Deadline(
                 self._proxy.wheel, head_by if end is None else min(head_by, end)
             ) as scope:
+                self._scope = scope
                 try:
                     conn = await pool.request(POST, grpcweb.PATH, headers, grpcweb.frame(request))
                 except ConnectFailed as failed:
@@ -316,14 +340,16 @@ class GrpcJob:
         except TimeoutError:
             if self._stopping:
                 return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+            if self._lost is not None:
+                return self._failed(unit, "unit_lost", "")
             if conn is None and (end is None or head_by < end):
                 return self._silent(unit, False)
-            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+            return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         except Broken as exc:
             return await self._broken(unit, str(exc))
         finally:
             self._unwatch()
-            self._conn = None
+            self._conn = self._scope = None
             if conn is not None:
                 conn.done()  # kept for reuse only when its response was read to the end
         status = frames.status
@@ -357,6 +383,8 @@ class GrpcJob:
             await self._out.close()  # the client is gone: its error ends the call
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if self._lost is not None:
+            return self._failed(unit, "unit_lost", "")
         if self._idle:
             return self._silent(unit, self._received)
         why = self._bad or why
@@ -427,8 +455,10 @@ class GrpcJob:
         """The unit's status ``code`` (``why``: its error code) ended the attempt."""
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if self._lost is not None:  # the gateway cancelled the call: abandon()
+            return self._failed(unit, "unit_lost", "")
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            return Tried(Next.DONE, Outcome.OK, error=deadline_passed())
+            return Tried(Next.DONE, Outcome.CANCELLED, error=deadline_passed())
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not received:
             return Tried(Next.RETRY, Outcome.REFUSED, "resource_exhausted", error)
         if code is grpc.StatusCode.UNAVAILABLE:
@@ -441,6 +471,8 @@ class GrpcJob:
     def _silent(self, unit: Unit, received: bool) -> Tried:
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if self._lost is not None:  # the gateway cancelled the call: abandon()
+            return self._failed(unit, "unit_lost", "")
         if not received:
             limit = self._proxy.settings.response_timeout_s
             message = f"unit {unit.id} sent no response within {limit:g} s"
@@ -450,11 +482,19 @@ class GrpcJob:
         return self._failed(unit, "idle", f"unit {unit.id} sent nothing for {idle:g} s")
 
     def _failed(self, unit: Unit, reason: str, message: str) -> Tried:
+        health = Outcome.FAILED
+        if self._lost is not None:  # the router's verdict, not something this one saw
+            reason, health = "unit_lost", Outcome.CANCELLED
+            message = f"unit {unit.id} is {self._lost}: the request goes on elsewhere"
         log.warning("%s", message)
         if self._failed_at is None:
             self._failed_at = time.monotonic()
         self._next = self._continuation()
-        return Tried(Next.MIGRATE, Outcome.FAILED, reason, Unavailable(message, code="unit_failed"))
+        return Tried(Next.MIGRATE, health, reason, Unavailable(message, code="unit_failed"))
+
+    def _reset_lost(self) -> None:
+        # A method: see forward.HttpJob._reset_events (mypyc and narrowing across awaits).
+        self._lost = None
 
     def _continuation(self) -> tuple[bytes, str | None] | None:
         if not self._sent:

@@ -35,7 +35,7 @@ def json_want(body: bytes, blocks: Blocks | None) -> Want:
     unit answers it with its 400). ``blocks``: the policy's, when it reads prompts."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than the parser goes
         return Want()
     if not isinstance(data, dict):
         return Want()
@@ -89,7 +89,17 @@ def _message_text(message: Any) -> str:
         return ""
     content = message.get("content")
     if isinstance(content, list):  # content parts: their text, in order
-        content = "".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
-    return f"<|{message.get('role', '')}|>\n{content if isinstance(content, str) else ''}\n"
+        content = "".join(_part_text(p) for p in content)
+    # Strings only: what is not (a part whose text is a number...) reads as no text
+    # here, and the unit answers the request with its 400.
+    return f"<|{_text(message.get('role'))}|>\n{_text(content)}\n"
+
+
+def _part_text(part: Any) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        return ""
+    return _text(part.get("text"))
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""

@@ -35,7 +35,9 @@ class Outcome(Enum):
     OK = "ok"  # the unit answered (any status that is not its own failure)
     REFUSED = "refused"  # 429 or 503: the unit said no before doing work
     FAILED = "failed"  # connection error or 5xx: counts toward ejection
-    CANCELLED = "cancelled"  # the client went away: says nothing about the unit
+    # The client went away or its deadline passed: says nothing about the unit, unless
+    # it waited gateway.gave_up_failure_s for a first byte (the core makes that FAILED).
+    CANCELLED = "cancelled"
 
 
 class NoUnit(Unavailable):
@@ -48,7 +50,7 @@ NO_WANT = Want()
 class _Waiter:
     """A request in the wait queue, and the units it must not be given."""
 
-    __slots__ = ("exclude", "future", "model", "seq")
+    __slots__ = ("exclude", "future", "model", "queued", "seq")
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class _Waiter:
         self.exclude = exclude
         self.seq = seq  # its place in line
         self.model = model
+        self.queued = False  # in the router's line (a cancelled future may still be)
 
     def may_take(self, unit: Unit) -> bool:
         return unit.id not in self.exclude and unit.serves(self.model)
@@ -172,6 +175,12 @@ class Router:
         paused_at = self._aging_paused_at
         return now if paused_at is None else min(now, paused_at)
 
+    def age_at(self, now: float) -> float:
+        """When a report's age is taken at ``now``: now, or the time the load source went
+        down (``pause_aging``). Whatever shows a unit's state reads it by this, as the
+        router routes by it."""
+        return self._age_at(now)
+
     def pick(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit | None:
         now = self._clock()
         candidates = self._candidates
@@ -216,6 +225,7 @@ class Router:
     async def _wait(self, exclude: Collection[str], want: Want) -> Unit:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), exclude, next(self._arrivals), want.model)
+        waiter.queued = True
         self._waiters.append(waiter)
         self.wake()
         try:
@@ -235,11 +245,18 @@ class Router:
                 code="queue_timeout",
             ) from None
         finally:
-            if not waiter.future.done():
-                self._waiters.remove(waiter)
+            # Still in line unless a unit (or NoUnit) was handed to it: a client that
+            # left or timed out has a cancelled future, and must not count in ``waiting``.
+            if waiter.queued:
+                self._dequeue(waiter)
             self.wake()  # the next in line may find room too
 
+    def _dequeue(self, waiter: _Waiter) -> None:
+        waiter.queued = False
+        self._waiters.remove(waiter)
+
     def _insert(self, waiter: _Waiter) -> None:
+        waiter.queued = True
         at = next((i for i, w in enumerate(self._waiters) if w.seq > waiter.seq), None)
         if at is None:
             self._waiters.append(waiter)
@@ -250,7 +267,7 @@ class Router:
         """Hand a unit that can take a request to the first waiter that may take it (a
         retried request excludes the units it tried; those behind it need not wait)."""
         while self._waiters and self._waiters[0].future.done():
-            self._waiters.popleft()
+            self._waiters.popleft().queued = False
         if not self._waiters:
             return
         free = self.candidates()
@@ -258,7 +275,7 @@ class Router:
             return
         for waiter in self._waiters:
             if not waiter.future.done() and any(waiter.may_take(u) for u in free):
-                self._waiters.remove(waiter)
+                self._dequeue(waiter)
                 waiter.future.set_result(None)
                 return
 
@@ -271,7 +288,7 @@ class Router:
         serving = self.serving()
         for waiter in list(self._waiters):
             if not waiter.future.done() and not any(waiter.may_take(u) for u in serving):
-                self._waiters.remove(waiter)
+                self._dequeue(waiter)
                 waiter.future.set_result(None)
 
     @property
@@ -283,28 +300,54 @@ class Router:
     def release(self, unit: Unit, outcome: Outcome) -> None:
         unit.inflight -= 1
         unit.finished_since_report += 1
-        self.policy.moved(unit)
         if outcome is Outcome.FAILED:
             unit.failures += 1
-            if unit.failures >= self.settings.eject_after:
+            if unit.failures >= self.settings.eject_after or unit.probation:
                 self._eject(unit)
         elif outcome is Outcome.OK:
             unit.failures = 0
+            if unit.ejections:
+                self._healed(unit)
             if self._held_back:
                 self._held_back.discard(unit.id)
+        self.policy.moved(unit)  # after the outcome: an answer ends probation (capacity 1)
         self.wake()  # no _changed: a release changes no state (gauges refresh on a timer)
 
     def _eject(self, unit: Unit) -> None:
-        now = self._clock()
+        """Eject for eject_s times the ejections in a row, up to max_eject_s (Envoy's
+        outlier detection): a unit that fails again once back stays out longer. Back, it
+        is on probation (capacity 1) until a request there is answered, and its first
+        failure ejects it again (a half-open circuit breaker). A failure of a request
+        sent before the ejection extends it without adding one."""
+        now, s = self._clock(), self.settings
         if now >= unit.ejected_until:
             if not self._may_eject(unit, now):
                 unit.failures = 0
                 return
-            log.warning("unit %s ejected for %g s after %d consecutive failures",
-                        unit.id, self.settings.eject_s, unit.failures)  # fmt: skip
+            unit.ejections += 1
+            log.warning("unit %s ejected for %g s after %d consecutive failures (ejection "
+                        "%d in a row)", unit.id, self._eject_time(unit), unit.failures,
+                        unit.ejections)  # fmt: skip
         self._held_back.discard(unit.id)
-        unit.ejected_until = now + self.settings.eject_s
+        unit.ejected_until = now + self._eject_time(unit)
+        unit.decay_at = unit.ejected_until + s.eject_s
         unit.failures = 0
+        unit.probation = True  # once back: one request at a time until one is answered
+
+    def _eject_time(self, unit: Unit) -> float:
+        s = self.settings
+        return min(s.eject_s * unit.ejections, max(s.max_eject_s, s.eject_s))
+
+    def _healed(self, unit: Unit) -> None:
+        """The unit answered: every eject_s since its last ejection ended (the first one
+        excepted) takes one ejection off the count, so that a unit that failed long ago
+        is ejected for eject_s again. A unit that never answers never heals this way."""
+        unit.probation = False
+        now = self._clock()
+        if now >= unit.decay_at:
+            healed = int((now - unit.decay_at) // self.settings.eject_s) + 1
+            unit.ejections = max(0, unit.ejections - healed)
+            unit.decay_at = now + self.settings.eject_s
 
     def _may_eject(self, unit: Unit, now: float) -> bool:
         """Within gateway.max_ejection_percent of the units SERVING by their reports
@@ -377,6 +420,22 @@ class Router:
         for unit in self.units.values():
             if unit.report is not None and unit.report_at <= paused_at:
                 unit.report_at += down_s
+
+    def stopped(self, unit: Unit) -> str | None:
+        """Why the router routes nothing to ``unit`` whatever its load (None: it may):
+        ejected, NOT_SERVING, or LOST (no report, or one older than stale_after_s by
+        ``age_at``). A DRAINING unit is not stopped: it finishes what it holds."""
+        now = self._clock()
+        if now < unit.ejected_until:
+            return "ejected"
+        report = unit.report
+        if report is None:
+            return f"LOST ({unit.lost})" if unit.lost else "LOST"
+        if report.state is UnitState.NOT_SERVING:
+            return "NOT_SERVING"
+        if self._age_at(now) - unit.report_at >= self.settings.stale_after_s:
+            return "LOST (no load report)"
+        return None
 
     @property
     def aging_paused(self) -> bool:

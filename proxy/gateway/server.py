@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 # What only time changes (an ejection ending, the last report going stale) is looked at
 # this often, in s.
 TICK_S = 0.5
+# How often requests on units the router stopped routing to are moved elsewhere: a
+# stopped unit's streams resume within its detection time plus this and the migration.
+MOVE_CHECK_S = 0.1
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -149,6 +152,7 @@ class Gateway(Service):
         stack.push_async_callback(cancel_tasks, self._tasks)
         self._start_load_source()
         self._tasks.append(asyncio.create_task(self._wake_queue_loop(), name="gateway queue"))
+        self._tasks.append(asyncio.create_task(self._move_loop(), name="gateway moves"))
         self._tasks.append(asyncio.create_task(self._health_watch(), name="gateway health"))
         source: str = s.gateway.load_source
         if source == "watch" and self.watches_over_http:
@@ -279,15 +283,15 @@ class Gateway(Service):
         """Every unit's state, report age and load as this gateway sees them now, for
         the per-unit series at scrape time. A LOST or UNKNOWN unit has no load (a dead
         unit must not read as idle), and its report age keeps growing."""
-        now, stale_after_s, estimate = (
-            self.clock(),
+        age_at, stale_after_s, estimate = (
+            self.router.age_at(self.clock()),
             self.router.settings.stale_after_s,
             self.router.view.estimate,
         )
         for unit in list(self.router.units.values()):
-            state, _ = unit.view(now, stale_after_s)
+            state, _ = unit.view(age_at, stale_after_s)
             lost = state in ("LOST", "UNKNOWN")
-            yield unit.id, state, unit.report_age(now), None if lost else estimate(unit)
+            yield unit.id, state, unit.report_age(age_at), None if lost else estimate(unit)
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -312,6 +316,17 @@ class Gateway(Service):
             self.router.release_stranded()
             self.router.wake()
             await asyncio.sleep(TICK_S)
+
+    async def _move_loop(self) -> None:
+        """Move requests off units the router stopped routing to (ejected, NOT_SERVING,
+        LOST): a unit that went silent is noticed by its reports (stale_after_s), not
+        by each stream's idle timeout."""
+        while True:
+            try:
+                self.core.move_off_stopped_units()  # each request logs its move
+            except Exception:
+                log.exception("moving requests off stopped units failed")
+            await asyncio.sleep(MOVE_CHECK_S)
 
     # --- HTTP ---------------------------------------------------------------------
 
@@ -447,8 +462,8 @@ class Gateway(Service):
         return json_response(body, status=200 if body["state"] == "SERVING" else 503)
 
     def _ready_body(self) -> dict[str, Any]:
-        now, stale = self.clock(), self.router.settings.stale_after_s
-        counts = Counter(u.view(now, stale)[0] for u in self.router.units.values())
+        age_at, stale = self.router.age_at(self.clock()), self.router.settings.stale_after_s
+        counts = Counter(u.view(age_at, stale)[0] for u in self.router.units.values())
         serving = len(self.router.serving())
         state = "DRAINING" if self.drain.started else "SERVING" if serving else "NOT_SERVING"
         return {"state": state, "serving_units": serving, "units": dict(counts),
@@ -460,8 +475,9 @@ class Gateway(Service):
         return json_response({"units": units, "waiting": self.router.waiting})
 
     def _unit_json(self, u: Unit, now: float) -> dict[str, Any]:
-        state, why = u.view(now, self.router.settings.stale_after_s)
-        age = u.report_age(now)
+        age_at = self.router.age_at(now)
+        state, why = u.view(age_at, self.router.settings.stale_after_s)
+        age = u.report_age(age_at)
         return {
             "id": u.id,
             "http_url": u.http_url,
@@ -474,6 +490,8 @@ class Gateway(Service):
             "capacity": u.capacity,
             "report_age_s": None if age < 0 else round(age, 3),
             "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
+            "ejections": u.ejections,
+            "probation": u.probation,
             "routed": u.routed,
         }
 

@@ -37,7 +37,9 @@ class Unit:
     mypyc, its fields are read straight from the object on every request.)"""
 
     __slots__ = (
+        "decay_at",
         "ejected_until",
+        "ejections",
         "failures",
         "finished_since_report",
         "grpc_target",
@@ -45,6 +47,7 @@ class Unit:
         "id",
         "inflight",
         "lost",
+        "probation",
         "report",
         "report_at",
         "routed",
@@ -62,6 +65,9 @@ class Unit:
         self.finished_since_report = 0
         self.failures = 0  # consecutive connection errors and 5xx
         self.ejected_until = 0.0
+        self.ejections = 0  # ejections in a row: the next one lasts eject_s times one more
+        self.decay_at = 0.0  # an answer after this takes one off ``ejections``
+        self.probation = False  # back from an ejection, not answered yet: one at a time
         self.routed = 0
         self.lost: str | None = None  # why the load source cannot reach the unit (None: it can)
 
@@ -74,21 +80,31 @@ class Unit:
 
     @property
     def capacity(self) -> int:
-        return self.report.capacity if self.report else 0
+        """Its report's, but 1 on probation: a unit back from an ejection takes one
+        request at a time until one is answered (a black hole swallows one, not all)."""
+        report = self.report
+        if report is None:
+            return 0
+        return 1 if self.probation else report.capacity
 
-    def view(self, now: float, stale_after_s: float) -> tuple[str, str | None]:
-        """The unit's state as this gateway sees it, and why it is LOST or UNKNOWN."""
+    def view(self, age_at: float, stale_after_s: float) -> tuple[str, str | None]:
+        """The unit's state as this gateway sees it, and why it is LOST or UNKNOWN.
+
+        ``age_at``: the time its report's age is taken at, the router's ``age_at(now)``
+        (earlier than now while the load source is down), so that a unit shows LOST
+        exactly when the router stops routing to it."""
         if self.report is None:
             state = "UNKNOWN" if math.isinf(self.report_at) else "LOST"
             return state, self.lost or ("no load report yet" if state == "UNKNOWN" else None)
-        age = now - self.report_at
+        age = age_at - self.report_at
         if age >= stale_after_s:
             return "LOST", self.lost or f"no load report for {age:.0f} s"
         return self.report.state.value, None
 
-    def report_age(self, now: float) -> float:
-        """Seconds since the last report arrived, growing while none comes; -1: none yet."""
-        return -1.0 if math.isinf(self.report_at) else now - self.report_at
+    def report_age(self, age_at: float) -> float:
+        """Seconds since the last report arrived, growing while none comes (not while the
+        load source is down: ``age_at`` as for ``view``); -1: none yet."""
+        return -1.0 if math.isinf(self.report_at) else age_at - self.report_at
 
     def estimate(self) -> int:
         """Outstanding requests now: the last report, corrected by what this gateway

@@ -329,8 +329,8 @@ async def _load_watch(request: web.Request) -> web.StreamResponse:
 
 def _asked_ms(request: web.Request, name: str) -> int:
     value = request.query.get(name, "0")
-    if not value.isdigit():
-        raise web.HTTPBadRequest(text=f"{name} must be a whole number of ms")
+    if not (value.isascii() and value.isdigit()):  # int() refuses "²", isdigit() alone not
+        raise InvalidRequest(f"{name} must be a whole number of ms (digits 0-9)", param=name)
     return int(value)
 
 

@@ -154,7 +154,7 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     if "host" not in headers:
         return None  # HTTP/1.1 with no Host: aiohttp answers the 400 (RFC 9112 section 3.2)
     length = headers.get("content-length", "")
-    if not length.isdigit() or int(length) > max_body:
+    if not (length.isascii() and length.isdigit()) or int(length) > max_body:
         return None
     content_type = headers.get("content-type")
     if content_type is not None and content_type.split(";", 1)[0].strip().lower() in FORM_TYPES:
