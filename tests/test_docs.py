@@ -149,3 +149,44 @@ def test_the_repository_stands_alone() -> None:
             continue
         found += [f"{name}: {m.group(0)}" for m in outside.finditer(text)]
     assert found == []
+
+
+# --- what the docs say happens when a unit fails under a request ------------------------
+
+PROSE = [ROOT / "README.md", *DOCS]
+AFTER_FIRST_BYTE = re.compile(
+    r"after (the|its) first (response )?(byte|message)|after the response started"
+    r"|once the response started|mid-stream",
+    flags=re.I,
+)
+A_FAILURE = re.compile(r"\bfail|\berror|\bbroke|\blost\b", flags=re.I)
+CONTINUED = re.compile(r"migrat|continue", flags=re.I)
+
+
+def _sentences(text: str) -> list[str]:
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    flat = re.sub(r"\s+", " ", prose)
+    return [s.strip() for s in re.split(r"(?<=[.;:])\s+(?=[A-Z`(*-])|\|", flat) if s.strip()]
+
+
+def test_the_product_migrates_after_the_first_byte() -> None:
+    """The one source of truth the sentences below are held to: by default a unit that
+    fails after the first byte has its request continued elsewhere (tests/test_migration.py
+    shows it happening), so no doc may say the client gets an error then."""
+    from proxy.gateway.core import Next
+    from proxy.settings import GatewaySettings
+
+    assert Next.MIGRATE in Next
+    assert GatewaySettings().migrations > 0, "the docs below say failures migrate by default"
+
+
+@pytest.mark.parametrize("path", PROSE, ids=lambda p: p.name)
+def test_docs_say_a_failure_after_the_first_byte_migrates(path: Path) -> None:
+    # docs/api.md and docs/architecture.md once said a failure after the first byte
+    # reached the client as an error event, while the product continued the stream.
+    wrong = [
+        s
+        for s in _sentences(_text(path))
+        if AFTER_FIRST_BYTE.search(s) and A_FAILURE.search(s) and not CONTINUED.search(s)
+    ]
+    assert not wrong, f"{path.name} says a failure after the first byte is not migrated: {wrong}"
