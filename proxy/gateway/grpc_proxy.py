@@ -46,7 +46,7 @@ from proxy.gateway.core import (
     shutting_down,
     unit_error,
 )
-from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
+from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
@@ -348,6 +348,8 @@ class GrpcJob:
     def _unreachable(self, unit: Unit, exc: ConnectFailed) -> Tried:
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if isinstance(exc, Dropped):  # it had the call: a failure under it, not a refusal
+            return self._failed(unit, "broken", f"unit {unit.id} dropped the call: {exc}")
         log.info("unit %s: %s", unit.id, exc)
         error = Unavailable(f"unit {unit.id} could not be reached")
         return Tried(Next.RETRY, Outcome.FAILED, "connect", error)
@@ -360,11 +362,7 @@ class GrpcJob:
         if self._idle:
             return self._silent(unit, self._received)
         why = self._bad or why
-        if self._received:
-            return self._failed(unit, "broken", f"unit {unit.id} broke the stream: {why}")
-        log.info("unit %s: %s", unit.id, why)
-        error = Unavailable(f"unit {unit.id} failed: {why}")
-        return Tried(Next.RETRY, Outcome.FAILED, "unavailable", error)
+        return self._failed(unit, "broken", f"unit {unit.id} broke the stream: {why}")
 
     def _sink(self, conn: UnitConnection, frames: grpcweb.Frames) -> Callable[[bytes], None]:
         """What takes the unit's body in the connection's callback: each message to the

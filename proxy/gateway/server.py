@@ -35,6 +35,7 @@ from proxy.gateway.units import Unit
 from proxy.httputil import (
     DEADLINE_HEADER,
     MIGRATE_HEADER,
+    NO_UNIT,
     REQUEST_ID_HEADER,
     ClientClosed,
     ClientGone,
@@ -376,7 +377,7 @@ class Gateway(Service):
             code = str(await self.forwarder.handle(down, req))
         except UnitProxyError as exc:
             code = str(exc.http_status)
-            down.respond(*error_parts(exc, request_id))
+            down.respond(*error_parts(exc, request_id, NO_UNIT))  # no unit was tried
         except (ClientClosed, asyncio.CancelledError):
             code = "499"
             raise
