@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import time
 from collections import Counter, deque
@@ -82,6 +83,7 @@ class Router:
         self.view = CORRECTED if settings.correct_load else AS_REPORTED
         self._rng = rng or random.Random()
         self._clock = clock
+        self._started = clock()  # a unit not reporting yet is wrong only after a grace
         self._turn = 0
         self._waiters: deque[_Waiter] = deque()
         self._arrivals = itertools.count()
@@ -493,12 +495,22 @@ class Router:
             self._changed(unit)
 
     def unreachable(self, unit: Unit, why: str) -> None:
-        """The load source could not reach the unit (its last report, if any, ages out)."""
+        """The load source could not reach the unit (its last report, if any, ages out).
+
+        Logged once per change of reason: a WARNING once the unit is wrong (it reported
+        before, or has not for ``stale_after_s`` since this gateway started), INFO while
+        it may still be starting (``unitproxy up`` starts the gateway first)."""
         short = reason(why)
-        if unit.lost != short:
+        wrong = (
+            not math.isinf(unit.report_at)
+            or self._clock() - self._started >= self.settings.stale_after_s
+        )
+        if unit.lost != short or (wrong and not unit.lost_warned):
             detail = why if short == why else f"{short}: {why}"
-            log.warning("unit %s: no load report (%s); not routing there", unit.id, detail)
+            level = logging.WARNING if wrong else logging.INFO
+            log.log(level, "unit %s: no load report (%s); not routing there", unit.id, detail)
             unit.lost = short
+            unit.lost_warned = wrong
 
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:

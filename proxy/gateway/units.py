@@ -45,6 +45,7 @@ class Unit:
         "id",
         "inflight",
         "lost",
+        "lost_warned",
         "report",
         "report_at",
         "routed",
@@ -64,6 +65,7 @@ class Unit:
         self.ejected_until = 0.0
         self.routed = 0
         self.lost: str | None = None  # why the load source cannot reach the unit (None: it can)
+        self.lost_warned = False  # that reason was logged as a WARNING
 
     def __repr__(self) -> str:
         return f"Unit({self.id!r}, {self.http_url!r}, {self.grpc_target!r})"
