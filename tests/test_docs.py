@@ -212,3 +212,11 @@ def _help(command: str) -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.choices and command in a.choices)
     return " ".join(sub.choices[command].format_help().split())
+
+
+def test_the_readme_says_where_a_lone_sidecar_listens() -> None:
+    from proxy.settings import ServerSettings
+
+    text = " ".join(_text(ROOT / "README.md").split())
+    assert f"`--host` defaults to `{ServerSettings().host}`" in text
+    assert "`--host 127.0.0.1`" in text and "`--api-keys-file PATH`" in text
