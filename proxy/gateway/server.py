@@ -477,6 +477,7 @@ class Gateway(Service):
             "report_age_s": None if age < 0 else round(age, 3),
             "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
             "routed": u.routed,
+            "named_metrics": u.report.named_metrics if u.report else {},
         }
 
     async def _metrics_page(self, request: web.Request) -> web.Response:

@@ -78,6 +78,13 @@ class Unit:
     def capacity(self) -> int:
         return self.report.capacity if self.report else 0
 
+    def metric(self, name: str, default: float = -1.0) -> float:
+        """The named metric ``name`` of the unit's last report; ``default`` without."""
+        report = self.report
+        if report is None:
+            return default
+        return report.named_metrics.get(name, default)
+
     def view(self, now: float, stale_after_s: float) -> tuple[str, str | None]:
         """The unit's state as this gateway sees it, and why it is LOST or UNKNOWN."""
         if self.report is None:
