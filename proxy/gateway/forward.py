@@ -55,7 +55,7 @@ from proxy.httputil import (
     UNIT_HEADER,
     error_parts,
 )
-from proxy.metrics import GatewayMetrics, LoopBuckets, ServingMetrics
+from proxy.metrics import GatewayMetrics, LoopBuckets
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -133,8 +133,7 @@ class Forwarder:
         core: GatewayCore,
         settings: GatewaySettings,
         pools: dict[str, Pool],
-        metrics: ServingMetrics,
-        gateway_metrics: GatewayMetrics,
+        metrics: GatewayMetrics,
         gate: Gate,
         wheel: Wheel,
         unit_key: str | None = None,
@@ -143,14 +142,15 @@ class Forwarder:
         self.settings = settings
         self.pools = pools
         self.wheel = wheel
-        self.gateway_metrics = gateway_metrics
+        self.gateway_metrics = metrics
         self._gate = gate
         self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
         self.ttft: dict[str, LoopBuckets] = {
-            route: metrics.ttft.labels(route) for route in ("completions", "chat")
+            route: metrics.serving.ttft.labels(route) for route in ("completions", "chat")
         }
         self._duration: dict[str, LoopBuckets] = {
-            route: metrics.request_duration.labels(route) for route in ("completions", "chat")
+            route: metrics.serving.request_duration.labels(route)
+            for route in ("completions", "chat")
         }
 
     async def handle(self, down: Downstream, req: Inbound) -> int:

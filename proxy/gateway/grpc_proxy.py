@@ -51,7 +51,7 @@ from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
 from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
-from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.metrics import GatewayMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
@@ -96,8 +96,7 @@ class GenerateProxy:
         core: GatewayCore,
         settings: GatewaySettings,
         call_for: Callable[[Unit], UnaryStream],
-        metrics: ServingMetrics,
-        gateway_metrics: GatewayMetrics,
+        metrics: GatewayMetrics,
         gate: Gate,
         wheel: Wheel,
         api_keys: ApiKeys | None = None,
@@ -108,8 +107,8 @@ class GenerateProxy:
         self.settings = settings
         self.call_for = call_for
         self.wheel = wheel
-        self.metrics = metrics
-        self.gateway_metrics = gateway_metrics
+        self.metrics = metrics.serving
+        self.gateway_metrics = metrics
         self._gate = gate
         self._api_keys = api_keys or ApiKeys()
         self.unit_auth = None if unit_key is None else f"Bearer {unit_key}"

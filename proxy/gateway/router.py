@@ -15,8 +15,10 @@ import math
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from enum import Enum
+
+from prometheus_client import CollectorRegistry
 
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.index import LeastLoaded, sample_available
@@ -24,6 +26,7 @@ from proxy.gateway.policies import POLICIES, prefix_affinity
 from proxy.gateway.prefix import EngineFeedback, PrefixIndex, Want
 from proxy.gateway.units import AS_REPORTED, CORRECTED, LoadView, Unit, reason
 from proxy.load import LoadReport, UnitState
+from proxy.metrics import GatewayMetrics, UnitView
 from proxy.settings import GatewaySettings, UnitTarget
 
 log = logging.getLogger(__name__)
@@ -75,8 +78,11 @@ class Router:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[Unit], None] | None = None,
+        metrics: GatewayMetrics | None = None,
     ):
         self.settings = settings
+        # What the router observes it records here itself (None: a registry of its own).
+        self.metrics = metrics or GatewayMetrics(CollectorRegistry())
         self.units: dict[str, Unit] = {}
         self._select = POLICIES[settings.policy]
         # How every choice reads a unit's load (gauges and /units read it too).
@@ -118,13 +124,31 @@ class Router:
         self._cursor = 0  # round_robin: where the next turn starts in _all
         for target in targets:
             self.add(target)
+        self.metrics.watch_units(self.unit_views, lambda: self.waiting)
+        if self.feedback is not None:
+            self.metrics.count_prefix_corrections(self.feedback.counts)
 
     def add(self, target: UnitTarget) -> Unit:
         unit = self.units.get(target.id)
         if unit is None:
             unit = self.units[target.id] = Unit(target.id, target.http_url, target.grpc_target)
             self._all.append(unit)
+            self.metrics.add_unit(unit.id)
         return unit
+
+    def unit_views(self) -> Iterator[UnitView]:
+        """Every unit's state, report age and load as this gateway sees them now, for
+        the per-unit series at scrape time. A LOST or UNKNOWN unit has no load (a dead
+        unit must not read as idle), and its report age keeps growing."""
+        now, stale_after_s, estimate = (
+            self._clock(),
+            self.settings.stale_after_s,
+            self.view.estimate,
+        )
+        for unit in list(self.units.values()):
+            state, _ = unit.view(now, stale_after_s)
+            lost = state in ("LOST", "UNKNOWN")
+            yield unit.id, state, unit.report_age(now), None if lost else estimate(unit)
 
     # --- choosing ---------------------------------------------------------------
 
