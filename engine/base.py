@@ -82,6 +82,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of which were cached
     prefix_cache_resets: int = 0  # times the prefix cache was emptied, since start
+    # Any other signal, by name: it reaches every gateway in the unit's load report
+    # (LoadReport.named_metrics, bounded there) with no new field anywhere.
+    named_metrics: dict[str, float] = field(default_factory=dict, hash=False)
 
 
 class Engine(abc.ABC):

@@ -369,7 +369,8 @@ class OpenAIUpstreamEngine(Engine):
 
     async def count_tokens(self, text: str) -> int:
         """The upstream's count from vLLM's ``POST /tokenize``; where the upstream has
-        none (or it fails), an estimate: ``engine.tokens.count``, within about 15 %."""
+        none (or it fails), an estimate: ``engine.tokens.count``, within
+        about ``engine.tokens.ACCURACY_PCT`` %."""
         body = {"model": self.model_name, "prompt": text, "add_special_tokens": False}
         try:
             async with asyncio.timeout(self._settings.upstream_timeout_s):

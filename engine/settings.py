@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from engine.tokens import ACCURACY_PCT
+
 EngineKind = Literal["sim", "vllm", "openai"]
 
 
@@ -69,7 +71,8 @@ class SimSettings(_EngineSection):
     )
     tokenizer: Path | None = Field(
         None,
-        description="A byte-level BPE tokenizer.json (Hugging Face tokenizers; or a directory holding one): exact token counts, and output tokens are its whole-word tokens. Needs the tokenizers package. Default: the built-in counter, within about 15 % of a real BPE.",
+        description="A byte-level BPE tokenizer.json (Hugging Face tokenizers; or a directory holding one): exact token counts, and output tokens are its whole-word tokens. Needs the tokenizers package. Default: the built-in counter, within about "
+        f"{ACCURACY_PCT} % of a real BPE on English prose.",
     )
 
     @field_validator("tokenizer")

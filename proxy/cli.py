@@ -34,7 +34,64 @@ from proxy.serving import ListenError, run_loop, serve_until_drained, wait_for_s
 log = logging.getLogger("unitproxy")
 
 
-def _add(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+# The titles of --help's groups: one per settings section, as the TOML file has them.
+SECTIONS = {
+    "sidecar": "the unit (sidecar.*)",
+    "sidecar.recovery": "the unit's recovery (sidecar.recovery.*)",
+    "follower": "the follower node (follower.*)",
+    "gateway": "routing (gateway.*)",
+    "up": "the cell (up.*)",
+    "health": "node health (health.*)",
+    "engine": "the engine (engine.*)",
+    "engine.sim": "the simulator engine (engine.sim.*)",
+    "server": "listening and serving (server.*)",
+    "redis": "Redis (redis.*)",
+}
+EXAMPLES = {
+    "sidecar": """\
+example: a unit of two nodes, vLLM across both, the follower probed over gRPC
+  unitproxy sidecar --unit-id u0 --host 10.0.0.1 --api-keys-file keys.txt \\
+      --engine vllm --model meta-llama/Llama-3.1-70B-Instruct --tensor-parallel-size 16 \\
+      --follower u0-f1=10.0.0.2:50061""",
+    "follower": """\
+Everything after -- is the worker command: it is started and supervised, the node is
+NOT_SERVING the moment it exits, and SIGTERM is forwarded to it.
+
+example: the health endpoint of a follower node, supervising its Ray worker
+  unitproxy follower --node-name u0-f1 --grpc-port 50061 \\
+      --check tcp:127.0.0.1:6379 -- ray start --block --address 10.0.0.1:6379""",
+    "gateway": """\
+example: route across two units by least outstanding requests, load watched over gRPC
+  unitproxy gateway --unit u0=http://10.0.0.1:8080,10.0.0.1:50051 \\
+      --unit u1=http://10.0.0.3:8080,10.0.0.3:50051 --policy lor""",
+    "up": """\
+Whether given as flags, in the environment or in --config: the engine settings and
+--capacity go to every sidecar, the health settings to every sidecar and follower,
+--policy to the gateway, --log-level to every process.
+
+example: two simulated units of one leader and one follower each, gateway on port 8000
+  unitproxy up --units 2 --followers 1 --base-port 8000""",
+}
+
+
+def _section(key: str) -> str:
+    return key.rsplit(".", 1)[0]
+
+
+def _add_grouped(parser: argparse.ArgumentParser, flags: Sequence[Flag], *first: str) -> None:
+    """The flags in one argument group per settings section: ``first`` sections first
+    (the command's own), then the others in the order their flags come."""
+    order = list(first)
+    for f in flags:
+        if _section(f.key) not in order:
+            order.append(_section(f.key))
+    for section in order:
+        mine = [f for f in flags if _section(f.key) == section]
+        if mine:
+            _add(parser.add_argument_group(SECTIONS.get(section, f"{section}.*")), mine)
+
+
+def _add(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: Sequence[Flag]) -> None:
     for f in flags:
         choices = choices_of(f)
         help_text = f"{field_of(f.key).description or ''} [{f.key}]".replace("%", "%%")
@@ -59,38 +116,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="unitproxy",
         description="Health-checking, load-aware routing proxy for multi-node LLM inference units.",
+        epilog="example: a local cell of simulated units\n  unitproxy up --units 2\n\n"
+        "unitproxy COMMAND --help: that command's flags, by settings section",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sidecar = commands.add_parser(
-        "sidecar", help="serve one unit: embed the engine, probe its nodes, report load"
-    )
-    sidecar.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    _add(sidecar, COMMON + SERVING + ENGINE + SIDECAR + HEALTH)
-    follower = commands.add_parser(
+
+    def command(name: str, help: str, **more: Any) -> argparse.ArgumentParser:
+        more.setdefault("usage", f"unitproxy {name} [--config FILE] [options]")
+        sub = commands.add_parser(name, help=help, epilog=EXAMPLES[name],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                                  **more)  # fmt: skip
+        sub.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+        return sub
+
+    sidecar = command("sidecar", "serve one unit: embed the engine, probe its nodes, report load")
+    _add_grouped(sidecar, COMMON + SERVING + ENGINE + SIDECAR + HEALTH,
+                 "sidecar", "sidecar.recovery", "health")  # fmt: skip
+    follower = command(
         "follower",
-        help="serve grpc.health.v1 for one follower node; optionally supervise its worker",
+        "serve grpc.health.v1 for one follower node; optionally supervise its worker",
         usage="unitproxy follower [options] [-- CMD ARGS...]",
-        epilog="Everything after -- is the worker command: it is started and supervised, the "
-        "node is NOT_SERVING the moment it exits, and SIGTERM is forwarded to it.",
     )
-    follower.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    _add(follower, COMMON + FOLLOWER + HEALTH)
-    gateway = commands.add_parser(
-        "gateway", help="route requests across units: least outstanding requests, retries, drain"
+    _add_grouped(follower, COMMON + FOLLOWER + HEALTH, "follower", "health")
+    gateway = command(
+        "gateway", "route requests across units: least outstanding requests, retries, drain"
     )
-    gateway.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    _add(gateway, COMMON + SERVING + GATEWAY)
-    up = commands.add_parser(
-        "up",
-        help="start a local cell on loopback: a gateway and units of a sidecar and followers",
-        epilog="Whether given as flags, in the environment or in --config: the engine settings "
-        "and --capacity go to every sidecar, the health settings to every sidecar and "
-        "follower, --policy to the gateway, --log-level to every process.",
+    _add_grouped(gateway, COMMON + SERVING + GATEWAY, "gateway")
+    up = command(
+        "up", "start a local cell on loopback: a gateway and units of a sidecar and followers"
     )
-    up.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
     passed = ("--log-level", "--capacity", "--policy")
-    _add(
-        up, UP + ENGINE + HEALTH + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed)
+    _add_grouped(
+        up,
+        UP + ENGINE + HEALTH + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed),
+        "up",
     )
     return parser
 

@@ -26,6 +26,7 @@ from proxy.errors import (
 )
 
 UNIT_HEADER = "x-unitproxy-unit"
+NO_UNIT = "none"  # its value on a gateway's own answer to a request no unit was tried for
 REQUEST_ID_HEADER = "x-request-id"
 # The request's remaining time budget in milliseconds; passed on, reduced, at each hop.
 DEADLINE_HEADER = "x-unitproxy-timeout-ms"

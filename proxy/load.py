@@ -7,6 +7,8 @@ here and nowhere else.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -31,6 +33,43 @@ class NodeStatus:
     since_ms: int
 
 
+# Bounds on a report's named metrics: how many, and how long a name may be.
+MAX_NAMED_METRICS = 32
+MAX_METRIC_NAME = 64
+
+
+def named_metrics(given: Mapping[str, Any]) -> dict[str, float]:
+    """What of ``given`` a report carries as named metrics: names of 1 to
+    MAX_METRIC_NAME characters with finite numbers, at most MAX_NAMED_METRICS of them
+    (past that, the names that sort first: a map has no order on the wire). The rest
+    is dropped: a reader does not trust a peer to keep the bounds."""
+    kept: dict[str, float] = {}
+    if not given:
+        return kept
+    names = sorted(given) if len(given) > MAX_NAMED_METRICS else list(given)
+    for name in names:
+        value = given[name]
+        if (
+            isinstance(name, str)
+            and 0 < len(name) <= MAX_METRIC_NAME
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        ):
+            kept[name] = float(value)
+            if len(kept) == MAX_NAMED_METRICS:
+                break
+    return kept
+
+
+def joined_metrics(engine: Mapping[str, float], sidecar: Mapping[str, float]) -> dict[str, float]:
+    """A sidecar's report's named metrics: its engine's (``EngineStats.named_metrics``)
+    and its own (``SidecarCore.set_metric``), its own winning a tie; a new dict."""
+    if not engine:
+        return dict(sidecar)
+    return named_metrics({**engine, **sidecar})
+
+
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     unit_id: str
@@ -50,6 +89,8 @@ class LoadReport:
     prefix_cache_queries: int = 0  # prompt tokens looked up since the engine started
     prefix_cache_hits: int = 0  # of which were cached
     prefix_cache_resets: int = 0  # times the prefix cache was emptied since start
+    # Signals beyond these fields, by name (bounded: ``named_metrics``); not hashed.
+    named_metrics: dict[str, float] = field(default_factory=dict, hash=False)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -80,6 +121,7 @@ class LoadReport:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_resets=self.prefix_cache_resets,
+            named_metrics=self.named_metrics,
         )
 
     @classmethod
@@ -105,6 +147,7 @@ class LoadReport:
             prefix_cache_queries=msg.prefix_cache_queries,
             prefix_cache_hits=msg.prefix_cache_hits,
             prefix_cache_resets=msg.prefix_cache_resets,
+            named_metrics=named_metrics(msg.named_metrics) if msg.named_metrics else {},
         )
 
     @classmethod
@@ -113,6 +156,10 @@ class LoadReport:
         values["state"] = _state(values["state"])
         values["nodes"] = tuple(NodeStatus(**n) for n in values.get("nodes", ()))
         values["models"] = tuple(values.get("models", ()))
+        given = values.get("named_metrics") or {}
+        if not isinstance(given, dict):
+            raise TypeError("named_metrics: not an object")
+        values["named_metrics"] = named_metrics(given)
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in values.items() if k in known})  # a newer peer's extras
 

@@ -457,9 +457,12 @@ DISCOVERY_REFUSALS = ("not_allowed", "max_units", "bad_id", "tls")
 
 
 class GatewayMetrics:
-    """Routing, retries and the gateway's view of each unit's load."""
+    """Everything a gateway records: its requests (``serving``), routing, retries and
+    migrations, and its view of each unit's load. One object, handed to each component
+    that records (router, core, the two wires), which records there itself."""
 
     def __init__(self, registry: CollectorRegistry):
+        self.serving = ServingMetrics(registry, tokens=False)
         self.routed = LoopCounter(
             "routed_requests",
             "Attempts sent to a unit (a retried request counts once per unit tried).",
@@ -468,7 +471,7 @@ class GatewayMetrics:
         )
         self.retries = LoopCounter(
             "retries",
-            "Attempts retried on another unit, by why the previous one was refused.",
+            "Requests sent again to another unit that took them, by why the previous unit did not take them.",
             ["reason"],
             registry,
         )
@@ -476,7 +479,7 @@ class GatewayMetrics:
             self.retries.labels(reason)
         self.migrations = LoopCounter(
             "migrations",
-            "Requests continued on another unit after their unit failed under them, by how it failed.",
+            "Requests continued on another unit that took them after the unit that had them failed under them, by how it failed.",
             ["reason"],
             registry,
         )

@@ -165,6 +165,43 @@ async def test_429_and_refused_connections_are_retried_elsewhere(
     assert gw.router.units["a"].ejected_until > 0, "failing fast got a ejected"
 
 
+async def test_a_retry_with_no_unit_left_is_not_counted(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    # The only unit is full but the gateway believes it idle (polled once a minute): it
+    # refuses with 429 and no other unit takes the request, so nothing was retried.
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 1})
+    gw = await start_gateway([a], load_source="poll", poll_interval_s=60, stale_after_s=120)
+    held = await hold_streams(http, a.http_url, 1)
+    async with http.post(f"{gw.http_url}/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 429
+        assert resp.headers["x-unitproxy-unit"] == "a"
+    assert counter_value(gw, "unitproxy_routed_requests_total", unit="a") == 1
+    assert counter_value(gw, "unitproxy_retries_total", reason="429") == 0
+    held[0].close()
+
+
+async def test_the_gateways_own_answers_carry_unit_and_request_id(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    # A unit slower than --response-timeout: the gateway answers 504 on its own.
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim={"decode_step_ms": 20.0})
+    gw = await start_gateway([a], response_timeout_s=0.2)
+    body = {"prompt": "x", "max_tokens": 50}
+    headers = {"x-request-id": "late-1"}
+    async with http.post(f"{gw.http_url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 504
+        assert resp.headers["x-unitproxy-unit"] == "a", "the unit that was too slow"
+        assert resp.headers["x-request-id"] == "late-1"
+    # No unit is SERVING: none was tried.
+    await a.__aexit__(None, None, None)
+    await wait_until(lambda: not gw.router.serving(), what="a gone")
+    async with http.post(f"{gw.http_url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 503
+        assert resp.headers["x-unitproxy-unit"] == "none"
+        assert resp.headers["x-request-id"] == "late-1"
+
+
 async def test_503_from_a_unit_is_retried_and_grpc_too(
     start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
 ) -> None:

@@ -205,6 +205,7 @@ async def test_no_unit_left_ends_the_stream_with_an_error_event(
     assert b"127.0.0.1" not in events[-1], "errors name units by id, not address"
     assert sample(gw, "unitproxy_requests_total", route="chat", code="503") == 1
     assert sample(gw, "unitproxy_requests_total", route="chat", code="200") == 0
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 0, "none happened"
 
 
 async def test_a_client_may_opt_out_of_migration(
@@ -317,6 +318,35 @@ async def test_a_killed_or_silent_unit_is_invisible_to_the_client(
         text = await metrics.text()
     reason = "broken" if how == "kill" else "idle"
     assert f'unitproxy_migrations_total{{reason="{reason}"}} 1.0' in text
+
+
+@pytest.mark.slow
+async def test_a_non_streamed_request_on_a_killed_unit_is_migrated_not_retried(
+    procs: Procs, http: aiohttp.ClientSession
+) -> None:
+    # The unit had taken the request (it answers a non-streamed one only when done) and
+    # died under it: a migration, though nothing of the answer had gone out.
+    sidecars, gateway = await cell(procs, 2)
+    body = {"prompt": "tell me a story", "max_tokens": 400}
+    task = asyncio.create_task(http.post(f"{gateway.http_url}/v1/completions", json=body))
+
+    async def running() -> Any:
+        while True:
+            for sidecar in sidecars:
+                async with http.get(f"{sidecar.http_url}/load") as resp:
+                    if (await resp.json())["outstanding"]:
+                        return sidecar
+            await asyncio.sleep(0.02)
+
+    victim = await asyncio.wait_for(running(), 10)
+    victim.signal(signal.SIGKILL)
+    resp = await task
+    assert resp.status == 200
+    assert (await resp.json())["usage"]["completion_tokens"] == 400
+    async with http.get(f"{gateway.http_url}/metrics") as metrics:
+        text = await metrics.text()
+    assert 'unitproxy_migrations_total{reason="broken"} 1.0' in text
+    assert 'unitproxy_retries_total{reason="connect"} 0.0' in text
 
 
 @pytest.mark.slow

@@ -2,13 +2,20 @@
 
     acquire a unit -> one attempt (the wire's) -> release with its health outcome
       -> DONE     the client has its answer (or gets the attempt's error)
-      -> RETRY    the unit said no before any work (429, 503 not taking work, connection
-                  failure): another unit at once, up to ``gateway.retries``
-      -> MIGRATE  the unit failed under the request (connection lost, its unit_failed
-                  error, silent for ``stream_idle_timeout_s``) or the router stopped
-                  routing to it (``move_off_stopped_units``: ejected, NOT_SERVING,
-                  LOST): another unit continues it after what the client already
-                  got, up to ``gateway.migrations``
+      -> RETRY    the unit did not take the request (429, 503 not taking work, no
+                  connection to it): the request as it came to another unit at once,
+                  up to ``gateway.retries``
+      -> MIGRATE  the unit took the request and failed under it (connection lost after
+                  the request went out, its unit_failed error, silent for
+                  ``stream_idle_timeout_s``), streamed or not, started or not, or the
+                  router stopped routing to it (``move_off_stopped_units``: ejected,
+                  NOT_SERVING, LOST): another unit continues it after what the client
+                  already got (all of it, when nothing went out yet), up to
+                  ``gateway.migrations``
+
+A retry or migration is counted (``unitproxy_retries_total``,
+``unitproxy_migrations_total``) when another unit takes the request, never when none is
+left to take it.
 
 The wires (``forward.HttpJob``, ``grpc_proxy.GrpcJob``) make attempts and say which of
 the three each was; this module owns the loop, the budgets and their metrics. With
@@ -233,6 +240,8 @@ class GatewayCore:
                 await job.give_up(Tried(Next.DONE, Outcome.OK, error=refused))
                 return
             tried.add(unit.id)
+            if last is not None:  # a retry or migration happens once a unit takes it
+                self._counted(last, unit)
             self._count(self._routed, self._metrics.routed, unit.id)
             health = Outcome.CANCELLED  # unless the attempt says otherwise: the client left
             on_unit = self._on_unit.get(unit.id)
@@ -259,15 +268,20 @@ class GatewayCore:
                     await job.give_up(result)
                     return
                 retries += 1
-                self._count(self._retries, self._metrics.retries, result.reason)
                 continue
             if migrations >= s.migrations or not job.migratable:
                 await job.give_up(result)
                 return
             migrations += 1
-            self._count(self._migrations, self._metrics.migrations, result.reason)
-            log.info("unit %s failed under a request (%s): continuing it elsewhere",
-                     unit.id, result.reason)  # fmt: skip
+
+    def _counted(self, last: Tried, unit: Unit) -> None:
+        """``unit`` takes the request after ``last``: count the retry or migration."""
+        if last.next is Next.RETRY:
+            self._count(self._retries, self._metrics.retries, last.reason)
+            return
+        self._count(self._migrations, self._metrics.migrations, last.reason)
+        log.info("a unit failed under a request (%s): continuing it on unit %s",
+                 last.reason, unit.id)  # fmt: skip
 
     def _gave_up(self, unit: Unit, job: Job) -> Outcome:
         """The client left or its deadline passed: a failure of the unit if it had waited

@@ -2,14 +2,14 @@
 
 An attempt sends the request (or its continuation) to a unit and says how it ended:
 
-- refused before any work (429, a 503 whose code says the unit is not taking work, no
-  connection): RETRY;
+- not taken (429, a 503 whose code says the unit is not taking work, no connection):
+  RETRY;
 - the unit answered: a whole body goes to the client as it came; SSE events are passed
   through as they come, never re-encoded, and kept (``resume.SseTranscript``) in case
   the unit fails: DONE;
-- the unit failed under the request (connection lost, its ``unit_failed`` error event or
-  503, no byte for ``stream_idle_timeout_s``), or the gateway stopped routing to it
-  (``abandon``): MIGRATE. The next attempt sends the
+- the unit failed under the request (connection lost once the request went out, its
+  ``unit_failed`` error event or 503, no byte for ``stream_idle_timeout_s``), or the
+  gateway stopped routing to it (``abandon``): MIGRATE. The next attempt sends the
   request with what the client already got appended, and that unit's events follow on
   in the same response;
 - anything else ends the client's response: an error before the response started is a
@@ -45,16 +45,18 @@ from proxy.gateway.core import (
     unit_error,
 )
 from proxy.gateway.http1.front import Producer
-from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
+from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
 from proxy.httputil import (
+    NO_UNIT,
     REQUEST_ID_HEADER,
     RESUME_HEADER,
     UNIT_HEADER,
+    error_parts,
 )
-from proxy.metrics import GatewayMetrics, LoopBuckets, ServingMetrics
+from proxy.metrics import GatewayMetrics, LoopBuckets
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -132,8 +134,7 @@ class Forwarder:
         core: GatewayCore,
         settings: GatewaySettings,
         pools: dict[str, Pool],
-        metrics: ServingMetrics,
-        gateway_metrics: GatewayMetrics,
+        metrics: GatewayMetrics,
         gate: Gate,
         wheel: Wheel,
         unit_key: str | None = None,
@@ -142,14 +143,15 @@ class Forwarder:
         self.settings = settings
         self.pools = pools
         self.wheel = wheel
-        self.gateway_metrics = gateway_metrics
+        self.gateway_metrics = metrics
         self._gate = gate
         self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
         self.ttft: dict[str, LoopBuckets] = {
-            route: metrics.ttft.labels(route) for route in ("completions", "chat")
+            route: metrics.serving.ttft.labels(route) for route in ("completions", "chat")
         }
         self._duration: dict[str, LoopBuckets] = {
-            route: metrics.request_duration.labels(route) for route in ("completions", "chat")
+            route: metrics.serving.request_duration.labels(route)
+            for route in ("completions", "chat")
         }
 
     async def handle(self, down: Downstream, req: Inbound) -> int:
@@ -202,6 +204,7 @@ class HttpJob:
         self._answered = False  # its unit's response head came
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the attempt's deadline, while it runs
+        self._unit_id = NO_UNIT  # the unit tried last
 
     # -- core.Job ------------------------------------------------------------------------
 
@@ -236,13 +239,18 @@ class HttpJob:
             if isinstance(last.reply, tuple):
                 down.respond(*last.reply)  # the last unit's own answer, as it came
                 return
-            raise last.error or Unavailable("no unit could serve the request")
+            # The gateway's own answer (a deadline, a unit that sent nothing in time):
+            # it names the unit tried last, as a unit's answer names that unit.
+            error = last.error or Unavailable("no unit could serve the request")
+            down.respond(*error_parts(error, self._req.request_id, self._unit_id))
+            return
         error = last.error or Unavailable("no unit could serve the request")
         log.warning("request %s: %s", self._req.request_id, error.message)
         await self._end_with(openai_api.sse_error(error.body()), error.http_status)
 
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None
+        self._unit_id = unit.id
         body, hint = self._next
         headers = self._fw.unit_headers(self._req)
         if hint is not None:
@@ -321,6 +329,8 @@ class HttpJob:
     def _unreachable(self, unit: Unit, exc: ConnectFailed) -> Tried:
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if isinstance(exc, Dropped):  # it had the request: a failure under it, not a refusal
+            return self._failed(unit, "broken", f"unit {unit.id} dropped the request: {exc}")
         log.info("unit %s: %s", unit.id, exc)
         error = Unavailable(f"unit {unit.id} could not be reached")
         reply = (503, {"Content-Type": "application/json"}, json.dumps(error.body()).encode())

@@ -46,12 +46,12 @@ from proxy.gateway.core import (
     shutting_down,
     unit_error,
 )
-from proxy.gateway.http1.pool import Broken, ConnectFailed, Pool, UnitConnection
+from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.units import Unit
 from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
-from proxy.metrics import GatewayMetrics, ServingMetrics
+from proxy.metrics import GatewayMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
@@ -96,8 +96,7 @@ class GenerateProxy:
         core: GatewayCore,
         settings: GatewaySettings,
         call_for: Callable[[Unit], UnaryStream],
-        metrics: ServingMetrics,
-        gateway_metrics: GatewayMetrics,
+        metrics: GatewayMetrics,
         gate: Gate,
         wheel: Wheel,
         api_keys: ApiKeys | None = None,
@@ -108,8 +107,8 @@ class GenerateProxy:
         self.settings = settings
         self.call_for = call_for
         self.wheel = wheel
-        self.metrics = metrics
-        self.gateway_metrics = gateway_metrics
+        self.metrics = metrics.serving
+        self.gateway_metrics = metrics
         self._gate = gate
         self._api_keys = api_keys or ApiKeys()
         self.unit_auth = None if unit_key is None else f"Bearer {unit_key}"
@@ -374,6 +373,8 @@ class GrpcJob:
     def _unreachable(self, unit: Unit, exc: ConnectFailed) -> Tried:
         if self._stopping:
             return Tried(Next.DONE, Outcome.OK, error=shutting_down())
+        if isinstance(exc, Dropped):  # it had the call: a failure under it, not a refusal
+            return self._failed(unit, "broken", f"unit {unit.id} dropped the call: {exc}")
         log.info("unit %s: %s", unit.id, exc)
         error = Unavailable(f"unit {unit.id} could not be reached")
         return Tried(Next.RETRY, Outcome.FAILED, "connect", error)
@@ -388,11 +389,7 @@ class GrpcJob:
         if self._idle:
             return self._silent(unit, self._received)
         why = self._bad or why
-        if self._received:
-            return self._failed(unit, "broken", f"unit {unit.id} broke the stream: {why}")
-        log.info("unit %s: %s", unit.id, why)
-        error = Unavailable(f"unit {unit.id} failed: {why}")
-        return Tried(Next.RETRY, Outcome.FAILED, "unavailable", error)
+        return self._failed(unit, "broken", f"unit {unit.id} broke the stream: {why}")
 
     def _sink(self, conn: UnitConnection, frames: grpcweb.Frames) -> Callable[[bytes], None]:
         """What takes the unit's body in the connection's callback: each message to the

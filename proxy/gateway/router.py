@@ -15,17 +15,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from enum import Enum
+
+from prometheus_client import CollectorRegistry
 
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.policies.base import Candidates, Policy, Shared, create
 from proxy.gateway.request import Want
 from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit, reason
 from proxy.load import LoadReport, UnitState
+from proxy.metrics import GatewayMetrics, UnitView
 from proxy.settings import GatewaySettings, UnitTarget
 
 log = logging.getLogger(__name__)
@@ -78,13 +82,17 @@ class Router:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[Unit], None] | None = None,
+        metrics: GatewayMetrics | None = None,
     ):
         self.settings = settings
+        # What the router observes it records here itself (None: a registry of its own).
+        self.metrics = metrics or GatewayMetrics(CollectorRegistry())
         self.units: dict[str, Unit] = {}
         # How every choice reads a unit's load (gauges and /units read it too).
         self.view = CORRECTED if settings.correct_load else AS_REPORTED
         self._rng = rng or random.Random()
         self._clock = clock
+        self._started = clock()  # a unit not reporting yet is wrong only after a grace
         self._waiters: deque[_Waiter] = deque()
         self._arrivals = itertools.count()
         self._on_change = on_change
@@ -103,6 +111,8 @@ class Router:
         self._candidates = Candidates(shared)  # set afresh for each choice
         for target in targets:
             self.add(target)
+        self.metrics.watch_units(self.unit_views, lambda: self.waiting)
+        self.policy.count_to(self.metrics)
 
     def add(self, target: UnitTarget) -> Unit:
         unit = self.units.get(target.id)
@@ -110,7 +120,22 @@ class Router:
             unit = self.units[target.id] = Unit(target.id, target.http_url, target.grpc_target)
             self._all.append(unit)
             self.policy.added(unit)
+            self.metrics.add_unit(unit.id)
         return unit
+
+    def unit_views(self) -> Iterator[UnitView]:
+        """Every unit's state, report age and load as this gateway sees them now, for
+        the per-unit series at scrape time. A LOST or UNKNOWN unit has no load (a dead
+        unit must not read as idle), and its report age keeps growing."""
+        age_at, stale_after_s, estimate = (
+            self.age_at(self._clock()),
+            self.settings.stale_after_s,
+            self.view.estimate,
+        )
+        for unit in list(self.units.values()):
+            state, _ = unit.view(age_at, stale_after_s)
+            lost = state in ("LOST", "UNKNOWN")
+            yield unit.id, state, unit.report_age(age_at), None if lost else estimate(unit)
 
     # --- choosing ---------------------------------------------------------------
 
@@ -459,12 +484,22 @@ class Router:
             self._changed(unit)
 
     def unreachable(self, unit: Unit, why: str) -> None:
-        """The load source could not reach the unit (its last report, if any, ages out)."""
+        """The load source could not reach the unit (its last report, if any, ages out).
+
+        Logged once per change of reason: a WARNING once the unit is wrong (it reported
+        before, or has not for ``stale_after_s`` since this gateway started), INFO while
+        it may still be starting (``unitproxy up`` starts the gateway first)."""
         short = reason(why)
-        if unit.lost != short:
+        wrong = (
+            not math.isinf(unit.report_at)
+            or self._clock() - self._started >= self.settings.stale_after_s
+        )
+        if unit.lost != short or (wrong and not unit.lost_warned):
             detail = why if short == why else f"{short}: {why}"
-            log.warning("unit %s: no load report (%s); not routing there", unit.id, detail)
+            level = logging.WARNING if wrong else logging.INFO
+            log.log(level, "unit %s: no load report (%s); not routing there", unit.id, detail)
             unit.lost = short
+            unit.lost_warned = wrong
 
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:

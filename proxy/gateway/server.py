@@ -7,7 +7,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -35,6 +35,7 @@ from proxy.gateway.units import Unit
 from proxy.httputil import (
     DEADLINE_HEADER,
     MIGRATE_HEADER,
+    NO_UNIT,
     REQUEST_ID_HEADER,
     ClientClosed,
     ClientGone,
@@ -47,7 +48,7 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.ingress import Limits
-from proxy.metrics import GatewayMetrics, IngressMetrics, LoopCount, ServingMetrics, UnitView
+from proxy.metrics import GatewayMetrics, IngressMetrics, LoopCount
 from proxy.serving import (
     Drain,
     ListenError,
@@ -88,16 +89,16 @@ class Gateway(Service):
         # The clock reports age by: the router's, and the views of units (gauges, /units).
         self.clock = clock
         self.registry = CollectorRegistry()
-        self.metrics = ServingMetrics(self.registry, tokens=False)
+        # One object for all it records, handed to the router, the core and the wires.
         self.gateway_metrics = GatewayMetrics(self.registry)
+        self.metrics = self.gateway_metrics.serving
         self.ingress_metrics = IngressMetrics(self.registry)
         self.discovery = Discovery(settings.gateway, self.gateway_metrics.discovery_refused)
         # The router gets the staleness bound and poll interval the report budget needs.
         self.router = Router(
             scaled(settings.gateway), settings.gateway.units, clock=clock,
-            on_change=self._unit_changed,
+            on_change=self._unit_changed, metrics=self.gateway_metrics,
         )  # fmt: skip
-        self.router.policy.count_to(self.gateway_metrics)
         self.health_service = HealthServicer()
         self.http_url = ""
         self.grpc_target = ""
@@ -124,17 +125,15 @@ class Gateway(Service):
         stack.push_async_callback(self._close_clients)
         for unit in self.router.units.values():
             self._connect(unit)
-            self.gateway_metrics.add_unit(unit.id)
-        self.gateway_metrics.watch_units(self._unit_views, lambda: self.router.waiting)
         self.wheel = Wheel(asyncio.get_running_loop())
         stack.callback(self.wheel.close)
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
         generate = GenerateProxy(
-            self.core, s.gateway, self._generate_call, self.metrics, self.gateway_metrics,
+            self.core, s.gateway, self._generate_call, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
         )  # fmt: skip
         self.forwarder = Forwarder(
-            self.core, s.gateway, self._pools, self.metrics, self.gateway_metrics, self.gate,
+            self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
             self.wheel, self._unit_key(),
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
@@ -268,7 +267,6 @@ class Gateway(Service):
         unit = self.router.add(target)
         if unit.id not in self._pools:
             self._connect(unit)
-            self.gateway_metrics.add_unit(unit.id)
         return unit
 
     # --- health -------------------------------------------------------------------
@@ -278,20 +276,6 @@ class Gateway(Service):
         if serving != self._served:
             self._served = serving
             self._serving_changed.set()
-
-    def _unit_views(self) -> Iterator[UnitView]:
-        """Every unit's state, report age and load as this gateway sees them now, for
-        the per-unit series at scrape time. A LOST or UNKNOWN unit has no load (a dead
-        unit must not read as idle), and its report age keeps growing."""
-        age_at, stale_after_s, estimate = (
-            self.router.age_at(self.clock()),
-            self.router.settings.stale_after_s,
-            self.router.view.estimate,
-        )
-        for unit in list(self.router.units.values()):
-            state, _ = unit.view(age_at, stale_after_s)
-            lost = state in ("LOST", "UNKNOWN")
-            yield unit.id, state, unit.report_age(age_at), None if lost else estimate(unit)
 
     async def _health_watch(self) -> None:
         """Keep grpc.health.v1 in step: SERVING while at least one unit serves."""
@@ -390,7 +374,7 @@ class Gateway(Service):
             code = str(await self.forwarder.handle(down, req))
         except UnitProxyError as exc:
             code = str(exc.http_status)
-            down.respond(*error_parts(exc, request_id))
+            down.respond(*error_parts(exc, request_id, NO_UNIT))  # no unit was tried
         except (ClientClosed, asyncio.CancelledError):
             code = "499"
             raise
@@ -493,6 +477,7 @@ class Gateway(Service):
             "ejections": u.ejections,
             "probation": u.probation,
             "routed": u.routed,
+            "named_metrics": u.report.named_metrics if u.report else {},
         }
 
     async def _metrics_page(self, request: web.Request) -> web.Response:

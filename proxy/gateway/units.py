@@ -47,6 +47,7 @@ class Unit:
         "id",
         "inflight",
         "lost",
+        "lost_warned",
         "probation",
         "report",
         "report_at",
@@ -70,6 +71,7 @@ class Unit:
         self.probation = False  # back from an ejection, not answered yet: one at a time
         self.routed = 0
         self.lost: str | None = None  # why the load source cannot reach the unit (None: it can)
+        self.lost_warned = False  # that reason was logged as a WARNING
 
     def __repr__(self) -> str:
         return f"Unit({self.id!r}, {self.http_url!r}, {self.grpc_target!r})"
@@ -86,6 +88,13 @@ class Unit:
         if report is None:
             return 0
         return 1 if self.probation else report.capacity
+
+    def metric(self, name: str, default: float = -1.0) -> float:
+        """The named metric ``name`` of the unit's last report; ``default`` without."""
+        report = self.report
+        if report is None:
+            return default
+        return report.named_metrics.get(name, default)
 
     def view(self, age_at: float, stale_after_s: float) -> tuple[str, str | None]:
         """The unit's state as this gateway sees it, and why it is LOST or UNKNOWN.

@@ -31,7 +31,14 @@ from proxy.errors import (
     Unavailable,
     UnitFailed,
 )
-from proxy.load import LoadReport, UnitState
+from proxy.load import (
+    MAX_METRIC_NAME,
+    MAX_NAMED_METRICS,
+    LoadReport,
+    UnitState,
+    joined_metrics,
+    named_metrics,
+)
 from proxy.metrics import ServingMetrics
 from proxy.sidecar.health import UnitHealth
 
@@ -86,6 +93,7 @@ class SidecarCore:
         self._retry_after_s = retry_after_s
         self._clock = clock
         self._seq = 0
+        self._named: dict[str, float] = {}  # named metrics the sidecar itself sets
         # Requests inside run(), each with the scope that bounds it (its deadline).
         self._running: dict[Lease, asyncio.Timeout] = {}
 
@@ -308,6 +316,21 @@ class SidecarCore:
             return 0.0  # idle, or every request waits on its client
         return self._clock() - self.last_progress_at
 
+    def set_metric(self, name: str, value: float) -> None:
+        """Report ``value`` under ``name`` in every load report from now on (the
+        engine's ``EngineStats.named_metrics`` join them; the sidecar's win a tie);
+        watchers hear of it at once. Raises ValueError past the bounds (``proxy.load``:
+        MAX_NAMED_METRICS names of at most MAX_METRIC_NAME characters, finite values)."""
+        if named_metrics({name: value}) != {name: value} or (
+            name not in self._named and len(self._named) >= MAX_NAMED_METRICS
+        ):
+            raise ValueError(
+                f"named metric {name[:80]!r}={value!r}: a name of 1 to {MAX_METRIC_NAME} "
+                f"characters, a finite number, at most {MAX_NAMED_METRICS} names"
+            )
+        self._named[name] = float(value)
+        self._changes.notify()
+
     def report(self) -> LoadReport:
         self._seq += 1
         stats = self.engine.stats()
@@ -329,6 +352,7 @@ class SidecarCore:
             timestamp_ms=int(time.time() * 1000),
             http_url=self.http_url,
             grpc_target=self.grpc_target,
+            named_metrics=joined_metrics(stats.named_metrics, self._named),
         )
 
 

@@ -11,6 +11,7 @@ Errors, mapped once here::
 
     UpstreamError
       ConnectFailed   no response head: connect refused or reset, closed before answering
+        Dropped       the request went out, then the connection ended with no answer
       Broken          the connection ended or sent garbage after the head
 """
 
@@ -48,6 +49,11 @@ class UpstreamError(Exception):
 
 class ConnectFailed(UpstreamError):
     """No response head came: the unit could not be reached or closed the connection."""
+
+
+class Dropped(ConnectFailed):
+    """The request went out on the connection, which then ended before any answer: the
+    unit may have taken it (a unit killed while it ran a non-streamed request)."""
 
 
 class Broken(UpstreamError):
@@ -254,7 +260,12 @@ class UnitConnection(asyncio.Protocol):
         if self._error is not None:
             return
         head_came = self._head is not None and self._head.done()
-        self._error = Broken(why) if head_came or answered else ConnectFailed(why)
+        if head_came or answered:
+            self._error = Broken(why)
+        elif self._head is not None:
+            self._error = Dropped(why)
+        else:
+            self._error = ConnectFailed(why)
         if self._head is not None and not self._head.done():
             self._head.set_exception(self._error)
             self._head.exception()  # retrieved: no "never retrieved" warning if unawaited

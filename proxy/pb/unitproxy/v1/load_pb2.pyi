@@ -49,7 +49,14 @@ class NodeStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., since_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_resets")
+    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_resets", "named_metrics")
+    class NamedMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +74,7 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RESETS_FIELD_NUMBER: _ClassVar[int]
+    NAMED_METRICS_FIELD_NUMBER: _ClassVar[int]
     unit_id: str
     state: UnitState
     outstanding: int
@@ -84,4 +92,5 @@ class LoadReport(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefix_cache_resets: int
-    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ...) -> None: ...
+    named_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ..., named_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
