@@ -59,7 +59,8 @@ PROBE_S = 1.0  # while Redis is down, how often it is tried again
 class RateLimited(Overloaded):
     """A tenant is over one of its limits: 429, code rate_limited."""
 
-    def __init__(self, message: str, retry_after_s: float, headers: dict[str, str]):
+    def __init__(self, message: str, retry_after_s: float, headers: dict[str, str], limit: str):
+        self.limit = limit  # which: a Tenant limit's name
         super().__init__(message, retry_after_s=max(1, math.ceil(round(retry_after_s, 3))),
                          code="rate_limited")  # fmt: skip
         self.headers = headers
@@ -416,6 +417,7 @@ class Limiter:
                 f"tenant {tenant.name} is over its limit of {limit} {what}{scaled}",
                 check.wait_s,
                 check.headers,
+                check.refused,
             )
         local.counts(now)  # roll the windows to now
         local.rpm.add(local.rpm.index, 1)
