@@ -30,6 +30,7 @@ from proxy.flags import (
     field_of,
 )
 from proxy.serving import ListenError, run_loop, serve_until_drained, wait_for_signal
+from proxy.tenants import TenantsError
 
 log = logging.getLogger("unitproxy")
 
@@ -85,10 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a local cell on loopback: a gateway and units of a sidecar and followers",
         epilog="Whether given as flags, in the environment or in --config: the engine settings "
         "and --capacity go to every sidecar, the health settings to every sidecar and "
-        "follower, --policy to the gateway, --log-level to every process.",
+        "follower, --policy and --tenants-file to the gateway, --log-level to every process.",
     )
     up.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    passed = ("--log-level", "--capacity", "--policy")
+    passed = ("--log-level", "--capacity", "--policy", "--tenants-file")
     _add(
         up, UP + ENGINE + HEALTH + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed)
     )
@@ -155,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ListenError as exc:
         print(f"unitproxy: {exc}", file=sys.stderr)
         return 1
+    except TenantsError as exc:  # the first tenants file: nothing good to keep yet
+        print(f"unitproxy: invalid configuration: gateway.tenants_file: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

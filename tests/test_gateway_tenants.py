@@ -6,6 +6,7 @@ logged. Real sidecars and gateways on loopback, the openai client, real gRPC cha
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -343,3 +344,45 @@ async def test_two_gateways_share_a_tenants_limit_through_redis(
         if keys:
             await probe.delete(*keys)
         await probe.aclose()
+
+
+async def test_a_changed_file_takes_effect_without_a_restart(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path,
+    client: Client,
+) -> None:  # fmt: skip
+    _, gw = await start(start_sidecar, start_gateway, tenants_file, tenants_poll_s=0.05)
+    assert gw.tenancy is not None
+    changed = TENANTS.replace('keys = ["sk-open"]', 'keys = ["sk-new"]')
+    await asyncio.to_thread(tenants_file.write_text, changed)
+    source = gw.tenancy.source
+    await wait_until(lambda: source.reloads == 1, what="the reload")
+    await client(gw, "sk-new").completions.create(model="unitproxy-sim", prompt="x", max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        await client(gw, "sk-open").completions.create(
+            model="unitproxy-sim", prompt="x", max_tokens=1
+        )
+
+
+async def test_requests_aiohttp_serves_pass_the_same_tenant_checks(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    url = f"{gw.http_url}/v1/completions"
+    body = b'{"model": "unitproxy-sim", "prompt": "x", "max_tokens": 2}'
+
+    async def chunked() -> AsyncIterator[bytes]:  # a chunked body: the lean path hands it on
+        yield body
+
+    headers = {"Authorization": "Bearer sk-alpha", "Content-Type": "application/json"}
+    async with http.post(url, data=chunked(), headers=headers) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-ratelimit-remaining-requests"] == "2"
+    headers["Authorization"] = "Bearer sk-nobody"
+    async with http.post(url, data=chunked(), headers=headers) as resp:
+        assert resp.status == 401
+    async with http.post(url, data=body, headers={**headers, "Expect": "100-continue"}) as resp:
+        assert resp.status == 401  # refused from the head, before the body is invited
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="alpha", model="unitproxy-sim") == 1

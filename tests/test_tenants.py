@@ -215,3 +215,16 @@ async def test_tenants_from_redis_join_and_override_the_file(tmp_path: Path, red
             source.current.identify("Bearer sk-team")
     finally:
         await redis.delete(key + "team", key + "search", key + "bad")
+
+
+def test_the_gateway_refuses_to_start_on_a_bad_tenants_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from proxy import cli
+
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_minute = "many"\n')
+    argv = ["gateway", "--unit", "a=http://127.0.0.1:9,127.0.0.1:9", "--tenants-file", str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "gateway.tenants_file" in err and "tenant a: requests_per_minute" in err

@@ -17,6 +17,7 @@ import pytest
 
 from proxy import procutil
 from proxy import settings as config
+from proxy.cli import build_parser, cli_values
 from proxy.up import Cell, allocate_ports, plan
 from tests.procs import Proc, Procs
 
@@ -135,6 +136,14 @@ def test_units_of_different_models() -> None:
     ]
     assert served == ["llama", "qwen", "llama"]
     assert "--policy prefix" in " ".join(cell.gateway.args)
+
+
+def test_up_passes_the_tenants_file_to_the_gateway(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    args = build_parser().parse_args(["up", "--tenants-file", str(path)])
+    cell = plan(config.load(cli_values(args)), allocate_ports(config.load({}).up))
+    assert f"--tenants-file {path}" in " ".join(cell.gateway.args)
+    assert "--tenants-file" not in " ".join(cell.units[0].sidecar.args)
 
 
 def test_free_ports_are_distinct() -> None:
