@@ -54,6 +54,7 @@ LEASE_S = 300.0  # a request in flight holds its concurrency slot this long unle
 RENEW_S = 60.0  # how often leases and this replica's presence are renewed
 PRESENCE_S = 3 * RENEW_S  # a replica not heard from for this long no longer counts
 PROBE_S = 1.0  # while Redis is down, how often it is tried again
+MAX_UNSENT = 10_000  # settlements kept for Redis while it is down
 
 
 class RateLimited(Overloaded):
@@ -351,6 +352,7 @@ class Limiter:
         self._local: dict[str, _Local] = {}
         self._live: set[Reservation] = set()
         self._pending: set[asyncio.Task[None]] = set()
+        self._unsent: list[tuple[Reservation, int]] = []  # settlements Redis missed
         self._admit: Any = None if redis is None else redis.register_script(ADMIT)
         self._settle_script: Any = None if redis is None else redis.register_script(SETTLE)
         self.id = uuid.uuid4().hex[:12]  # this replica, in Redis
@@ -395,6 +397,8 @@ class Limiter:
         """Count a request needing about ``tokens`` against ``tenant``'s limits, or raise
         RateLimited saying which limit and when it frees."""
         now = self._clock()
+        if not tenant.limited:  # nothing to count: no Redis round trip either
+            return Reservation(self, tenant, 0, 0, 0, "", False, {})
         need = tokens if tenant.counts_tokens else 0
         if tenant.tokens_per_minute:
             need = min(need, tenant.tokens_per_minute)
@@ -469,6 +473,8 @@ class Limiter:
     # -- settlement ------------------------------------------------------------------
 
     def _settle(self, r: Reservation, difference: int) -> None:
+        if not r.tenant.limited:
+            return
         self._live.discard(r)
         local = self._local_of(r.tenant.name)
         local.counts(self._clock())
@@ -476,10 +482,19 @@ class Limiter:
         if difference:
             local.tpm.add(r.minute, difference)
             local.tpd.add(r.day, difference)
-        if r.shared and self._redis is not None and not self._outage.down:
+        if r.shared and self._redis is not None:
+            if self._outage.down:
+                self._unsent_settle(r, difference)
+                return
             task = asyncio.get_running_loop().create_task(self._settle_shared(r, difference))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+
+    def _unsent_settle(self, r: Reservation, difference: int) -> None:
+        """Kept to be sent when Redis answers again (its slot would otherwise stay
+        taken until its lease ends), up to MAX_UNSENT."""
+        if len(self._unsent) < MAX_UNSENT:
+            self._unsent.append((r, difference))
 
     async def _settle_shared(self, r: Reservation, difference: int) -> None:
         name = r.tenant.name
@@ -488,7 +503,8 @@ class Limiter:
         try:
             await self._settle_script(keys=keys, args=[difference, r.member])
         except REDIS_ERRORS as exc:
-            self._down(exc)  # the lease frees the slot; the windows age out
+            self._down(exc)
+            self._unsent_settle(r, difference)
 
     # -- Redis's health, presence and leases -----------------------------------------
 
@@ -538,6 +554,9 @@ class Limiter:
         if self._outage.down:
             self._outage.recovered()
             self._set_gauge()
+        unsent, self._unsent = self._unsent, []
+        for r, difference in unsent:
+            await self._settle_shared(r, difference)
 
     async def close(self) -> None:
         """Wait for settlements on their way to Redis, and leave the presence set."""

@@ -293,3 +293,31 @@ async def test_redis_lost_mid_run_then_back(cluster: str, caplog: pytest.LogCapt
         await b._redis.aclose()  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
             await relay.cut()
+
+
+async def test_a_slot_freed_while_redis_was_away_is_freed_there_when_it_is_back(
+    cluster: str,
+) -> None:
+    if not REDIS_URL.startswith("redis://127.0.0.1:6379"):
+        pytest.skip("the relay goes to 127.0.0.1:6379")
+    relay = Cut()
+    await relay.start()
+    clock = Clock()
+    a = shared_limiter(cluster, clock, url=f"redis://127.0.0.1:{relay.port}/0")
+    b = shared_limiter(cluster, clock)
+    t = tenant(max_concurrent=1)
+    try:
+        held = await a.admit(t, 0)
+        assert held.shared
+        await relay.cut()
+        await a.refresh()  # finds Redis gone
+        held.settle(0)  # the request ends while A cannot tell Redis
+        await refused(b, t)  # Redis still counts A's request in flight
+        await relay.start(relay.port)
+        await a.refresh()  # back: the settlement goes out
+        await b.admit(t, 0)
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+        await b._redis.aclose()  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):
+            await relay.cut()
