@@ -228,3 +228,13 @@ def test_the_gateway_refuses_to_start_on_a_bad_tenants_file(
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "gateway.tenants_file" in err and "tenant a: requests_per_minute" in err
+
+
+def test_tenants_from_redis_need_a_redis_url() -> None:
+    from proxy import settings as config
+
+    gateway = {"units": ["a=http://127.0.0.1:9,127.0.0.1:9"], "tenants_redis": True}
+    with pytest.raises(config.ConfigError) as info:
+        config.check_role("gateway", config.load({"gateway": gateway}))
+    assert info.value.problems[0].startswith("gateway.tenants_redis needs redis.url")
+    config.check_role("gateway", config.load({"gateway": gateway, "redis": {"url": REDIS_URL}}))
