@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -22,22 +22,28 @@ BEARER = "Bearer "
 
 
 class ApiKeys:
-    def __init__(self, keys: Iterable[str] = ()):
+    def __init__(
+        self,
+        keys: Iterable[str] = (),
+        identify: Callable[[str | None], object] | None = None,
+    ):
         self._keys = tuple(k.encode() for k in keys if k)
+        # With tenants (proxy/tenants.py): their lookup decides instead of the flat list.
+        self._identify = identify
 
     @classmethod
     async def load(cls, server: ServerSettings) -> ApiKeys:
-        keys = [k.get_secret_value() for k in server.api_keys]
-        if server.api_keys_file is not None:
-            keys += _read_keys(await asyncio.to_thread(server.api_keys_file.read_text))
-        return cls(keys)
+        return cls(await flat_keys(server))
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return bool(self._keys) or self._identify is not None
 
     def check(self, authorization: str | None) -> None:
         """Raise Unauthenticated unless ``authorization`` carries a known key."""
+        if self._identify is not None:
+            self._identify(authorization)
+            return
         if not self._keys:
             return
         if not authorization or not authorization.startswith(BEARER):
@@ -82,6 +88,14 @@ class ApiKeys:
             return await handler(request)
 
         return require_key
+
+
+async def flat_keys(server: ServerSettings) -> list[str]:
+    """server.api_keys and the keys of server.api_keys_file."""
+    keys = [k.get_secret_value() for k in server.api_keys]
+    if server.api_keys_file is not None:
+        keys += _read_keys(await asyncio.to_thread(server.api_keys_file.read_text))
+    return keys
 
 
 def _read_keys(text: str) -> list[str]:

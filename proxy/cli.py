@@ -30,6 +30,7 @@ from proxy.flags import (
     field_of,
 )
 from proxy.serving import ListenError, run_loop, serve_until_drained, wait_for_signal
+from proxy.tenants import TenantsError
 
 log = logging.getLogger("unitproxy")
 
@@ -67,7 +68,7 @@ example: route across two units by least outstanding requests, load watched over
     "up": """\
 Whether given as flags, in the environment or in --config: the engine settings and
 --capacity go to every sidecar, the health settings to every sidecar and follower,
---policy to the gateway, --log-level to every process.
+--policy and --tenants-file to the gateway, --log-level to every process.
 
 example: two simulated units of one leader and one follower each, gateway on port 8000
   unitproxy up --units 2 --followers 1 --base-port 8000""",
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = command(
         "up", "start a local cell on loopback: a gateway and units of a sidecar and followers"
     )
-    passed = ("--log-level", "--capacity", "--policy")
+    passed = ("--log-level", "--capacity", "--policy", "--tenants-file")
     _add_grouped(
         up,
         UP + ENGINE + HEALTH + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed),
@@ -215,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ListenError as exc:
         print(f"unitproxy: {exc}", file=sys.stderr)
         return 1
+    except TenantsError as exc:  # the first tenants file: nothing good to keep yet
+        print(f"unitproxy: invalid configuration: gateway.tenants_file: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -145,6 +145,12 @@ GATEWAY = (
     Flag("--report-budget", "gateway.report_budget_per_s", "PER_S"),
     Flag("--report-min-interval", "gateway.report_min_interval_s", "SECONDS"),
     Flag("--watch-grpc-max-units", "gateway.watch_grpc_max_units", "N"),
+    Flag("--tenants-file", "gateway.tenants_file", "PATH"),
+    Flag("--tenants-poll", "gateway.tenants_poll_s", "SECONDS"),
+    Flag("--tenants-redis", "gateway.tenants_redis", choices=("true", "false")),
+    Flag("--max-tenant-labels", "gateway.max_tenant_labels", "N"),
+    Flag("--tenant-estimate-max-tokens", "gateway.tenant_estimate_max_tokens", "TOKENS"),
+    Flag("--replicas", "gateway.replicas", "N"),
 )
 UP = (
     Flag("--units", "up.units", "N"),

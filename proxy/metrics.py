@@ -535,3 +535,62 @@ class GatewayMetrics:
 
     def add_unit(self, unit: str) -> None:
         self.routed.labels(unit)
+
+
+TENANT_LIMITS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "max_concurrent")
+OTHER = "other"
+
+
+class TenantMetrics:
+    """Usage per tenant and model, for cost (only with tenants configured). The tenant
+    label takes the first ``max_tenants`` names seen and the model label the first
+    ``max_models``; the rest count as ``other``, so a label never grows without bound."""
+
+    def __init__(self, registry: CollectorRegistry, max_tenants: int = 100, max_models: int = 64):
+        self._max_tenants = max_tenants
+        self._max_models = max_models
+        self._tenants: set[str] = set()
+        self._models: set[str] = set()
+        labels = ["tenant", "model"]
+        self.requests = Counter(
+            "tenant_requests", "Requests admitted, by tenant and model.", labels,
+            namespace=PREFIX, registry=registry,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "tenant_prompt_tokens", "Prompt tokens charged, by tenant and model.", labels,
+            namespace=PREFIX, registry=registry,
+        )  # fmt: skip
+        self.completion_tokens = Counter(
+            "tenant_completion_tokens", "Completion tokens charged, by tenant and model.",
+            labels, namespace=PREFIX, registry=registry,
+        )  # fmt: skip
+        self.limited = Counter(
+            "tenant_limited", "Requests refused 429 rate_limited, by tenant and the limit hit.",
+            ["tenant", "limit"], namespace=PREFIX, registry=registry,
+        )  # fmt: skip
+        self.wait = Histogram(
+            "tenant_wait_seconds",
+            "Time from a request's arrival to its first attempt on a unit (the wait for a free one), by tenant.",
+            ["tenant"], buckets=LATENCY_BUCKETS, namespace=PREFIX, registry=registry,
+        )  # fmt: skip
+        self.shared = Gauge(
+            "tenant_limits_shared",
+            "1 while tenant limits are counted in Redis with every gateway replica; 0 while this replica enforces limit / replicas from its own counts (Redis unreachable) or counts alone (no Redis).",
+            namespace=PREFIX, registry=registry,
+        )  # fmt: skip
+
+    def tenant(self, name: str) -> str:
+        """The label for tenant ``name``."""
+        return _bounded(name, self._tenants, self._max_tenants)
+
+    def model(self, name: str | None) -> str:
+        return _bounded(name or "", self._models, self._max_models)
+
+
+def _bounded(value: str, seen: set[str], most: int) -> str:
+    if value in seen:
+        return value
+    if len(seen) < most:
+        seen.add(value)
+        return value
+    return OTHER

@@ -506,6 +506,34 @@ class GatewaySettings(_Section):
         True,
         description="Correct each unit's last report by this gateway's own starts and finishes since. Off only in benchmarks. Default true.",
     )
+    tenants_file: Path | None = Field(
+        None,
+        description="TOML file of tenants ([[tenant]] tables: name, keys or key_sha256, priority, requests_per_minute, tokens_per_minute, max_concurrent, tokens_per_day, models), reloaded on SIGHUP and when it changes; a bad file keeps the last good one. server.api_keys are tenant default. Default none: no tenants, no limits.",
+    )
+    tenants_poll_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often the tenants file (and, with tenants_redis, Redis) is looked at for changes, in s. Default 1.",
+    )
+    tenants_redis: bool = Field(
+        False,
+        description="Also read tenants from Redis (keys unitproxy:CLUSTER:tenant:NAME, each a JSON object with the fields of a [[tenant]] table; one there replaces the file's of the same name), so every gateway replica has the same set. Needs redis.url. Default false.",
+    )
+    max_tenant_labels: int = Field(
+        100,
+        ge=1,
+        description="Most tenant names the per-tenant usage metrics carry as labels, in order of first use; the rest are counted under tenant other. Default 100.",
+    )
+    tenant_estimate_max_tokens: int = Field(
+        256,
+        gt=0,
+        description="Completion tokens a request that gives no max_tokens is counted as when its tokens are reserved against a tenant's token limits (settled to what it used when it ends), in tokens. Default 256.",
+    )
+    replicas: int = Field(
+        0,
+        ge=0,
+        description="Gateway replicas that share the tenants' limits. With Redis unreachable each replica enforces limit / replicas from its own counts. 0: as many as were last seen in Redis (1 if none was). Default 0.",
+    )
 
     @model_validator(mode="after")
     def _units_fit(self) -> GatewaySettings:
@@ -738,6 +766,10 @@ def check_role(role: str, settings: Settings) -> None:
             problems.append(
                 "gateway.discover_allow: with load_source redis and no units configured, give "
                 "the URL patterns of the units to accept from Redis (e.g. http://10.0.*:8080)"
+            )
+        if settings.gateway.tenants_redis and settings.redis.url is None:
+            problems.append(
+                "gateway.tenants_redis needs redis.url; give --redis-url redis://HOST:PORT/DB"
             )
         # With Redis, units register themselves; otherwise they must be listed.
         if not settings.gateway.units and not redis_source:

@@ -43,7 +43,7 @@ TAIL_BYTES = 8192  # how much of a child's log is read for its last line
 # Flags whose values, when set by flag, environment or file, go on to the children.
 TO_SIDECARS = (*ENGINE, *(f for f in SIDECAR if f.flag == "--capacity"), *HEALTH)
 TO_FOLLOWERS = HEALTH
-TO_GATEWAY = tuple(f for f in GATEWAY if f.flag == "--policy")
+TO_GATEWAY = tuple(f for f in GATEWAY if f.flag in ("--policy", "--tenants-file"))
 
 
 @dataclass

@@ -17,6 +17,7 @@ import pytest
 
 from proxy import procutil
 from proxy import settings as config
+from proxy.cli import build_parser, cli_values
 from proxy.up import Cell, allocate_ports, plan
 from tests.procs import Proc, Procs
 
@@ -135,6 +136,14 @@ def test_units_of_different_models() -> None:
     ]
     assert served == ["llama", "qwen", "llama"]
     assert "--policy prefix" in " ".join(cell.gateway.args)
+
+
+def test_up_passes_the_tenants_file_to_the_gateway(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    args = build_parser().parse_args(["up", "--tenants-file", str(path)])
+    cell = plan(config.load(cli_values(args)), allocate_ports(config.load({}).up))
+    assert f"--tenants-file {path}" in " ".join(cell.gateway.args)
+    assert "--tenants-file" not in " ".join(cell.units[0].sidecar.args)
 
 
 def test_free_ports_are_distinct() -> None:
@@ -354,3 +363,25 @@ async def test_a_child_whose_port_is_taken_says_so_in_ups_output(
         f"127.0.0.1:{base} (HTTP): Address already in use; its log: "
     ) in output, output
     assert not state_file.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_up_with_a_tenants_file_makes_its_gateway_ask_for_keys(
+    procs: Procs, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "team"\nkeys = ["sk-team"]\nrequests_per_minute = 5\n')
+    up, state = await _start_up(procs, tmp_path, "--units", "1", "--followers", "0",
+                                "--tenants-file", str(tenants))  # fmt: skip
+    async with _reaping(state):
+        url = state["gateway"]["http"]
+        status, _, _ = await _complete(http, url)
+        assert status == 401
+        body = {"prompt": "hello", "max_tokens": 4}
+        headers = {"Authorization": "Bearer sk-team"}
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
+            assert response.status == 200
+            assert response.headers["x-ratelimit-limit-requests"] == "5"
+        up.signal(signal.SIGTERM)
+        assert await up.wait(20) == 0

@@ -48,6 +48,7 @@ from proxy.gateway.http1.front import Producer
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
+from proxy.gateway.tenancy import Admission, Usage
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     NO_UNIT,
@@ -101,8 +102,8 @@ class Inbound:
     """What the gateway takes from the client's request (a plain class: see Tried)."""
 
     __slots__ = (
-        "authorization", "body", "content_type", "migrate", "path", "request_id", "route",
-        "timeout_s",
+        "admission", "authorization", "body", "content_type", "migrate", "path", "request_id",
+        "route", "timeout_s",
     )  # fmt: skip
 
     def __init__(
@@ -115,6 +116,7 @@ class Inbound:
         authorization: str | None = None,
         timeout_s: float | None = None,  # from DEADLINE_HEADER, already checked
         migrate: bool = True,  # False: the client opted out (x-unitproxy-migrate: 0)
+        admission: Admission | None = None,  # its tenant's, with tenants configured
     ):
         self.path = path
         self.route = route
@@ -124,6 +126,7 @@ class Inbound:
         self.authorization = authorization
         self.timeout_s = timeout_s
         self.migrate = migrate
+        self.admission = admission
 
 
 class Forwarder:
@@ -168,6 +171,8 @@ class Forwarder:
         finally:
             self._gate.exit()
             self._duration[req.route].observe(time.monotonic() - started)
+            if req.admission is not None:
+                job.measure(req.admission.usage)
 
     def unit_headers(self, req: Inbound) -> dict[str, str]:
         headers = {"Content-Type": req.content_type or "application/json",
@@ -248,10 +253,21 @@ class HttpJob:
         log.warning("request %s: %s", self._req.request_id, error.message)
         await self._end_with(openai_api.sse_error(error.body()), error.http_status)
 
+    def measure(self, usage: Usage) -> None:
+        """What the request used, as far as the client got it (tenants' accounting)."""
+        transcript = self._transcript
+        if transcript is not None:
+            text = transcript.text()
+            usage.read_usage(transcript.usage)
+            usage.count_output(text)
+
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None
         self._unit_id = unit.id
         body, hint = self._next
+        admission = self._req.admission
+        if admission is not None:
+            admission.usage.attempt(unit.id)
         headers = self._fw.unit_headers(self._req)
         if hint is not None:
             headers[RESUME_HEADER] = hint
@@ -313,6 +329,10 @@ class HttpJob:
         health = Outcome.FAILED if status >= 500 else Outcome.OK
         if self._down.started:  # a continuation the unit would not take
             return Tried(Next.DONE, health, error=unit_error(status, data, unit))
+        admission = self._req.admission
+        if admission is not None:
+            admission.usage.read_body(data)
+            admission.usage.first_byte = time.monotonic()
         self._down.respond(status, self._headers(conn, unit), data)
         return Tried(Next.DONE, health)
 
@@ -370,6 +390,9 @@ class HttpJob:
         headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}
         headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit.id)
         headers[REQUEST_ID_HEADER] = self._req.request_id
+        admission = self._req.admission
+        if admission is not None:
+            headers.update(admission.headers)  # x-ratelimit-* of a limited tenant
         return headers
 
     # -- streams ---------------------------------------------------------------------------
@@ -440,6 +463,9 @@ class HttpJob:
         assert transcript is not None
         if not self._down.started:
             self._fw.ttft[self._req.route].observe(time.monotonic() - self._started)
+            admission = self._req.admission
+            if admission is not None:
+                admission.usage.first_byte = time.monotonic()
         if self._failed_at is not None:
             self._fw.gateway_metrics.migration_pause.observe(time.monotonic() - self._failed_at)
             self._failed_at = None

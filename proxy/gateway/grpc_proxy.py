@@ -49,10 +49,12 @@ from proxy.gateway.core import (
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
+from proxy.gateway.tenancy import Admission, TenantGate, Usage
 from proxy.gateway.units import Unit
 from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
+from proxy.ratelimit import RateLimited
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -102,6 +104,7 @@ class GenerateProxy:
         api_keys: ApiKeys | None = None,
         unit_key: str | None = None,
         pool_for: Callable[[Unit], Pool | None] | None = None,
+        tenancy: TenantGate | None = None,
     ):
         self.core = core
         self.settings = settings
@@ -117,6 +120,7 @@ class GenerateProxy:
         self.pool_for = pool_for if settings.grpc_unit_wire == "http" else None
         self.grpc_only: set[str] = set()
         self.streams = 0  # Generate calls in flight, which share grpc_messages_per_s
+        self.tenancy = tenancy
 
     def interval(self) -> str:
         """The ``grpcweb.INTERVAL_HEADER`` of a stream that starts now."""
@@ -135,13 +139,19 @@ class GenerateProxy:
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         started = time.monotonic()
         code = "OK"
+        admission: Admission | None = None
         try:
-            self._api_keys.check_metadata(context.invocation_metadata())
+            if self.tenancy is not None:
+                admission = await admit(self.tenancy, request, context)
+            else:
+                self._api_keys.check_metadata(context.invocation_metadata())
             self._gate.enter()
         except UnitProxyError as exc:
             self.metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
-            await context.abort(exc.grpc_code, exc.message)
-        job = GrpcJob(self, request, context, started)
+            if admission is not None:
+                admission.finish(exc.grpc_code.name)
+            await context.abort(exc.grpc_code, exc.message, refusal_metadata(exc))
+        job = GrpcJob(self, request, context, started, admission)
         self.streams += 1
         try:
             await self.core.run(job, self.core.grpc_want(request))
@@ -159,6 +169,9 @@ class GenerateProxy:
             self._gate.exit()
             self.metrics.requests.labels(ROUTE, code).inc()
             self.metrics.request_duration.labels(ROUTE).observe(time.monotonic() - started)
+            if admission is not None:
+                job.measure(admission.usage)
+                admission.finish(code)  # settles its tokens, whatever ended it
 
 
 class GrpcJob:
@@ -170,8 +183,10 @@ class GrpcJob:
         request: bytes,
         context: grpc.aio.ServicerContext,
         started: float,
+        admission: Admission | None = None,
     ):
         self._proxy = proxy
+        self._admission = admission
         self._context = context
         self._started = started
         self._request = request
@@ -250,10 +265,23 @@ class GrpcJob:
         self._out.cancel()
         self._unwatch()
 
+    def measure(self, usage: Usage) -> None:
+        """What the call used, as far as the client got it (tenants' accounting)."""
+        transcript = self._transcript
+        completion = transcript.output_tokens()
+        if transcript.usage is not None:
+            usage.read_usage({"prompt_tokens": transcript.usage[0],
+                              "completion_tokens": transcript.usage[1]})  # fmt: skip
+        elif completion:
+            usage.completion = completion
+
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None
         self._reset_lost()
         request, hint = self._next
+        admission = self._admission
+        if admission is not None:
+            admission.usage.attempt(unit.id)
         pool_for = self._proxy.pool_for
         if pool_for is not None and unit.id not in self._proxy.grpc_only:
             pool = pool_for(unit)
@@ -415,6 +443,7 @@ class GrpcJob:
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)
+            self._first_byte()
         if not self._received:
             self._received = True
         if self._failed_at is not None:
@@ -427,6 +456,7 @@ class GrpcJob:
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)
+            self._first_byte()
         if self._failed_at is not None:
             pause = time.monotonic() - self._failed_at
             self._proxy.gateway_metrics.migration_pause.observe(pause)
@@ -529,6 +559,30 @@ class GrpcJob:
         if self._watch is not None:
             self._proxy.wheel.cancel(self._watch)
             self._watch = None
+
+    def _first_byte(self) -> None:
+        admission = self._admission
+        if admission is not None:
+            admission.usage.first_byte = time.monotonic()
+
+
+async def admit(
+    tenancy: TenantGate, request: bytes, context: grpc.aio.ServicerContext
+) -> Admission:
+    """The tenant's admission of a call; a limited tenant's x-ratelimit-* go out as
+    initial metadata."""
+    admission = await tenancy.admit_grpc(context.invocation_metadata(), request)
+    if admission.headers:
+        await context.send_initial_metadata(tuple(admission.headers.items()))
+    return admission
+
+
+def refusal_metadata(exc: UnitProxyError) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of a refused call: a rate limit's headers and retry-after."""
+    if isinstance(exc, RateLimited):
+        return ((GRPC_CODE_KEY, exc.code), ("retry-after", str(exc.retry_after_s)),
+                *exc.headers.items())  # fmt: skip
+    return ()
 
 
 def _authorization(

@@ -32,7 +32,9 @@ def _dumps(value: Any) -> str:
 class SseTranscript:
     """The SSE events one client got, read into text on demand."""
 
-    __slots__ = ("_parts", "_raw", "_size", "_text", "created", "done", "finished", "resumable")
+    __slots__ = (
+        "_parts", "_raw", "_size", "_text", "created", "done", "finished", "resumable", "usage",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
@@ -43,6 +45,7 @@ class SseTranscript:
         self.finished = False  # a finish_reason or [DONE] went out
         self.done = False  # [DONE] went out
         self.resumable = True  # False: output that text cannot carry (tool calls, n > 1)
+        self.usage: Any = None  # the last usage object a chunk carried
 
     def add(self, events: bytes) -> None:
         """Whole events, as written to the client."""
@@ -83,6 +86,8 @@ class SseTranscript:
             return
         if self.created is None and isinstance(chunk.get("created"), int):
             self.created = chunk["created"]
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
             self._read_choice(choice)
 
@@ -106,7 +111,7 @@ class SseTranscript:
 class GrpcTranscript:
     """The GenerateChunks one client got (serialized), read on demand."""
 
-    __slots__ = ("_ids", "_raw", "_size", "_text", "finished")
+    __slots__ = ("_ids", "_raw", "_size", "_text", "finished", "usage")
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
@@ -114,6 +119,7 @@ class GrpcTranscript:
         self._text = ""
         self._ids = array("I")  # 4 bytes a token id
         self.finished = False
+        self.usage: tuple[int, int] | None = None  # prompt, completion: the last chunk's
 
     def add(self, message: bytes) -> None:
         self._raw.append(message)
@@ -129,6 +135,10 @@ class GrpcTranscript:
         self._fold()
         return list(self._ids)
 
+    def output_tokens(self) -> int:
+        self._fold()
+        return len(self._ids)
+
     def _fold(self) -> None:
         parts = [self._text]
         for message in self._raw:
@@ -137,6 +147,8 @@ class GrpcTranscript:
             self._ids.extend(chunk.token_ids)
             if chunk.finish_reason:
                 self.finished = True
+            if chunk.HasField("usage"):
+                self.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
         self._text = "".join(parts)
         self._raw, self._size = [], 0
 

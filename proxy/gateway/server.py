@@ -18,7 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy import build, ingress, openai_api
-from proxy.auth import ApiKeys
+from proxy.auth import ApiKeys, flat_keys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
 from proxy.gate import Gate
@@ -31,6 +31,7 @@ from proxy.gateway.http1.pool import Pool
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
 from proxy.gateway.rates import scaled
 from proxy.gateway.router import Router
+from proxy.gateway.tenancy import Admission, TenantGate, error_headers
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     DEADLINE_HEADER,
@@ -48,7 +49,14 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.ingress import Limits
-from proxy.metrics import GatewayMetrics, IngressMetrics, LoopCount
+from proxy.metrics import (
+    GatewayMetrics,
+    IngressMetrics,
+    LoopCount,
+    TenantMetrics,
+)
+from proxy.ratelimit import Limiter
+from proxy.redis_reports import connect
 from proxy.serving import (
     Drain,
     ListenError,
@@ -59,6 +67,7 @@ from proxy.serving import (
     start_grpc,
 )
 from proxy.settings import Settings, UnitTarget
+from proxy.tenants import PRIORITY_HEADER, TenantSource
 from proxy.timers import Wheel
 from proxy.tls import ClientTLS, ServerTLS, server_tls
 
@@ -108,6 +117,7 @@ class Gateway(Service):
         self._tasks: list[asyncio.Task[None]] = []
         self._served = False
         self.api_keys = ApiKeys()
+        self.tenancy: TenantGate | None = None  # with gateway.tenants_file
         self._requests: dict[tuple[str, str], LoopCount] = {}
         self._client_tls: ClientTLS | None = None  # set at start
         self._serving_changed = asyncio.Event()
@@ -119,7 +129,11 @@ class Gateway(Service):
 
     async def _start(self) -> None:
         s, stack = self.settings, self._stack
-        self.api_keys = await ApiKeys.load(s.server)
+        if s.gateway.tenants_file is None:
+            self.api_keys = await ApiKeys.load(s.server)
+        else:
+            self.tenancy = await self._start_tenants()
+            self.api_keys = ApiKeys(identify=self.tenancy.authorize)
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
@@ -131,6 +145,7 @@ class Gateway(Service):
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
+            self.tenancy,
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
@@ -161,6 +176,27 @@ class Gateway(Service):
                  s.gateway.policy, source)  # fmt: skip
         log.info("gateway: %s", describe_admin(self._admin_token()))
         log.info("gateway: %s", build.describe())
+
+    async def _start_tenants(self) -> TenantGate:
+        """Tenants from the file (and Redis), their limits (shared through Redis when
+        there is one), and their metrics. A bad first file stops the start."""
+        s, stack = self.settings, self._stack
+        redis = None if s.redis.url is None else connect(s.redis)
+        if redis is not None:
+            stack.push_async_callback(redis.aclose)
+        source = TenantSource(
+            s.gateway.tenants_file, await flat_keys(s.server), s.gateway.tenants_poll_s,
+            redis if s.gateway.tenants_redis else None, s.redis.cluster,
+        )  # fmt: skip
+        await source.load()
+        metrics = TenantMetrics(self.registry, s.gateway.max_tenant_labels)
+        limiter = Limiter(redis, s.redis, s.gateway.replicas, shared_gauge=metrics.shared)
+        stack.push_async_callback(limiter.close)
+        if redis is None:
+            log.info("gateway: tenant limits counted by this gateway alone (no Redis)")
+        self._tasks.append(asyncio.create_task(source.run(), name="tenants"))
+        self._tasks.append(asyncio.create_task(limiter.run(), name="tenant limits"))
+        return TenantGate(source, limiter, metrics, s.gateway.tenant_estimate_max_tokens)
 
     # --- drain ----------------------------------------------------------------------
 
@@ -325,7 +361,7 @@ class Gateway(Service):
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
         limits = Limits(s, self.wheel, self.ingress_metrics)
-        keys = self.api_keys
+        keys = self.api_keys  # with tenants, their lookup
         http_front = front.Front(
             ROUTES, self._serve_front, runner.server, s.max_body_bytes, limits,
             authorize=lambda head: keys.check(head.headers.get("authorization")),
@@ -367,19 +403,30 @@ class Gateway(Service):
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
         request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
+        admission: Admission | None = None
         try:  # the API key was checked from the head, before the body was read
+            tenancy = self.tenancy
+            if tenancy is not None:  # the tenant's limits, before a unit is chosen
+                admission = await tenancy.admit_http(
+                    body, headers.get("authorization"), headers.get(PRIORITY_HEADER)
+                )
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
-                          headers.get(MIGRATE_HEADER) != "0")  # fmt: skip
+                          headers.get(MIGRATE_HEADER) != "0", admission)  # fmt: skip
             code = str(await self.forwarder.handle(down, req))
         except UnitProxyError as exc:
             code = str(exc.http_status)
-            down.respond(*error_parts(exc, request_id, NO_UNIT))  # no unit was tried
+            status, error_head, error_body = error_parts(exc, request_id, NO_UNIT)  # none tried
+            if self.tenancy is not None:
+                error_head.update(error_headers(exc, admission))
+            down.respond(status, error_head, error_body)
         except (ClientClosed, asyncio.CancelledError):
             code = "499"
             raise
         finally:
             self._count(route, code)
+            if admission is not None:
+                admission.finish(code)  # settles its tokens, whatever ended it
 
     def _count(self, route: str, code: str) -> None:
         counter = self._requests.get((route, code))

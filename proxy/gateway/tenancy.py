@@ -1,0 +1,277 @@
+"""The gateway's tenants: who a request is from, whether its limits let it in, and what
+it used. Only built when ``gateway.tenants_file`` is set; without it the request path
+is the plain API-key check and none of this runs.
+
+    admit (key -> tenant, model allow-list, priority, token estimate, limits)
+      -> the wire serves the request, filling in its Usage
+      -> Admission.finish: settle the tokens, count usage, one access-log line
+
+``finish`` runs exactly once per admitted request, from the wire's ``finally``, whatever
+ended the request (finished, cancelled, migrated, failed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine import tokens
+from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.metrics import TenantMetrics
+from proxy.pb.unitproxy.v1.inference_pb2 import GenerateRequest
+from proxy.ratelimit import Limiter, RateLimited
+from proxy.tenants import PRIORITY_HEADER, Tenant, TenantSource
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("unitproxy.access")
+
+# As the simulator counts a chat: each message's content plus its template tokens, and
+# the opened assistant turn.
+MESSAGE_TOKENS = 4
+ASSISTANT_TOKENS = 3
+# A request that ended so (HTTP status, gRPC code) had a unit work on its prompt.
+WORKED = frozenset({"200", "499", "OK", "CANCELLED"})
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: their text
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def prompt_tokens_of(req: dict[str, Any]) -> int:
+    """The prompt's tokens as the simulator counts them (an estimate for a real model)."""
+    messages = req.get("messages")
+    if isinstance(messages, list):
+        n = sum(tokens.count(_text(m.get("content"))) + MESSAGE_TOKENS
+                for m in messages if isinstance(m, dict))  # fmt: skip
+        return n + ASSISTANT_TOKENS
+    prompt = req.get("prompt")
+    if isinstance(prompt, str):
+        return max(1, tokens.count(prompt))
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, int) for p in prompt):
+            return len(prompt)
+        return sum(tokens.count(p) if isinstance(p, str) else len(p) for p in prompt)
+    return 1
+
+
+def max_tokens_of(req: dict[str, Any]) -> int | None:
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = req.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+class Usage:
+    """What one request used, as the wire learns it. (A plain class: one per request.)"""
+
+    __slots__ = ("attempted", "completion", "first_byte", "prompt", "reported", "unit")
+
+    def __init__(self) -> None:
+        self.prompt = 0
+        self.completion = 0
+        self.reported = False  # from the unit's own usage, not counted here
+        self.unit = ""
+        self.first_byte = 0.0  # time.monotonic() of the first byte to the client
+        self.attempted = 0.0  # of the first attempt on a unit
+
+    def read_usage(self, usage: Any) -> None:
+        """A unit's ``usage`` object (the last one wins)."""
+        if isinstance(usage, dict):
+            p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(p, int) and isinstance(c, int):
+                self.prompt, self.completion, self.reported = p, c, True
+
+    def read_body(self, data: bytes) -> None:
+        """A whole JSON answer: its usage, read without parsing the rest of it."""
+        at = data.rfind(b'"usage":')
+        if at < 0:
+            return
+        try:
+            usage, _ = json.JSONDecoder().raw_decode(data[at + 8 :].decode().lstrip())
+        except (ValueError, UnicodeDecodeError):
+            return
+        self.read_usage(usage)
+
+    def count_output(self, text: str) -> None:
+        """Output delivered as text, where the unit reported no usage."""
+        if not self.reported:
+            self.completion = tokens.count(text)
+
+    def attempt(self, unit: str) -> None:
+        if not self.attempted:
+            self.attempted = time.monotonic()
+        self.unit = unit
+
+
+class Admission:
+    """One admitted request of a tenant."""
+
+    __slots__ = ("_gate", "finished", "headers", "label", "model", "priority", "prompt",
+                 "reservation", "started", "tenant", "usage")  # fmt: skip
+
+    def __init__(
+        self,
+        gate: TenantGate,
+        tenant: Tenant,
+        model: str,
+        priority: str,
+        prompt: int,
+        reservation: Any,
+        started: float,
+    ):
+        self._gate = gate
+        self.tenant = tenant
+        self.label = gate.metrics.tenant(tenant.name)
+        self.model = model
+        self.priority = priority
+        self.prompt = prompt  # estimated prompt tokens
+        self.reservation = reservation
+        self.headers: dict[str, str] = reservation.headers
+        self.started = started
+        self.usage = Usage()
+        self.finished = False
+
+    def finish(self, status: str) -> None:
+        """Settle and account the request; only the first call counts."""
+        if self.finished:
+            return
+        self.finished = True
+        u = self.usage
+        if not u.reported:
+            # No usage from the unit: the prompt as estimated if a unit worked on it
+            # (it answered, or streamed some output, or the client left), and the output
+            # that reached the client.
+            worked = status in WORKED or u.completion > 0
+            u.prompt = self.prompt if u.attempted and worked else 0
+        self.reservation.settle(u.prompt + u.completion)
+        self._gate.account(self, status)
+
+
+class TenantGate:
+    """Admission by tenant for both wires."""
+
+    def __init__(
+        self,
+        source: TenantSource,
+        limiter: Limiter,
+        metrics: TenantMetrics,
+        estimate_max_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.source = source
+        self.limiter = limiter
+        self.metrics = metrics
+        self.estimate_max_tokens = estimate_max_tokens
+        self._clock = clock
+
+    def authorize(self, authorization: str | None) -> None:
+        """From the request's head alone: raises Unauthenticated for an unknown key."""
+        self.source.current.identify(authorization)
+
+    async def admit_http(
+        self, body: bytes, authorization: str | None, priority: str | None
+    ) -> Admission:
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        try:
+            req = json.loads(body)
+        except ValueError:
+            req = None
+        if not isinstance(req, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        model = req.get("model")
+        model = model if isinstance(model, str) else ""
+        prompt = prompt_tokens_of(req)
+        return await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
+
+    async def admit_grpc(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None, request: bytes
+    ) -> Admission:
+        started = self._clock()
+        tenant = self.source.current.identify_metadata(metadata)
+        priority = next((v for k, v in metadata or () if k == PRIORITY_HEADER), None)
+        if isinstance(priority, bytes):
+            priority = priority.decode(errors="replace")
+        try:
+            req = GenerateRequest.FromString(request)
+        except Exception as exc:  # protobuf's DecodeError
+            raise InvalidRequest("the request is not a GenerateRequest") from exc
+        which = req.WhichOneof("input")
+        if which == "chat":
+            prompt = sum(tokens.count(m.content) + MESSAGE_TOKENS for m in req.chat.messages)
+            prompt += ASSISTANT_TOKENS
+        elif which == "prompt_token_ids":
+            prompt = len(req.prompt_token_ids.ids)
+        else:
+            prompt = max(1, tokens.count(req.prompt))
+        has_max = req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 0
+        max_tokens = req.sampling.max_tokens if has_max else None
+        return await self._admit(tenant, req.model, priority, prompt, max_tokens, started)
+
+    async def _admit(
+        self,
+        tenant: Tenant,
+        model: str,
+        asked: str | None,
+        prompt: int,
+        max_tokens: int | None,
+        started: float,
+    ) -> Admission:
+        tenant.check_model(model)
+        priority = tenant.priority_for(asked)
+        estimate = prompt + (max_tokens or self.estimate_max_tokens)
+        try:
+            reservation = await self.limiter.admit(tenant, estimate)
+        except RateLimited as limited:
+            self.metrics.limited.labels(self.metrics.tenant(tenant.name),
+                                        limited.limit).inc()  # fmt: skip
+            access_log.info("tenant=%s model=%s unit=- status=429 prompt_tokens=0 "
+                            "completion_tokens=0 ttft_s=- duration_s=0 limit=%s",
+                            tenant.name, _field(model), limited.limit)  # fmt: skip
+            raise
+        return Admission(self, tenant, model, priority, prompt, reservation, started)
+
+    def account(self, a: Admission, status: str) -> None:
+        m, u = self.metrics, a.usage
+        model = m.model(a.model)
+        m.requests.labels(a.label, model).inc()
+        if u.prompt:
+            m.prompt_tokens.labels(a.label, model).inc(u.prompt)
+        if u.completion:
+            m.completion_tokens.labels(a.label, model).inc(u.completion)
+        if u.attempted:
+            m.wait.labels(a.label).observe(max(0.0, u.attempted - a.started))
+        now = self._clock()
+        ttft = f"{u.first_byte - a.started:.4f}" if u.first_byte else "-"
+        access_log.info(
+            "tenant=%s model=%s unit=%s status=%s prompt_tokens=%d completion_tokens=%d "
+            "ttft_s=%s duration_s=%.4f priority=%s",
+            a.tenant.name, _field(a.model), u.unit or "-", status, u.prompt, u.completion,
+            ttft, now - a.started, a.priority,
+        )  # fmt: skip
+
+
+def _field(value: str) -> str:
+    """A client's value in a key=value log line: quoted where it could forge a field."""
+    if not value:
+        return "-"
+    return (
+        value
+        if value.isprintable() and " " not in value and '"' not in value
+        else json.dumps(value)
+    )
+
+
+def error_headers(exc: UnitProxyError, admission: Admission | None) -> dict[str, str]:
+    """The x-ratelimit-* headers an error response of a limited tenant carries."""
+    if isinstance(exc, RateLimited):
+        return exc.headers
+    return admission.headers if admission is not None else {}

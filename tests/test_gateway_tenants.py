@@ -1,0 +1,388 @@
+"""Tenants at the gateway, on both wires: the key names the tenant, limits are checked
+before a unit is chosen (429 rate_limited with retry-after and x-ratelimit-* headers),
+tokens reserved at admission are settled to what the request used on every exit path
+(finished, streamed, cancelled, migrated, failed), usage per tenant is counted and
+logged. Real sidecars and gateways on loopback, the openai client, real gRPC channels."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from proxy.gateway.server import Gateway
+from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+from proxy.settings import load
+from proxy.sidecar.server import Sidecar
+from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from tests.test_migration import SLOW_SIM, read_events, sidecar_of
+from tests.test_redis import NO_REDIS, REDIS_URL
+
+pytestmark = pytest.mark.timeout(30)
+
+TENANTS = """
+[[tenant]]
+name = "alpha"
+keys = ["sk-alpha"]
+priority = "standard"
+requests_per_minute = 3
+tokens_per_minute = 100000
+
+[[tenant]]
+name = "beta"
+keys = ["sk-beta"]
+tokens_per_minute = 100000
+max_concurrent = 1
+models = ["unitproxy-sim"]
+
+[[tenant]]
+name = "open"
+keys = ["sk-open"]
+"""
+CHAT = {"messages": [{"role": "user", "content": "tell me a story about the sea"}]}
+
+
+def sample(gw: Gateway, name: str, **labels: str) -> float:
+    return gw.registry.get_sample_value(name, labels) or 0.0
+
+
+def tpm(gw: Gateway, tenant: str) -> float:
+    """Tokens this minute as the gateway counts them for ``tenant``."""
+    assert gw.tenancy is not None
+    return gw.tenancy.limiter.local_counts(tenant).tpm[1]
+
+
+def in_flight(gw: Gateway, tenant: str) -> int:
+    assert gw.tenancy is not None
+    return gw.tenancy.limiter.local_counts(tenant).concurrent
+
+
+@pytest.fixture
+def tenants_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    return path
+
+
+async def start(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path, **kw: Any
+) -> tuple[Sidecar, Gateway]:
+    sidecar = await start_sidecar(sim=SLOW_SIM)
+    gw = await start_gateway([sidecar], tenants_file=str(tenants_file), **kw)
+    return sidecar, gw
+
+
+Client = Callable[[Gateway, str], openai.AsyncOpenAI]
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Client]:
+    """openai clients for a gateway and a key, closed after the test."""
+    made: list[openai.AsyncOpenAI] = []
+
+    def make(gw: Gateway, key: str) -> openai.AsyncOpenAI:
+        c = openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key=key, max_retries=0)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+async def test_the_key_names_the_tenant_and_its_limit_answers_429(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    caplog: pytest.LogCaptureFixture,
+    client: Client,
+) -> None:
+    caplog.set_level(logging.INFO, logger="unitproxy.access")
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    alpha = client(gw, "sk-alpha")
+    raw = await alpha.chat.completions.with_raw_response.create(
+        model="unitproxy-sim", max_tokens=5, **CHAT
+    )  # type: ignore[call-overload]
+    assert raw.headers["x-ratelimit-limit-requests"] == "3"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "2"
+    assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+    assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+    for _ in range(2):
+        await alpha.completions.create(model="unitproxy-sim", prompt="hello", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as limited:
+        await alpha.completions.create(model="unitproxy-sim", prompt="hello", max_tokens=2)
+    error = limited.value
+    assert error.code == "rate_limited" and "3 requests per minute" in error.message
+    assert int(error.response.headers["retry-after"]) >= 1
+    assert error.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert sample(gw, "unitproxy_tenant_limited_total", tenant="alpha",
+                  limit="requests_per_minute") == 1  # fmt: skip
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="alpha", model="unitproxy-sim") == 3
+
+    # a tenant without limits gets no x-ratelimit-* headers; an unknown key is 401
+    raw = await client(gw, "sk-open").completions.with_raw_response.create(
+        model="unitproxy-sim", prompt="hi", max_tokens=2
+    )
+    assert not [h for h in raw.headers if h.startswith("x-ratelimit")]
+    with pytest.raises(openai.AuthenticationError):
+        await client(gw, "sk-nobody").completions.create(
+            model="unitproxy-sim", prompt="hi", max_tokens=2
+        )
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "unitproxy.access"]
+    assert any(line.startswith("tenant=alpha model=unitproxy-sim unit=") and "status=200" in line
+               and "completion_tokens=5" in line for line in lines)  # fmt: skip
+    assert any("tenant=alpha" in line and "status=429" in line for line in lines)
+    assert not any("story" in line for line in lines), "no prompt text in the access log"
+
+
+async def test_tokens_settle_to_the_units_usage_streamed_or_not(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path, client: Client
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    beta = client(gw, "sk-beta")
+    answer = await beta.chat.completions.create(model="unitproxy-sim", max_tokens=7, **CHAT)  # type: ignore[call-overload]
+    assert answer.usage is not None
+    assert tpm(gw, "beta") == answer.usage.total_tokens  # not the estimate
+    assert sample(gw, "unitproxy_tenant_prompt_tokens_total", tenant="beta",
+                  model="unitproxy-sim") == answer.usage.prompt_tokens  # fmt: skip
+
+    # a stream without usage in it: the prompt as counted here, the output as delivered
+    stream = await beta.chat.completions.create(
+        model="unitproxy-sim", max_tokens=7, stream=True, **CHAT
+    )  # type: ignore[call-overload]
+    async for _ in stream:
+        pass
+    await wait_until(lambda: in_flight(gw, "beta") == 0)
+    assert tpm(gw, "beta") == 2 * answer.usage.total_tokens
+    assert (
+        sample(gw, "unitproxy_tenant_completion_tokens_total", tenant="beta", model="unitproxy-sim")
+        == 14
+    )
+
+
+async def test_limits_and_allow_list_hold_before_a_unit_is_chosen(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    sidecar, gw = await start(start_sidecar, start_gateway, tenants_file)
+    headers = {"Authorization": "Bearer sk-beta"}
+    body = {"model": "unitproxy-sim", "prompt": "x", "max_tokens": 2000, "stream": True}
+    resp = await http.post(f"{gw.http_url}/v1/completions", json=body, headers=headers)
+    await read_events(resp, 3)
+    # max_concurrent 1: the second is refused while the first streams
+    async with http.post(f"{gw.http_url}/v1/completions", json=body, headers=headers) as second:
+        assert second.status == 429
+        error = (await second.json())["error"]
+        assert error["code"] == "rate_limited" and "1 requests at once" in error["message"]
+        assert second.headers["retry-after"] == "1"
+    async with http.post(f"{gw.http_url}/v1/completions", json={**body, "model": "other"},
+                         headers=headers) as wrong:  # fmt: skip
+        assert wrong.status == 403
+    async with http.post(f"{gw.http_url}/v1/completions", json=body,
+                         headers={**headers, "x-unitproxy-priority": "urgent"}) as bad:  # fmt: skip
+        assert bad.status == 400
+    assert sidecar.core.outstanding == 1, "no refused request reached the unit"
+
+    # cancelled by its client: charged what it used, its slot freed
+    resp.close()
+    await wait_until(lambda: in_flight(gw, "beta") == 0, what="the slot freed")
+    used = tpm(gw, "beta")
+    assert 3 < used < 2000, "charged the prompt and the delivered tokens, not the estimate"
+
+
+async def test_a_migrated_stream_is_charged_once_for_all_it_used(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+    client: Client,
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim=SLOW_SIM)
+    b = await start_sidecar(sidecar={"unit_id": "b"}, sim=SLOW_SIM)
+    gw = await start_gateway([a, b], tenants_file=str(tenants_file))
+    body = {**CHAT, "model": "unitproxy-sim", "max_tokens": 60, "stream": True}
+    headers = {"Authorization": "Bearer sk-beta"}
+    resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=body, headers=headers)
+    await read_events(resp, 10)
+    await sidecar_of(resp, a, b).engine.stop()  # the unit fails under the request
+    async for _ in resp.content:
+        pass
+    await wait_until(lambda: in_flight(gw, "beta") == 0)
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 1
+    plain = {k: v for k, v in body.items() if k != "stream"}
+    reference = await client(gw, "sk-open").chat.completions.create(**plain)  # type: ignore[call-overload]
+    assert reference.usage is not None
+    assert tpm(gw, "beta") == reference.usage.total_tokens
+
+
+async def test_a_request_no_unit_serves_is_charged_nothing(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path, client: Client
+) -> None:
+    sidecar, gw = await start(start_sidecar, start_gateway, tenants_file)
+    await sidecar.engine.stop()
+    await wait_until(lambda: not gw.router.serving(), what="the unit out")
+    with pytest.raises(openai.APIStatusError) as failed:
+        await client(gw, "sk-beta").completions.create(
+            model="unitproxy-sim", prompt="x", max_tokens=50
+        )
+    assert failed.value.status_code == 503
+    assert failed.value.response.headers["x-ratelimit-limit-tokens"] == "100000"
+    assert (tpm(gw, "beta"), in_flight(gw, "beta")) == (0, 0)
+
+
+async def test_grpc_authorization_metadata_names_the_tenant(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    request = inference_pb2.GenerateRequest(
+        prompt="hello there", sampling=inference_pb2.SamplingParams(max_tokens=4)
+    )
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(request, metadata=(("authorization", "Bearer sk-alpha"),))
+        chunks = [c async for c in call]
+        initial = dict(await call.initial_metadata())
+        assert initial["x-ratelimit-limit-requests"] == "3"
+        assert chunks[-1].usage.completion_tokens == 4
+        assert tpm(gw, "alpha") == chunks[-1].usage.total_tokens
+
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.Generate(request, metadata=(("authorization", "Bearer x"),)).read()
+        assert bad.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        for _ in range(2):
+            _ = [
+                c
+                async for c in stub.Generate(
+                    request, metadata=(("authorization", "Bearer sk-alpha"),)
+                )
+            ]
+        with pytest.raises(grpc.aio.AioRpcError) as limited:
+            await stub.Generate(request, metadata=(("authorization", "Bearer sk-alpha"),)).read()
+        assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailing = dict(limited.value.trailing_metadata())
+        assert trailing["x-unitproxy-code"] == "rate_limited"
+        assert int(trailing["retry-after"]) >= 1
+        assert trailing["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_the_tenant_label_is_bounded(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path, client: Client
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file, max_tenant_labels=1)
+    for key in ("sk-open", "sk-beta", "sk-alpha"):
+        await client(gw, key).completions.create(model="unitproxy-sim", prompt="x", max_tokens=1)
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="open", model="unitproxy-sim") == 1
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="other", model="unitproxy-sim") == 2
+
+
+async def test_flat_api_keys_are_tenant_default_beside_the_file(
+    start_sidecar: SidecarFactory, tenants_file: Path, client: Client
+) -> None:
+    sidecar = await start_sidecar()
+    settings = load({
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0, "api_keys": ["sk-flat"]},
+        "gateway": {"units": [f"u={sidecar.http_url},{sidecar.grpc_target}"],
+                    "tenants_file": str(tenants_file)},
+    })  # fmt: skip
+    async with Gateway(settings) as gw:
+        await wait_until(lambda: len(gw.router.serving()) == 1)
+        await client(gw, "sk-flat").completions.create(
+            model="unitproxy-sim", prompt="x", max_tokens=1
+        )
+        assert (
+            sample(gw, "unitproxy_tenant_requests_total", tenant="default", model="unitproxy-sim")
+            == 1
+        )
+
+
+async def test_two_gateways_share_a_tenants_limit_through_redis(
+    start_sidecar: SidecarFactory, tmp_path: Path, client: Client
+) -> None:
+    from redis.asyncio import Redis
+
+    probe = Redis.from_url(REDIS_URL)
+    try:
+        await probe.ping()
+    except OSError:
+        pytest.skip(NO_REDIS)
+    cluster = f"t{uuid.uuid4().hex[:10]}"
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenant]]\nname = "shared"\nkeys = ["sk-s"]\nrequests_per_minute = 4\n')
+    sidecar = await start_sidecar()
+    settings = load({
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        "gateway": {"units": [f"u={sidecar.http_url},{sidecar.grpc_target}"],
+                    "tenants_file": str(path)},
+        "redis": {"url": REDIS_URL, "cluster": cluster},
+    })  # fmt: skip
+    try:
+        async with Gateway(settings) as one, Gateway(settings) as two:
+            await wait_until(lambda: len(one.router.serving()) == len(two.router.serving()) == 1)
+            for gw in (one, two, one, two):
+                await client(gw, "sk-s").completions.create(
+                    model="unitproxy-sim", prompt="x", max_tokens=1
+                )
+            with pytest.raises(openai.RateLimitError):
+                await client(one, "sk-s").completions.create(
+                    model="unitproxy-sim", prompt="x", max_tokens=1
+                )
+            assert sample(one, "unitproxy_tenant_limits_shared") == 1
+    finally:
+        keys = [k async for k in probe.scan_iter(match=f"unitproxy:{cluster}:*")]
+        if keys:
+            await probe.delete(*keys)
+        await probe.aclose()
+
+
+async def test_a_changed_file_takes_effect_without_a_restart(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path,
+    client: Client,
+) -> None:  # fmt: skip
+    _, gw = await start(start_sidecar, start_gateway, tenants_file, tenants_poll_s=0.05)
+    assert gw.tenancy is not None
+    changed = TENANTS.replace('keys = ["sk-open"]', 'keys = ["sk-new"]')
+    await asyncio.to_thread(tenants_file.write_text, changed)
+    source = gw.tenancy.source
+    await wait_until(lambda: source.reloads == 1, what="the reload")
+    await client(gw, "sk-new").completions.create(model="unitproxy-sim", prompt="x", max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        await client(gw, "sk-open").completions.create(
+            model="unitproxy-sim", prompt="x", max_tokens=1
+        )
+
+
+async def test_requests_aiohttp_serves_pass_the_same_tenant_checks(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    url = f"{gw.http_url}/v1/completions"
+    body = b'{"model": "unitproxy-sim", "prompt": "x", "max_tokens": 2}'
+
+    async def chunked() -> AsyncIterator[bytes]:  # a chunked body: the lean path hands it on
+        yield body
+
+    headers = {"Authorization": "Bearer sk-alpha", "Content-Type": "application/json"}
+    async with http.post(url, data=chunked(), headers=headers) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-ratelimit-remaining-requests"] == "2"
+    headers["Authorization"] = "Bearer sk-nobody"
+    async with http.post(url, data=chunked(), headers=headers) as resp:
+        assert resp.status == 401
+    async with http.post(url, data=body, headers={**headers, "Expect": "100-continue"}) as resp:
+        assert resp.status == 401  # refused from the head, before the body is invited
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="alpha", model="unitproxy-sim") == 1

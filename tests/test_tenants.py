@@ -1,0 +1,240 @@
+"""Tenants from a TOML file and from Redis (proxy/tenants.py): validation, key lookup,
+priority, reload on change and on SIGHUP, the last good set kept on a bad file."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from proxy.errors import Forbidden, InvalidRequest, Unauthenticated
+from proxy.tenants import Tenant, Tenants, TenantsError, TenantSource, parse_file
+from tests.conftest import wait_until
+from tests.test_redis import NO_REDIS, REDIS_URL
+
+pytestmark = pytest.mark.timeout(20)
+
+FILE = """
+[[tenant]]
+name = "search"
+keys = ["sk-search-1", "sk-search-2"]
+priority = "interactive"
+requests_per_minute = 600
+tokens_per_minute = 200000
+max_concurrent = 64
+tokens_per_day = 50000000
+models = ["llama-3-70b"]
+
+[[tenant]]
+name = "nightly"
+key_sha256 = ["{}"]
+priority = "batch"
+""".format(hashlib.sha256(b"sk-nightly").hexdigest())
+
+
+def test_a_file_gives_tenants_with_every_field() -> None:
+    search, nightly = parse_file(FILE, "t.toml")
+    assert (search.name, search.priority, search.requests_per_minute) == (
+        "search",
+        "interactive",
+        600,
+    )
+    assert (search.tokens_per_minute, search.max_concurrent, search.tokens_per_day) == (
+        200000, 64, 50000000,
+    )  # fmt: skip
+    assert search.models == frozenset({"llama-3-70b"})
+    assert (nightly.priority, nightly.limited, nightly.models) == ("batch", False, None)
+
+
+def test_keys_and_hashed_keys_identify_their_tenant() -> None:
+    tenants = Tenants(parse_file(FILE, "t.toml"))
+    assert tenants.identify("Bearer sk-search-2").name == "search"
+    assert tenants.identify("Bearer sk-nightly").name == "nightly"  # only its sha256 is on disk
+    assert tenants.identify_metadata([("authorization", b"Bearer sk-nightly")]).name == "nightly"
+    with pytest.raises(Unauthenticated) as bad:
+        tenants.identify("Bearer sk-other")
+    assert bad.value.code == "invalid_api_key"
+    with pytest.raises(Unauthenticated) as missing:
+        tenants.identify(None)
+    assert missing.value.code == "missing_api_key"
+
+
+def test_flat_api_keys_are_tenant_default() -> None:
+    alone = Tenants.build(parse_file(FILE, "t.toml"), ["sk-flat"])
+    assert alone.identify("Bearer sk-flat").name == "default"
+    assert not alone.by_name["default"].limited
+    with_limits = FILE + '[[tenant]]\nname = "default"\nkeys = ["sk-d"]\nrequests_per_minute = 5\n'
+    merged = Tenants.build(parse_file(with_limits, "t.toml"), ["sk-flat"])
+    assert merged.identify("Bearer sk-flat").requests_per_minute == 5  # the file's default
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('[[tenant]]\nname = "Bad Name"\nkeys = ["k"]\n', "name must match"),
+        ('[[tenant]]\nname = "a"\n', "tenant a: keys or key_sha256"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\npriority = "urgent"\n', "tenant a: priority"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\ntokens_per_minute = -1\n', "tenant a: tokens_per_minute"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_concurent = 3\n', "tenant a: unknown field max_concurent"),
+        ('[[tenant]]\nname = "a"\nkey_sha256 = ["abc"]\n', "tenant a: key_sha256 must be 64 hex"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmodels = "m"\n[[tenant]]\nname = "a"\nkeys = ["j"]\n', "tenant a: the name is given twice"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\n[[tenant]]\nname = "b"\nkeys = ["k"]\n', "tenant b: a key of it is also tenant a's"),
+        ("[[tenant]\n", "not valid TOML"),
+        ('[tenants]\nname = "a"\n', "unknown table tenants"),
+    ],
+)  # fmt: skip
+def test_a_bad_file_says_which_tenant_and_field(text: str, says: str) -> None:
+    with pytest.raises(TenantsError, match=says):
+        Tenants(parse_file(text, "t.toml"))
+
+
+def test_a_request_may_lower_its_priority_never_raise_it() -> None:
+    standard = Tenant("s", ["x"], "standard")
+    assert standard.priority_for(None) == "standard"
+    assert standard.priority_for("batch") == "batch"
+    assert standard.priority_for("interactive") == "standard"
+    with pytest.raises(InvalidRequest):
+        standard.priority_for("urgent")
+
+
+def test_the_model_allow_list() -> None:
+    tenant = Tenant("s", ["x"], models=frozenset({"m1"}))
+    tenant.check_model("m1")
+    with pytest.raises(Forbidden):
+        tenant.check_model("m2")
+    Tenant("open", ["y"]).check_model("anything")
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+    st = path.stat()  # a new mtime even within the file system's time granularity
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+async def test_the_file_is_reloaded_when_it_changes_and_a_bad_one_keeps_the_last_good(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "tenants.toml"
+    _write(path, FILE)
+    source = TenantSource(path, poll_s=0.02)
+    await source.load()
+    task = asyncio.create_task(source.run())
+    try:
+        _write(path, FILE.replace("sk-search-1", "sk-search-new"))
+        await wait_until(lambda: source.reloads == 1)
+        assert source.current.identify("Bearer sk-search-new").name == "search"
+        with pytest.raises(Unauthenticated):
+            source.current.identify("Bearer sk-search-1")
+
+        _write(path, FILE + '[[tenant]]\nname = "x"\npriority = "urgent"\nkeys = ["k"]\n')
+        await wait_until(lambda: source.rejected >= 1)
+        assert "keeping the last good set" in caplog.text and "tenant x: priority" in caplog.text
+        assert source.current.identify("Bearer sk-search-new").name == "search"
+
+        path.unlink()  # a missing file is a bad one too
+        await wait_until(lambda: source.rejected >= 2)
+        assert source.current.identify("Bearer sk-nightly").name == "nightly"
+        _write(path, FILE)
+        await wait_until(lambda: source.reloads == 2)
+        assert source.last_error is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_sighup_reloads_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    _write(path, FILE)
+    source = TenantSource(path, poll_s=3600)  # only the signal can make it look
+    await source.load()
+    task = asyncio.create_task(source.run())
+    try:
+        await asyncio.sleep(0)  # the handler is installed when run() starts
+        _write(path, FILE.replace("sk-search-1", "sk-hup"))
+        os.kill(os.getpid(), signal.SIGHUP)
+        await wait_until(lambda: source.reloads == 1)
+        assert source.current.identify("Bearer sk-hup").name == "search"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    # the handler is gone with the task: SIGHUP is back to its default
+    assert asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP) is False
+
+
+async def test_a_bad_first_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    _write(path, '[[tenant]]\nname = "a"\n')
+    with pytest.raises(TenantsError, match="tenant a"):
+        await TenantSource(path).load()
+
+
+@pytest.fixture
+async def redis() -> AsyncIterator[Redis]:
+    client = Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        await client.ping()
+    except OSError:
+        pytest.skip(NO_REDIS)
+    yield client
+    await client.aclose()
+
+
+async def test_tenants_from_redis_join_and_override_the_file(tmp_path: Path, redis: Redis) -> None:
+    cluster = f"t{uuid.uuid4().hex[:10]}"
+    path = tmp_path / "tenants.toml"
+    _write(path, FILE)
+    key = f"unitproxy:{cluster}:tenant:"
+    try:
+        await redis.set(key + "team", json.dumps({"name": "team", "keys": ["sk-team"]}))
+        await redis.set(
+            key + "search",
+            json.dumps({"name": "search", "keys": ["sk-search-r"], "priority": "batch"}),
+        )
+        source = TenantSource(path, redis=redis, cluster=cluster, poll_s=0.02)
+        await source.load()
+        assert source.current.identify("Bearer sk-team").name == "team"
+        search = source.current.identify("Bearer sk-search-r")
+        assert search.priority == "batch"  # Redis's entry replaces the file's
+
+        await redis.set(key + "bad", json.dumps({"name": "bad"}))
+        assert not await source.check()
+        assert source.last_error is not None and "tenant bad" in source.last_error
+        assert source.current.identify("Bearer sk-team").name == "team"
+
+        await redis.delete(key + "bad", key + "team")
+        assert await source.check()
+        with pytest.raises(Unauthenticated):
+            source.current.identify("Bearer sk-team")
+    finally:
+        await redis.delete(key + "team", key + "search", key + "bad")
+
+
+def test_the_gateway_refuses_to_start_on_a_bad_tenants_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from proxy import cli
+
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_minute = "many"\n')
+    argv = ["gateway", "--unit", "a=http://127.0.0.1:9,127.0.0.1:9", "--tenants-file", str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "gateway.tenants_file" in err and "tenant a: requests_per_minute" in err
+
+
+def test_tenants_from_redis_need_a_redis_url() -> None:
+    from proxy import settings as config
+
+    gateway = {"units": ["a=http://127.0.0.1:9,127.0.0.1:9"], "tenants_redis": True}
+    with pytest.raises(config.ConfigError) as info:
+        config.check_role("gateway", config.load({"gateway": gateway}))
+    assert info.value.problems[0].startswith("gateway.tenants_redis needs redis.url")
+    config.check_role("gateway", config.load({"gateway": gateway, "redis": {"url": REDIS_URL}}))
