@@ -17,7 +17,7 @@ from aiohttp import web
 from engine.frontend import FrontendReply, FrontendRequest, FrontendRoute, OpenAIFrontend
 from proxy import openai_api
 from proxy.errors import InvalidRequest, UnitProxyError
-from proxy.httputil import REQUEST_ID_HEADER, UNIT_HEADER, ClientGone
+from proxy.httputil import REQUEST_ID_HEADER, SSE_CONTENT_TYPE, UNIT_HEADER, ClientGone
 from proxy.sidecar import frontend_resume
 from proxy.sidecar.core import Lease, SidecarCore
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # The status that the requests metric counts, when it differs from the response's.
 OUTCOME = web.RequestKey("outcome", str)
 # Response headers of a stream, as vLLM's server sends them.
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_SSE_HEADERS = {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
 
 
 def json_object(body: bytes) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
     RESUME_HEADER,
+    SSE_CONTENT_TYPE,
     UNIT_HEADER,
     ClientGone,
     admin_drain,
@@ -182,7 +183,7 @@ async def _stream(
 ) -> web.StreamResponse:
     encoder = openai_api.StreamEncoder(parsed)
     response = web.StreamResponse(headers=_headers(core, parsed.engine_request.request_id))
-    response.content_type = "text/event-stream"
+    response.headers["Content-Type"] = SSE_CONTENT_TYPE
     response.headers["Cache-Control"] = "no-cache"
 
     async def send(delta: TokenDelta) -> None:
@@ -315,7 +316,7 @@ async def _load_watch(request: web.Request) -> web.StreamResponse:
     may carry WatchLoadRequest's fields (``?min_interval_ms=500&heartbeat_ms=2000``)."""
     asked = _asked_ms(request, "min_interval_ms") / 1000, _asked_ms(request, "heartbeat_ms") / 1000
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
