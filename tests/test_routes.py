@@ -6,10 +6,18 @@ decoding by the declared charset as ``requests`` does, and the openai SDK.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
+import math
+import struct
+from typing import Any
+
 import aiohttp
 import pytest
 
-from tests.conftest import GatewayFactory, SidecarFactory
+from proxy.response_ids import unit_of
+from tests.conftest import GatewayFactory, SidecarFactory, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,3 +45,265 @@ async def test_streams_declare_utf8_so_clients_decode_them_intact(
                 text = await resp.text()
             assert f'"model":"{NON_ASCII}"' in text, (url, text[:200])
             assert text.endswith("data: [DONE]\n\n")
+
+
+# --- the simulator's Responses API ------------------------------------------------------
+
+STREAM_EVENTS = [
+    "response.created", "response.in_progress", "response.output_item.added",
+    "response.content_part.added", "response.output_text.delta",
+    "response.output_text.done", "response.content_part.done",
+    "response.output_item.done", "response.completed",
+]  # fmt: skip
+
+
+def sse_events(text: str) -> list[tuple[str, dict[str, Any]]]:
+    events = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+async def test_responses_whole_stored_and_continued(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(sidecar={"unit_id": "unit-7"})
+    url = sidecar.http_url
+    first = {"model": "unitproxy-sim", "input": "hello there", "max_output_tokens": 5,
+             "instructions": "be brief"}  # fmt: skip
+    async with http.post(f"{url}/v1/responses", json=first) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-unitproxy-unit"] == "unit-7"
+        one = await resp.json()
+    assert one["object"] == "response" and one["model"] == "unitproxy-sim"
+    assert one["status"] == "incomplete", "5 tokens: the limit ended it"
+    assert one["incomplete_details"] == {"reason": "max_output_tokens"}
+    [message] = one["output"]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    text = message["content"][0]["text"]
+    assert message["content"][0]["type"] == "output_text" and len(text.split()) == 5
+    usage = one["usage"]
+    assert usage["output_tokens"] == 5 and usage["input_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + 5
+    assert unit_of(one["id"]) == "unit-7", "the id names the unit that stores it"
+    async with http.get(f"{url}/v1/responses/{one['id']}") as resp:
+        assert resp.status == 200
+        assert await resp.json() == one
+    follow = {"input": "and then?", "previous_response_id": one["id"], "max_output_tokens": 3}
+    async with http.post(f"{url}/v1/responses", json=follow) as resp:
+        assert resp.status == 200, await resp.text()
+        two = await resp.json()
+    assert two["previous_response_id"] == one["id"]
+    # its context: the first input and output (not the first's instructions), then its own
+    assert two["usage"]["input_tokens"] > usage["input_tokens"] - 6 + usage["output_tokens"]
+    lost = {"input": "x", "previous_response_id": "resp_nowhere"}
+    async with http.post(f"{url}/v1/responses", json=lost) as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["param"] == "previous_response_id"
+    async with http.get(f"{url}/v1/responses/resp_nowhere") as resp:
+        assert resp.status == 404
+    unstored = {"input": "x", "store": False, "max_output_tokens": 2}
+    async with http.post(f"{url}/v1/responses", json=unstored) as resp:
+        rid = (await resp.json())["id"]
+    async with http.get(f"{url}/v1/responses/{rid}") as resp:
+        assert resp.status == 404, "store false keeps nothing"
+
+
+async def test_responses_stream_with_openais_event_types(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar()
+    items = [
+        {"role": "developer", "content": "terse"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+    ]
+    body = {"input": items, "stream": True, "max_output_tokens": 4}
+    async with http.post(f"{sidecar.http_url}/v1/responses", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "text/event-stream; charset=utf-8"
+        events = sse_events(await resp.text())
+    kinds = [kind for kind, _ in events]
+    assert list(dict.fromkeys(kinds)) == STREAM_EVENTS
+    assert kinds.count("response.output_text.delta") == 4
+    assert [data["type"] for _, data in events] == kinds
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    deltas = "".join(d["delta"] for k, d in events if k == "response.output_text.delta")
+    done = dict(events)
+    assert done["response.output_text.done"]["text"] == deltas
+    final = done["response.completed"]["response"]
+    assert final["output"][0]["content"][0]["text"] == deltas
+    assert final["usage"]["output_tokens"] == 4
+    assert done["response.created"]["response"]["id"] == final["id"]
+    async with http.get(f"{sidecar.http_url}/v1/responses/{final['id']}") as resp:
+        assert (await resp.json())["output"] == final["output"], "a streamed response is stored"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("tools", [{"type": "function", "name": "f", "parameters": {}}], "tools"),
+        ("tool_choice", "required", "tool_choice"),
+        ("text", {"format": {"type": "json_object"}}, "text"),
+        ("reasoning", {"effort": "high"}, "reasoning"),
+        ("top_logprobs", 3, "top_logprobs"),
+        ("input", [{"type": "function_call_output", "call_id": "c", "output": "1"}], "input"),
+        ("input", [{"role": "user", "content": [{"type": "input_image"}]}], "input"),
+        ("max_output_tokens", 0, "max_output_tokens"),
+    ],
+)
+async def test_responses_refuse_what_the_simulator_cannot_honour(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession, field: str, value: Any, param: str
+) -> None:
+    sidecar = await start_sidecar()
+    body = {"input": "hi", field: value}
+    async with http.post(f"{sidecar.http_url}/v1/responses", json=body) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == param
+
+
+async def test_a_background_response_is_retrieved_and_cancelled(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(sim={"decode_step_ms": 20.0})
+    url = sidecar.http_url
+    body = {"input": "hi", "background": True, "max_output_tokens": 100_000}
+    async with http.post(f"{url}/v1/responses", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        queued = await resp.json()
+    assert queued["status"] == "queued" and queued["background"] is True
+    rid = queued["id"]
+    async with http.get(f"{url}/v1/responses/{rid}") as resp:
+        assert (await resp.json())["status"] == "in_progress"
+    async with http.post(f"{url}/v1/responses/{rid}/cancel") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "cancelled"
+    await wait_until(lambda: sidecar.core.engine.stats().running == 0, what="engine freed")
+    async with http.post(f"{url}/v1/responses", json={"input": "x", "max_output_tokens": 1}) as r:
+        done = await r.json()
+    async with http.post(f"{url}/v1/responses/{done['id']}/cancel") as resp:
+        assert resp.status == 400, "a synchronous response cannot be cancelled"
+    no_store = {**body, "store": False}
+    async with http.post(f"{url}/v1/responses", json=no_store) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "background"
+
+
+async def test_the_store_of_responses_is_bounded(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(sim={"responses_stored": 2})
+    ids = []
+    for _ in range(3):
+        body = {"input": "x", "max_output_tokens": 1}
+        async with http.post(f"{sidecar.http_url}/v1/responses", json=body) as resp:
+            ids.append((await resp.json())["id"])
+    found = []
+    for rid in ids:
+        async with http.get(f"{sidecar.http_url}/v1/responses/{rid}") as resp:
+            found.append(resp.status)
+    assert found == [404, 200, 200], "the oldest went first"
+
+
+# --- the simulator's pooling routes -------------------------------------------------------
+
+
+async def post_json(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], status: int = 200
+) -> Any:
+    async with http.post(url, json=body) as resp:
+        assert resp.status == status, await resp.text()
+        assert resp.headers["content-type"].startswith("application/json")
+        return await resp.json()
+
+
+async def test_embeddings_are_a_function_of_the_seed_and_the_input(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sim={"embedding_dim": 64})
+    b = await start_sidecar(sim={"embedding_dim": 64})
+    other_seed = await start_sidecar(sim={"embedding_dim": 64, "seed": 7})
+    texts = ["the cat sat", "the cat sat", "a dog ran"]
+    body = {"model": "unitproxy-sim", "input": texts}
+    one = await post_json(http, f"{a.http_url}/v1/embeddings", body)
+    assert one["object"] == "list" and one["id"].startswith("embd-")
+    assert [d["object"] for d in one["data"]] == ["embedding"] * 3
+    assert [d["index"] for d in one["data"]] == [0, 1, 2]
+    vectors = [d["embedding"] for d in one["data"]]
+    assert all(len(v) == 64 for v in vectors)
+    assert math.isclose(sum(x * x for x in vectors[0]), 1.0), "normalized, as vLLM's"
+    assert vectors[0] == vectors[1] and vectors[0] != vectors[2]
+    assert one["usage"]["prompt_tokens"] == one["usage"]["total_tokens"] > 0
+    assert one["usage"]["completion_tokens"] == 0
+    again = await post_json(http, f"{b.http_url}/v1/embeddings", body)
+    assert [d["embedding"] for d in again["data"]] == vectors, "another process, same vectors"
+    seeded = await post_json(http, f"{other_seed.http_url}/v1/embeddings", body)
+    assert seeded["data"][0]["embedding"] != vectors[0]
+    small = await post_json(http, f"{a.http_url}/v1/embeddings",
+                            {"input": "the cat sat", "dimensions": 8, "encoding_format": "base64"})  # fmt: skip
+    raw = base64.b64decode(small["data"][0]["embedding"])
+    floats = struct.unpack("<8f", raw)
+    assert math.isclose(sum(x * x for x in floats), 1.0, rel_tol=1e-5)
+    ids = await post_json(http, f"{a.http_url}/v1/embeddings", {"input": [[1, 2, 3], [4, 5]]})
+    assert ids["usage"]["prompt_tokens"] == 5
+    error = await post_json(http, f"{a.http_url}/v1/embeddings",
+                            {"input": "x", "dimensions": 65}, status=400)  # fmt: skip
+    assert error["error"]["param"] == "dimensions"
+    error = await post_json(http, f"{a.http_url}/v1/embeddings", {"input": 3}, status=400)
+    assert error["error"]["param"] == "input"
+    pooled = await post_json(http, f"{a.http_url}/pooling", {"input": "the cat sat"})
+    assert pooled["id"].startswith("pool-") and pooled["data"][0]["object"] == "pooling"
+    assert pooled["data"][0]["data"] == vectors[0]
+
+
+async def test_score_and_rerank_are_cosine_scores(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar()
+    url = sidecar.http_url
+    docs = ["stock prices fell today", "the weather in paris is sunny", "paris"]
+    query = "what is the weather in paris"
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = await post_json(http, f"{url}{path}", {"query": query, "documents": docs})
+        assert ranked["id"].startswith("rerank-") and ranked["model"] == "unitproxy-sim"
+        results = ranked["results"]
+        assert [r["index"] for r in results] == [1, 2, 0], "most shared words first"
+        assert results[0]["document"] == {"text": docs[1], "multi_modal": None}
+        scores = [r["relevance_score"] for r in results]
+        assert scores == sorted(scores, reverse=True) and -1 <= scores[-1] <= scores[0] <= 1
+        assert ranked["usage"]["total_tokens"] > 0
+    top = await post_json(http, f"{url}/v1/rerank",
+                          {"query": query, "documents": docs, "top_n": 1})  # fmt: skip
+    assert [r["index"] for r in top["results"]] == [1]
+    for path in ("/score", "/v1/score"):
+        scored = await post_json(http, f"{url}{path}", {"text_1": query, "text_2": docs})
+        assert scored["id"].startswith("score-") and scored["object"] == "list"
+        assert [d["object"] for d in scored["data"]] == ["score"] * 3
+        by_score = {d["index"]: d["score"] for d in scored["data"]}
+        assert by_score[1] == results[0]["relevance_score"]
+    same = await post_json(http, f"{url}/score", {"text_1": "a b", "text_2": "a b"})
+    assert math.isclose(same["data"][0]["score"], 1.0)
+    error = await post_json(http, f"{url}/score",
+                            {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, status=400)  # fmt: skip
+    assert error["error"]["param"] == "text_2"
+    classified = await post_json(http, f"{url}/classify", {"input": ["good", "bad"]})
+    assert classified["id"].startswith("classify-")
+    for i, row in enumerate(classified["data"]):
+        assert row["index"] == i and row["num_classes"] == 2
+        assert math.isclose(sum(row["probs"]), 1.0) and row["label"] in ("LABEL_0", "LABEL_1")
+
+
+async def test_pooling_requests_run_in_the_engine(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """An embedding takes an engine slot and pays the prefill, as in vLLM."""
+    sidecar = await start_sidecar(sim={"max_num_seqs": 1, "prefill_ms_per_token": 50.0,
+                                       "prefix_cache_blocks": 0})  # fmt: skip
+    url = sidecar.http_url
+    task = asyncio.ensure_future(post_json(http, f"{url}/v1/embeddings", {"input": "a b c d e f"}))
+    await wait_until(lambda: sidecar.core.engine.stats().running == 1, what="a slot taken")
+    assert sidecar.core.outstanding == 1
+    await task
+    assert sidecar.core.engine.stats().running == 0

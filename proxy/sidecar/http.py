@@ -48,6 +48,21 @@ SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The POST routes besides chat and completions, served where the engine's own layer has
+# them (engine/frontend.py), as vLLM's server serves them.
+ENGINE_ROUTES: dict[str, FrontendRoute] = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+}
 
 
 def build_app(
@@ -81,9 +96,11 @@ def build_app(
     )
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
-    # Served where the engine's own layer has them (engines vllm and openai), else 404.
-    app.router.add_post("/tokenize", _inference("tokenize"))
-    app.router.add_post("/detokenize", _inference("detokenize"))
+    # Served where the engine's own layer has them, else 404.
+    for path, route in ENGINE_ROUTES.items():
+        app.router.add_post(path, _inference(route), expect_handler=keys.expect_handler)
+    app.router.add_get("/v1/responses/{response_id}", _inference("responses_retrieve"))
+    app.router.add_post("/v1/responses/{response_id}/cancel", _inference("responses_cancel"))
     inference = grpc_api.InferenceService(core, metrics, max_prompt_chars, keys)
     app.router.add_post(grpcweb.PATH, _grpc_web(inference, core))
     app.router.add_get("/health", _health)
@@ -128,10 +145,12 @@ async def _serve(
 ) -> web.StreamResponse:
     frontend = core.engine.frontend
     if frontend is not None and route in frontend.routes:
+        if route in frontend_http.BY_ID:
+            return await frontend_http.by_id(request, route, request_id, core, frontend)
         deadline = _deadline(request)
         return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
     if route not in ("completions", "chat"):
-        raise NotFound(f"/{route} is not served by this engine", code="not_found")
+        raise NotFound(f"{request.path} is not served by this engine", code="not_found")
     body = await request.read()
     parsed = openai_api.parse(
         route,
