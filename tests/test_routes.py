@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.response_ids import unit_of
+from proxy.gateway.server import Gateway
+from proxy.response_ids import new_response_id, unit_of
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -307,3 +308,152 @@ async def test_pooling_requests_run_in_the_engine(
     assert sidecar.core.outstanding == 1
     await task
     assert sidecar.core.engine.stats().running == 0
+
+
+# --- through the gateway -----------------------------------------------------------------
+
+# Every route with a body the simulator answers, and what in the answer is not the same
+# from one request to the next (ids, timestamps).
+ROUTE_BODIES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 3}),
+    ("/v1/embeddings", {"input": ["the cat", "a dog"]}),
+    ("/pooling", {"input": "the cat"}),
+    ("/classify", {"input": "the cat"}),
+    ("/score", {"text_1": "the cat", "text_2": ["the cat", "a dog"]}),
+    ("/v1/score", {"text_1": "the cat", "text_2": "a dog"}),
+    ("/rerank", {"query": "the cat", "documents": ["a dog", "the cat"]}),
+    ("/v1/rerank", {"query": "the cat", "documents": ["a dog", "the cat"]}),
+    ("/v2/rerank", {"query": "the cat", "documents": ["a dog", "the cat"], "top_n": 1}),
+]
+VARYING = {"id", "created", "created_at"}
+
+
+def steady(body: dict[str, Any]) -> dict[str, Any]:
+    body = {k: v for k, v in body.items() if k not in VARYING}
+    if isinstance(body.get("output"), list):  # a response's message ids
+        body["output"] = [{k: v for k, v in o.items() if k != "id"} for o in body["output"]]
+    return body
+
+
+def counter(gw: Gateway, name: str, **labels: str) -> float:
+    return gw.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_the_gateway_routes_every_route_by_model(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, engine={"served_model_name": "chat-model"})
+    b = await start_sidecar(sidecar={"unit_id": "b"}, engine={"served_model_name": "embedder"})
+    gw = await start_gateway([a, b])
+    for path, body in ROUTE_BODIES:
+        for model, unit in (("chat-model", a), ("embedder", b)):
+            sent = {**body, "model": model}
+            async with http.post(f"{gw.http_url}{path}", json=sent) as resp:
+                assert resp.status == 200, (path, await resp.text())
+                assert resp.headers["x-unitproxy-unit"] == unit.core.unit_id, path
+                assert resp.headers["x-request-id"]
+                through = await resp.json()
+            direct = await post_json(http, f"{unit.http_url}{path}", sent)
+            assert steady(through) == steady(direct), path
+            assert through["model"] == model
+    for route in ("responses", "embeddings", "pooling", "classify", "score", "rerank"):
+        assert counter(gw, "unitproxy_requests_total", route=route, code="200") >= 2, route
+        assert counter(gw, "unitproxy_request_duration_seconds_count", route=route) >= 2
+    # a model no unit serves: 404 from the gateway, as for chat
+    async with http.post(f"{gw.http_url}/v1/embeddings", json={"model": "x", "input": "a"}) as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["code"] == "model_not_found"
+    # the simulator has no tokenizer routes: the unit's own 404 comes back, from the unit
+    async with http.post(f"{gw.http_url}/tokenize",
+                         json={"model": "embedder", "prompt": "a"}) as resp:  # fmt: skip
+        assert resp.status == 404 and resp.headers["x-unitproxy-unit"] == "b"
+        assert "/tokenize is not served by this engine" in (await resp.json())["error"]["message"]
+
+
+async def test_a_responses_stream_through_the_gateway(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    gw = await start_gateway([await start_sidecar()])
+    body = {"input": "hi", "stream": True, "max_output_tokens": 3, "instructions": NON_ASCII}
+    async with (
+        aiohttp.ClientSession(fallback_charset_resolver=latin1_by_default) as client,
+        client.post(f"{gw.http_url}/v1/responses", json=body) as resp,
+    ):
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "text/event-stream; charset=utf-8"
+        events = sse_events(await resp.text())
+    assert list(dict.fromkeys(k for k, _ in events)) == STREAM_EVENTS
+    assert dict(events)["response.completed"]["response"]["instructions"] == NON_ASCII
+    assert counter(gw, "unitproxy_time_to_first_token_seconds_count", route="responses") == 1
+
+
+async def test_stored_responses_go_back_to_the_unit_that_stores_them(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    units = [await start_sidecar(sidecar={"unit_id": f"u{i}"}, sim={"decode_step_ms": 20.0})
+             for i in range(3)]  # fmt: skip
+    gw = await start_gateway(units, policy="round_robin")
+    url = gw.http_url
+    first = await post_json(http, f"{url}/v1/responses", {"input": "hi", "max_output_tokens": 2})
+    home = unit_of(first["id"])
+    assert home in ("u0", "u1", "u2")
+    for _ in range(6):  # round robin would spread them; the stored response pins them
+        body = {"input": "more", "previous_response_id": first["id"], "max_output_tokens": 1}
+        async with http.post(f"{url}/v1/responses", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-unitproxy-unit"] == home
+        async with http.get(f"{url}/v1/responses/{first['id']}") as resp:
+            assert resp.status == 200 and resp.headers["x-unitproxy-unit"] == home
+            assert (await resp.json())["id"] == first["id"]
+    background = {"input": "hi", "background": True, "max_output_tokens": 100_000}
+    queued = await post_json(http, f"{url}/v1/responses", background)
+    async with http.post(f"{url}/v1/responses/{queued['id']}/cancel") as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-unitproxy-unit"] == unit_of(queued["id"])
+        assert (await resp.json())["status"] == "cancelled"
+    # ids that name no unit this gateway knows, or no unit at all
+    stranger = new_response_id("u9")
+    async with http.get(f"{url}/v1/responses/{stranger}") as resp:
+        assert resp.status == 404 and "u9" in (await resp.json())["error"]["message"]
+    body = {"input": "x", "previous_response_id": stranger}
+    async with http.post(f"{url}/v1/responses", json=body) as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["param"] == "previous_response_id"
+    async with http.get(f"{url}/v1/responses/resp_0123") as resp:
+        assert resp.status == 404
+    # the unit that stores it is gone: 503 at once, never another unit
+    index = int(home.removeprefix("u"))
+    await units[index].__aexit__(None, None, None)
+    await wait_until(lambda: home not in {u.id for u in gw.router.serving()}, what="unit gone")
+    async with http.get(f"{url}/v1/responses/{first['id']}") as resp:
+        assert resp.status == 503
+        assert home in (await resp.json())["error"]["message"]
+
+
+async def test_pooling_requests_retry_on_another_unit_before_the_first_byte(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    # Polling once a minute: the gateway keeps believing a is SERVING.
+    gw = await start_gateway([a, b], policy="round_robin", load_source="poll",
+                             poll_interval_s=60, stale_after_s=120)  # fmt: skip
+    await a.__aexit__(None, None, None)  # a's ports now refuse connections
+    for path, body in ROUTE_BODIES:
+        async with http.post(f"{gw.http_url}{path}", json=body) as resp:
+            assert resp.status == 200, (path, await resp.text())
+            assert resp.headers["x-unitproxy-unit"] == "b"
+    assert counter(gw, "unitproxy_retries_total", reason="connect") >= 1
+
+
+async def test_the_deadline_holds_for_pooling_requests(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    slow = await start_sidecar(sim={"prefill_ms_per_token": 1000.0, "prefix_cache_blocks": 0})
+    gw = await start_gateway([slow])
+    headers = {"x-unitproxy-timeout-ms": "200"}
+    body = {"input": "a b c d e f g h"}
+    async with http.post(f"{gw.http_url}/v1/embeddings", json=body, headers=headers) as resp:
+        assert resp.status == 504, await resp.text()
+    await wait_until(lambda: slow.core.outstanding == 0, what="the unit let it go")
+    assert slow.core.engine.stats().running == 0, "aborted in the engine"

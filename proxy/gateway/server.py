@@ -24,7 +24,7 @@ from proxy.errors import UnitProxyError
 from proxy.gate import Gate
 from proxy.gateway.core import GatewayCore
 from proxy.gateway.discovery import Discovery
-from proxy.gateway.forward import Forwarder, Inbound
+from proxy.gateway.forward import POST, Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.http1 import front
 from proxy.gateway.http1.pool import Pool
@@ -66,7 +66,25 @@ log = logging.getLogger(__name__)
 # What only time changes (an ejection ending, the last report going stale) is looked at
 # this often, in s.
 TICK_S = 0.5
-ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+# Every POST route of vLLM's server that takes a JSON body, by the route label of the
+# metrics; the lean front serves them all. The unit answers those its engine lacks (404).
+ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+# Routes on a stored response named in the path: sent to the unit that stores it.
+BY_ID_ROUTES = ("responses_retrieve", "responses_cancel")
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -133,7 +151,7 @@ class Gateway(Service):
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.metrics, self.gateway_metrics, self.gate,
-            self.wheel, self._unit_key(),
+            self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *BY_ID_ROUTES),
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
 
@@ -365,6 +383,8 @@ class Gateway(Service):
         path: str,
         body: bytes,
         headers: Mapping[str, str],
+        method: bytes = POST,
+        stored: str | None = None,
     ) -> None:
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
@@ -372,7 +392,7 @@ class Gateway(Service):
         try:  # the API key was checked from the head, before the body was read
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
-                          headers.get(MIGRATE_HEADER) != "0")  # fmt: skip
+                          headers.get(MIGRATE_HEADER) != "0", method, stored)  # fmt: skip
             code = str(await self.forwarder.handle(down, req))
         except UnitProxyError as exc:
             code = str(exc.http_status)
@@ -405,8 +425,12 @@ class Gateway(Service):
                     self._count(route, "400")  # the error middleware answers
                     raise
                 down = AiohttpResponse(request)
+                stored = request.match_info.get("response_id")
+                method = request.method.encode()
                 try:
-                    await self._inference(down, route, request.path, body, request.headers)
+                    await self._inference(
+                        down, route, request.path, body, request.headers, method, stored
+                    )
                 except ClientGone as gone:
                     return gone.response
                 assert down.response is not None
@@ -416,6 +440,11 @@ class Gateway(Service):
 
         for path, route in ROUTES.items():
             app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
+        app.router.add_get("/v1/responses/{response_id}", inference("responses_retrieve"))
+        app.router.add_post(
+            "/v1/responses/{response_id}/cancel", inference("responses_cancel"),
+            expect_handler=self.api_keys.expect_handler,
+        )  # fmt: skip
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", _health)
