@@ -14,6 +14,7 @@ import struct
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from proxy.gateway.server import Gateway
@@ -457,3 +458,63 @@ async def test_the_deadline_holds_for_pooling_requests(
         assert resp.status == 504, await resp.text()
     await wait_until(lambda: slow.core.outstanding == 0, what="the unit let it go")
     assert slow.core.engine.stats().running == 0, "aborted in the engine"
+
+
+# --- the openai SDK through the gateway ----------------------------------------------------
+
+
+async def test_the_openai_sdk_through_the_gateway(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway([a, b], policy="round_robin")
+    async with openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0) as oa:
+        whole = await oa.responses.create(
+            model="unitproxy-sim", input="hello", instructions="be brief", max_output_tokens=4
+        )
+        assert whole.object == "response" and whole.status == "incomplete"
+        assert len(whole.output_text.split()) == 4
+        assert whole.usage is not None and whole.usage.output_tokens == 4
+        follow = await oa.responses.create(
+            model="unitproxy-sim", input="go on", previous_response_id=whole.id,
+            max_output_tokens=2,
+        )  # fmt: skip
+        assert follow.previous_response_id == whole.id
+        kept = await oa.responses.retrieve(whole.id)
+        assert kept.output_text == whole.output_text
+
+        stream = await oa.responses.create(
+            model="unitproxy-sim", input=[{"role": "user", "content": "hi"}],
+            max_output_tokens=5, stream=True,
+        )  # fmt: skip
+        kinds, deltas, final = [], [], None
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            if event.type == "response.completed":
+                final = event.response
+        assert list(dict.fromkeys(kinds)) == STREAM_EVENTS
+        assert final is not None and final.output_text == "".join(deltas)
+
+        async with oa.responses.stream(
+            model="unitproxy-sim", input="hi", max_output_tokens=3
+        ) as helper:
+            texts = [e.delta async for e in helper if e.type == "response.output_text.delta"]
+            done = await helper.get_final_response()
+        assert done.output_text == "".join(texts) and len(texts) == 3
+
+        embedded = await oa.embeddings.create(model="unitproxy-sim", input=["the cat", "a dog"])
+        assert [d.index for d in embedded.data] == [0, 1]
+        assert len(embedded.data[0].embedding) == 384
+        assert embedded.usage.prompt_tokens > 0
+        # the SDK asks for base64 unless told otherwise, and decodes it
+        direct = await post_json_sdk(oa, "the cat")
+        assert embedded.data[0].embedding == pytest.approx(direct, rel=1e-6)
+
+
+async def post_json_sdk(oa: openai.AsyncOpenAI, text: str) -> list[float]:
+    floats = await oa.embeddings.create(model="unitproxy-sim", input=text,
+                                        encoding_format="float")  # fmt: skip
+    return floats.data[0].embedding
