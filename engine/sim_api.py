@@ -65,6 +65,10 @@ def sim_model_card(name: str) -> dict[str, Any]:
         "object": "model",
         "created": 0,
         "owned_by": "unitproxy-simulator",
+        "root": name,
+        "parent": None,
+        "max_model_len": None,  # no context limit
+        "permission": [],
         "simulator": True,
         "description": "unitproxy's simulated engine: generates synthetic text, no model",
     }

@@ -29,6 +29,7 @@ from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.http1 import front
 from proxy.gateway.http1.pool import Pool
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
+from proxy.gateway.models import ModelCards
 from proxy.gateway.rates import scaled
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
@@ -128,6 +129,7 @@ class Gateway(Service):
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
         self.gate = Gate("gateway", self.changes, self.metrics.outstanding)
+        self.model_cards = ModelCards(self._pools.get)
         self.drain = Drain(
             lambda: self.gate.in_flight, self.changes, settings.server.drain_timeout_s
         )
@@ -463,14 +465,22 @@ class Gateway(Service):
         """Every model some unit's last load report lists, whatever its state now: the
         answer needs no unit, so it comes even while none is SERVING."""
         served = served_models(self.router.units.values())
-        return json_response({"object": "list", "data": [_card(m, u) for m, u in served.items()]})
+        return json_response({"object": "list", "data": await self._cards(request, served)})
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         units = served_models(self.router.units.values()).get(name)
         if units is None:
             raise openai_api.model_not_found(name)
-        return json_response(_card(name, units))
+        return json_response((await self._cards(request, {name: units}))[0])
+
+    async def _cards(
+        self, request: web.Request, served: dict[str, list[str]]
+    ) -> list[dict[str, Any]]:
+        serving = {u.id for u in self.router.serving()}
+        key = self._unit_key()
+        authorization = f"Bearer {key}" if key else request.headers.get("authorization")
+        return await self.model_cards.cards(served, serving, authorization)
 
     async def _ready(self, request: web.Request) -> web.Response:
         body = self._ready_body()
@@ -569,7 +579,3 @@ def served_models(units: Iterable[Unit]) -> dict[str, list[str]]:
             for model in unit.report.models:
                 found.setdefault(model, []).append(unit.id)
     return found
-
-
-def _card(model: str, units: list[str]) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "unitproxy", "units": units}
