@@ -14,7 +14,12 @@ if TYPE_CHECKING:
 
 
 class EngineUnavailable(Exception):
-    """The configured engine kind cannot run in this installation; the message says why."""
+    """The configured engine cannot run in this installation; the message says why, and
+    ``setting`` names the setting to change (``engine.kind`` unless a narrower one)."""
+
+    def __init__(self, message: str, setting: str = "engine.kind"):
+        super().__init__(message)
+        self.setting = setting
 
 
 def create_engine(settings: EngineSettings) -> Engine:

@@ -60,6 +60,9 @@ class EngineRequest:
     continue_final_message: bool = False
     # None: the engine's model; else another of its ``served_models()`` (an adapter)
     model: str | None = None
+    # Prefill only (embeddings, scores): no output; one last delta, finish_reason
+    # "stop", once the prompt is prefilled.
+    pooling: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import grpc
+from pydantic import ValidationError
 
 
 class UnitProxyError(Exception):
@@ -82,3 +83,29 @@ class EngineDeadError(EngineError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
     error_type = "engine_dead"
+
+
+def invalid_fields(exc: ValidationError) -> InvalidRequest:
+    """A request body that failed validation, as the 400 that names the field."""
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return InvalidRequest(f"request body is not valid JSON: {err['ctx']['error']}")
+    if err["type"] in ("model_type", "model_attributes_type") and not err["loc"]:
+        return InvalidRequest("request body must be a JSON object")
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(str(p))]
+    field = ".".join(loc)
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return InvalidRequest(f"{field}: required field is missing", param=field or None)
+    if not field:
+        return InvalidRequest(msg)
+    return InvalidRequest(f"{field}: {msg}", param=field)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names the union member that failed inside the location; users
+    # want the field, not the member.
+    return part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-", "nullable["))

@@ -18,7 +18,13 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FrontendRoute = Literal["completions", "chat", "tokenize", "detokenize"]
+FrontendRoute = Literal[
+    "completions", "chat", "tokenize", "detokenize",
+    # the Responses API: create, and retrieve and cancel by id (body ``{"response_id"}``)
+    "responses", "responses_retrieve", "responses_cancel",
+    # the pooling routes
+    "embeddings", "pooling", "classify", "score", "rerank",
+]  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -69,6 +69,17 @@ class SimSettings(_EngineSection):
         ge=0,
         description="Fault: the engine dies once this many requests were admitted. Default off.",
     )
+    embedding_dim: int = Field(
+        384,
+        gt=0,
+        le=8192,
+        description="Length of the vectors of /v1/embeddings and /pooling (a function of the seed and the input; texts that share words point alike). Default 384.",
+    )
+    responses_stored: int = Field(
+        1024,
+        ge=0,
+        description="Responses API answers kept for GET /v1/responses/{id} and previous_response_id, oldest dropped first. 0: none kept. Default 1024.",
+    )
     tokenizer: Path | None = Field(
         None,
         description="A byte-level BPE tokenizer.json (Hugging Face tokenizers; or a directory holding one): exact token counts, and output tokens are its whole-word tokens. Needs the tokenizers package. Default: the built-in counter, within about "

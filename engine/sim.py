@@ -32,6 +32,7 @@ from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
 from engine.errors import EngineDeadError, EngineError
 from engine.prefix_cache import PrefixCache
 from engine.settings import SimSettings
+from engine.sim_api import SimFrontend
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,7 @@ class _Seq:
     by_ids: bool  # the prompt was token ids: the context goes on in ids
     stop: _StopFilter | None
     blocks: list[int]  # the prompt's KV blocks (chained hashes), for the prefix cache
+    pooling: bool = False  # prefill only: done, with no output, once the prompt is in
     state: Literal["waiting", "running", "done"] = "waiting"
     prefill_left: int = 0  # running: prompt tokens still to prefill (0: decoding)
     completion_tokens: int = 0
@@ -229,6 +231,7 @@ class SimEngine(Engine):
         self._admitted = 0
         self._last_progress = 0.0
         self._tables = _Tables.of(tokens.builtin())
+        self.frontend = SimFrontend(self, settings)  # the routes beyond chat and completions
         self._cache: PrefixCache | None = None
         if settings.prefix_cache_blocks > 0:
             self._cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
@@ -319,7 +322,7 @@ class SimEngine(Engine):
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         seq = self._new_seq(request)
-        if seq.max_tokens <= 0:
+        if seq.max_tokens <= 0 and not seq.pooling:
             seq.state = "done"
             seq.deltas.append(TokenDelta("", (), seq.prompt_tokens, 0, "length"))
         else:
@@ -341,6 +344,7 @@ class SimEngine(Engine):
             by_ids=request.prompt_token_ids is not None,
             stop=_StopFilter(stops) if stops else None,
             blocks=self._blocks(request, text),
+            pooling=request.pooling,
         )
 
     def _blocks(self, request: EngineRequest, text: str) -> list[int]:
@@ -474,7 +478,10 @@ class SimEngine(Engine):
             # its slot but makes no token, so memory stays bounded (backpressure).
             return False
         fail_after = self._settings.error_after_tokens
-        if fail_after is not None and seq.completion_tokens >= fail_after:
+        if seq.pooling:
+            seq.deltas.append(TokenDelta("", (), seq.prompt_tokens, 0, "stop"))
+            done = True
+        elif fail_after is not None and seq.completion_tokens >= fail_after:
             seq.error = EngineError(f"simulated engine error after {fail_after} tokens")
             done = True
         else:

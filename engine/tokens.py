@@ -176,6 +176,7 @@ def builtin() -> Vocabulary:
 _WHOLE_WORD = re.compile(r" [a-z]{2,12}")
 MAX_WORDS = 4000  # of a real tokenizer: its earliest merges, the most common words
 MIN_WORDS = 100
+SETTING = "engine.sim.tokenizer"  # what a tokenizer that will not do is a problem of
 
 
 def from_tokenizer_json(path: Path) -> Vocabulary:
@@ -185,17 +186,18 @@ def from_tokenizer_json(path: Path) -> Vocabulary:
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:
-        raise EngineUnavailable("--sim-tokenizer needs the tokenizers package") from exc
+        raise EngineUnavailable("--sim-tokenizer needs the tokenizers package", SETTING) from exc
     file = path / "tokenizer.json" if path.is_dir() else path
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as exc:  # its errors are plain Exceptions
-        raise EngineUnavailable(f"{file}: cannot load the tokenizer: {exc}") from exc
+        raise EngineUnavailable(f"{file}: cannot load the tokenizer: {exc}", SETTING) from exc
     texts, ids = _whole_words(tok)
     if len(texts) < MIN_WORDS:
         raise EngineUnavailable(
             f"{file}: only {len(texts)} words with a leading space are one token each; "
-            f"the simulator needs {MIN_WORDS} (a byte-level BPE tokenizer has thousands)"
+            f"the simulator needs {MIN_WORDS} (a byte-level BPE tokenizer has thousands)",
+            SETTING,
         )
 
     def count_tokens(text: str) -> int:

@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(run_loop(lambda: _run(args.command, settings, worker)))
     except EngineUnavailable as exc:
-        print(f"unitproxy: invalid configuration: engine.kind: {exc}", file=sys.stderr)
+        print(f"unitproxy: invalid configuration: {exc.setting}: {exc}", file=sys.stderr)
         return 2
     except EngineError as exc:  # the engine did not come up; its cause is in the message
         print(f"unitproxy: engine failed to start: {exc.message}", file=sys.stderr)

@@ -71,6 +71,8 @@ ENGINE = (
     Flag("--sim-hang-after-requests", "engine.sim.hang_after_requests", "N"),
     Flag("--sim-crash-after-requests", "engine.sim.crash_after_requests", "N"),
     Flag("--sim-tokenizer", "engine.sim.tokenizer", "PATH"),
+    Flag("--sim-embedding-dim", "engine.sim.embedding_dim", "N"),
+    Flag("--sim-responses-stored", "engine.sim.responses_stored", "N"),
     Flag("--served-model-name", "engine.served_model_name", "NAME"),
     Flag("--tokenizer", "engine.tokenizer", "PATH"),
     Flag("--tensor-parallel-size", "engine.tensor_parallel_size", "N"),

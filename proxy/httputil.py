@@ -34,6 +34,9 @@ DEADLINE_HEADER = "x-unitproxy-timeout-ms"
 # and gRPC metadata key; the value is compact JSON, see proxy/resume.py).
 RESUME_HEADER = "x-unitproxy-resume"
 MIGRATE_HEADER = "x-unitproxy-migrate"  # client to gateway: "0" opts out of migration
+# A stream's content type, as vLLM's server sends it: clients that decode by the declared
+# charset (``requests``, aiohttp's ``text()``) would take a bare one for ISO-8859-1.
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 
 
 def timeout_s(raw: str | None) -> float | None:

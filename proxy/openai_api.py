@@ -24,6 +24,8 @@ from pydantic import (
 )
 
 from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
+from engine.errors import invalid_fields
+from engine.sim_api import sim_model_card
 from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
 
 Route = Literal["completions", "chat"]
@@ -253,16 +255,9 @@ class ChatBody(_SamplingFields):
 
 def model_card(name: str, simulator: bool) -> dict[str, Any]:
     """A model as /v1/models lists it; the simulator says it is one."""
-    card: dict[str, Any] = {
-        "id": name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "unitproxy-simulator" if simulator else "unitproxy",
-    }
     if simulator:
-        card["simulator"] = True
-        card["description"] = "unitproxy's simulated engine: generates synthetic text, no model"
-    return card
+        return sim_model_card(name)
+    return {"id": name, "object": "model", "created": 0, "owned_by": "unitproxy"}
 
 
 def model_not_found(name: str) -> NotFound:
@@ -300,7 +295,7 @@ def parse(
     try:
         req = schema.model_validate_json(body)
     except ValidationError as exc:
-        raise _invalid(exc) from exc
+        raise invalid_fields(exc) from exc
     return _parsed(route, req, request_id, served_model, max_prompt_chars)
 
 
@@ -316,7 +311,7 @@ def parse_fields(
     try:
         req = _schema(route).model_validate(fields)
     except ValidationError as exc:
-        raise _invalid(exc) from exc
+        raise invalid_fields(exc) from exc
     return _parsed(route, req, request_id, served_model, max_prompt_chars)
 
 
@@ -395,31 +390,6 @@ def _chat_input(req: ChatBody, max_chars: int) -> tuple[ChatMessage, ...]:
             f"messages: {size} characters, over the limit of {max_chars}", param="messages"
         )
     return messages
-
-
-def _invalid(exc: ValidationError) -> InvalidRequest:
-    err = exc.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return InvalidRequest(f"request body is not valid JSON: {err['ctx']['error']}")
-    if err["type"] in ("model_type", "model_attributes_type") and not err["loc"]:
-        return InvalidRequest("request body must be a JSON object")
-    loc = [str(p) for p in err["loc"] if not _is_union_tag(str(p))]
-    field = ".".join(loc)
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if err["type"] == "missing":
-        return InvalidRequest(f"{field}: required field is missing", param=field or None)
-    if not field:
-        return InvalidRequest(msg)
-    return InvalidRequest(f"{field}: {msg}", param=field)
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
-
-
-def _is_union_tag(part: str) -> bool:
-    # pydantic names the union member that failed inside the location; users
-    # want the field, not the member.
-    return part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-", "nullable["))
 
 
 # --- responses -------------------------------------------------------------------

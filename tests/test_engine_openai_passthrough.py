@@ -139,7 +139,9 @@ async def recorder() -> AsyncIterator[Recorder]:
         return web.json_response(_completion_answer(body))
 
     async def models(request: web.Request) -> web.Response:
-        card = {"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm"}
+        card = {"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm",
+                "root": "/models/upstream", "parent": None, "max_model_len": 4096,
+                "permission": [{"id": "modelperm-1", "object": "model_permission"}]}  # fmt: skip
         return web.json_response({"object": "list", "data": [card]})
 
     async def ok(request: web.Request) -> web.Response:
@@ -304,3 +306,19 @@ async def test_a_resume_with_nothing_left_ends_at_once_with_length(
     # No /tokenize upstream: counted at 4 characters a token (18 -> 4 delivered).
     assert usage["completion_tokens"] == 4
     assert usage["prompt_tokens"] + usage["completion_tokens"] == usage["total_tokens"]
+
+
+async def test_the_gateway_shows_the_units_model_cards_with_vllms_fields(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, recorder: Recorder
+) -> None:
+    sidecar = await _sidecar(start_sidecar, recorder)
+    gateway = await start_gateway([sidecar])
+    async with _client(gateway.http_url) as client:
+        [card] = (await client.models.list()).data
+        again = await client.models.retrieve(MODEL)
+    shown = card.model_dump(exclude_unset=True)
+    assert shown["root"] == "/models/upstream" and shown["max_model_len"] == 4096
+    assert shown["owned_by"] == "vllm" and shown["created"] == 1
+    assert shown["permission"] == [{"id": "modelperm-1", "object": "model_permission"}]
+    assert shown["unitproxy"] == {"units": [sidecar.core.unit_id], "simulator": False}
+    assert again.model_dump(exclude_unset=True) == shown

@@ -9,6 +9,7 @@ import grpc
 import openai
 import pytest
 
+from proxy.gateway.models import ModelCards
 from proxy.load import LoadReport, UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
@@ -44,7 +45,20 @@ async def test_the_gateway_lists_the_union_of_the_units_models(
     async with openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0) as oa:
         models = {m.id: m for m in (await oa.models.list()).data}
         assert set(models) == {"llama-a", "qwen-b"}
-        assert (models["llama-a"].model_extra or {})["units"] == ["a", "c"]
+        card = models["llama-a"].model_dump(exclude_unset=True)
+        assert card["unitproxy"] == {"units": ["a", "c"], "simulator": True}
+        assert set(card) == {
+            "id",
+            "object",
+            "created",
+            "owned_by",
+            "root",
+            "parent",
+            "max_model_len",
+            "permission",
+            "unitproxy",
+        }, "vLLM's fields"
+        assert card["root"] == "llama-a" and card["owned_by"] == "unitproxy-simulator"
         assert (await oa.models.retrieve("qwen-b")).id == "qwen-b"
         with pytest.raises(openai.NotFoundError) as caught:
             await oa.models.retrieve("mistral")
@@ -55,6 +69,10 @@ async def test_the_gateway_lists_the_union_of_the_units_models(
         await wait_until(lambda: not gw.router.serving(), what="every unit draining")
         assert all(u.state is UnitState.DRAINING for u in gw.router.units.values())
         assert {m.id for m in (await oa.models.list()).data} == {"llama-a", "qwen-b"}
+        gw.model_cards = ModelCards(gw._pools.get)  # what a restarted gateway knows
+        for shown in (await oa.models.list()).data:  # no unit asked: cards from the names
+            assert shown.model_dump(exclude_unset=True)["unitproxy"]["simulator"] is False
+            assert shown.model_dump(exclude_unset=True)["root"] == shown.id
 
 
 async def test_the_gateway_routes_by_model_and_404s_an_unknown_one(

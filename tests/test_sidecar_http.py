@@ -341,7 +341,7 @@ async def test_load_watch_streams_reports_as_server_sent_events(
     sidecar = await start_sidecar(sidecar={"report_interval_s": 0.2})
     async with http.get(f"{sidecar.http_url}/load/watch") as resp:
         assert resp.status == 200
-        assert resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
         reports = []
         async for line in resp.content:
             if line.startswith(b"data: "):

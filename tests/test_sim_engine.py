@@ -19,6 +19,7 @@ from engine.base import ChatMessage, EngineRequest, SamplingParams, TokenDelta
 from engine.errors import EngineDeadError, EngineError
 from engine.settings import SimSettings
 from engine.sim import SimEngine
+from proxy import cli
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -628,3 +629,23 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(
     whole = await make_engine(max_num_batched_tokens=0, decode_step_ms=0.0)
     # the whole prompt in the step after it arrived (and a token of reading lag)
     assert await tokens_before_first(whole, prompt) <= 3
+
+
+def test_a_tokenizer_with_too_few_words_names_its_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(["the cat sat on the mat"] * 10, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    argv = ["sidecar", "--sim-tokenizer", str(tmp_path), "--host", "127.0.0.1",
+            "--http-port", "0", "--grpc-port", "0"]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("unitproxy: invalid configuration: engine.sim.tokenizer: "), err
+    assert "the simulator needs 100" in err

@@ -28,15 +28,17 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection, Iterator
 from enum import Enum
 from typing import Any, Protocol
 
-from proxy.errors import DeadlineExceeded, Unavailable, UnitProxyError
+from proxy.errors import DeadlineExceeded, NotFound, Unavailable, UnitProxyError
 from proxy.gateway.request import Want, grpc_want, json_want
 from proxy.gateway.router import NO_WANT, NoUnit, Outcome, Router
 from proxy.gateway.units import Unit
 from proxy.httputil import DEADLINE_HEADER, timeout_header
 from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics, LoopCount, LoopCounter
+from proxy.response_ids import unit_of
 from proxy.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,26 @@ def unit_error(status: int, body: bytes, unit: Unit) -> UnitProxyError:
         if cls.http_status == status:
             return cls(message, code=code)
     return UnitProxyError(message, code=code)
+
+
+class Pinned:
+    """The units a request pinned to one unit may not take: every other one, and that
+    one too once tried (``tried`` is the request's own set, which grows as it goes)."""
+
+    __slots__ = ("tried", "unit")
+
+    def __init__(self, unit: str, tried: set[str]):
+        self.unit = unit
+        self.tried = tried
+
+    def __contains__(self, unit_id: object) -> bool:
+        return unit_id != self.unit or unit_id in self.tried
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tried)  # the complement has no list; only membership is asked
+
+    def __len__(self) -> int:
+        return len(self.tried)
 
 
 class Next(Enum):
@@ -200,6 +222,32 @@ class GatewayCore:
         """The same for a serialized GenerateRequest."""
         return self._want(grpc_want, request)
 
+    def pin(self, want: Want, response_id: str, param: str | None) -> Want:
+        """``want``, sent to the unit that stores the response ``response_id`` (its id
+        names that unit: proxy/response_ids.py). An id that names no unit this gateway
+        knows is 404 (``param`` names the field it came in); one that names no unit at
+        all (not made by a sidecar) is routed as any request is."""
+        unit = unit_of(response_id)
+        if unit is None:
+            if param is None:  # a path: no unit to ask
+                raise NotFound(f"Response with id '{response_id}' not found.", code="not_found")
+            return want
+        units = self._router.units
+        known = unit if unit in units else None
+        if known is None:  # configured under another name: the id its reports carry
+            for u in units.values():
+                if u.report is not None and u.report.unit_id == unit:
+                    known = u.id
+                    break
+        if known is None:
+            raise NotFound(
+                f"Response with id '{response_id}' not found: it was stored on unit "
+                f"{unit}, which this gateway does not know",
+                param=param,
+                code="not_found",
+            )
+        return Want(want.model, want.blocks, want.chars, known)
+
     def _want(self, parse: Any, raw: bytes) -> Want:
         router = self._router
         if not router.reads_requests:
@@ -221,14 +269,20 @@ class GatewayCore:
     async def _run(self, job: Job, want: Want) -> None:
         s = self._settings
         tried: set[str] = set()
+        exclude: Collection[str] = tried if want.unit is None else Pinned(want.unit, tried)
         retries = migrations = 0
         last: Tried | None = None
         while True:
             try:
-                unit = await self._router.acquire(tried, want)
+                unit = await self._router.acquire(exclude, want)
             except NoUnit as none_left:
                 if last is None:
                     self._metrics.no_unit_available.inc()
+                    if want.unit is not None:
+                        raise NoUnit(
+                            f"unit {want.unit}, which stores the response, is not serving",
+                            code="no_unit_available",
+                        ) from None
                     raise
                 if last.next is Next.MIGRATE:
                     last.error = none_left if last.error is None else last.error

@@ -65,6 +65,10 @@ log = logging.getLogger(__name__)
 
 PASSED_HEADERS = (("content-type", "Content-Type"), ("retry-after", "Retry-After"))
 POST = b"POST"
+# The routes whose streams a unit that fails can continue (their SSE carries the text);
+# a stream of another route (the Responses API's events, with their ids and sequence
+# numbers) ends with an error event instead. Before the first byte every route retries.
+RESUMABLE = frozenset({"completions", "chat"})
 ERROR_EVENT = b'data: {"error"'
 MAX_PARTIAL_EVENT = 1024 * 1024  # an "event" longer than this is passed on unsplit
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -102,8 +106,8 @@ class Inbound:
     """What the gateway takes from the client's request (a plain class: see Tried)."""
 
     __slots__ = (
-        "admission", "authorization", "body", "content_type", "migrate", "path", "request_id",
-        "route", "timeout_s",
+        "admission", "authorization", "body", "content_type", "method", "migrate", "path",
+        "request_id", "route", "stored", "timeout_s",
     )  # fmt: skip
 
     def __init__(
@@ -117,6 +121,8 @@ class Inbound:
         timeout_s: float | None = None,  # from DEADLINE_HEADER, already checked
         migrate: bool = True,  # False: the client opted out (x-unitproxy-migrate: 0)
         admission: Admission | None = None,  # its tenant's, with tenants configured
+        method: bytes = POST,
+        stored: str | None = None,  # the stored response named in the path
     ):
         self.path = path
         self.route = route
@@ -127,6 +133,8 @@ class Inbound:
         self.timeout_s = timeout_s
         self.migrate = migrate
         self.admission = admission
+        self.method = method
+        self.stored = stored
 
 
 class Forwarder:
@@ -141,6 +149,7 @@ class Forwarder:
         gate: Gate,
         wheel: Wheel,
         unit_key: str | None = None,
+        routes: tuple[str, ...] = ("completions", "chat"),  # the route labels it serves
     ):
         self.core = core
         self.settings = settings
@@ -150,11 +159,10 @@ class Forwarder:
         self._gate = gate
         self._unit_auth = None if unit_key is None else f"Bearer {unit_key}"
         self.ttft: dict[str, LoopBuckets] = {
-            route: metrics.serving.ttft.labels(route) for route in ("completions", "chat")
+            route: metrics.serving.ttft.labels(route) for route in routes
         }
         self._duration: dict[str, LoopBuckets] = {
-            route: metrics.serving.request_duration.labels(route)
-            for route in ("completions", "chat")
+            route: metrics.serving.request_duration.labels(route) for route in routes
         }
 
     async def handle(self, down: Downstream, req: Inbound) -> int:
@@ -163,6 +171,12 @@ class Forwarder:
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
         want = self.core.json_want(req.body)
+        if req.stored is not None:
+            want = self.core.pin(want, req.stored, None)
+        elif req.route == "responses":
+            previous = previous_response_id(req.body)
+            if previous is not None:
+                want = self.core.pin(want, previous, "previous_response_id")
         job = HttpJob(self, down, req, started)
         self._gate.enter()
         try:
@@ -287,7 +301,7 @@ class HttpJob:
                 self._scope = scope
                 try:
                     conn = await self._fw.pools[unit.id].request(
-                        POST, self._req.path, headers, body
+                        self._req.method, self._req.path, headers, body
                     )
                 except ConnectFailed as failed:
                     return self._unreachable(unit, failed)
@@ -375,6 +389,8 @@ class HttpJob:
     def _continuation(self) -> tuple[bytes, str | None] | None:
         if not self._down.started:
             return self._req.body, None  # nothing went out: the request as it came
+        if self._req.route not in RESUMABLE:
+            return None
         transcript = self._transcript
         if transcript is None:
             return None
@@ -527,6 +543,15 @@ class HttpJob:
         if self._watch is not None:
             self._fw.wheel.cancel(self._watch)
             self._watch = None
+
+
+def previous_response_id(body: bytes) -> str | None:
+    """The ``previous_response_id`` of a Responses API body, None when it has none."""
+    try:
+        value = json.loads(body).get("previous_response_id")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 def _event_error(event: bytes) -> dict[str, Any]:

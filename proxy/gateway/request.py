@@ -22,12 +22,15 @@ Blocks = Callable[[str], list[int]]
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """What the router needs of a request: its model (None: any unit), and the blocks
-    of its prompt (a policy that reads prompts, such as prefix; empty otherwise)."""
+    """What the router needs of a request: its model (None: any unit), the blocks of
+    its prompt (a policy that reads prompts, such as prefix; empty otherwise), and the
+    unit it must go to, if one."""
 
     model: str | None = None
     blocks: list[int] = field(default_factory=list)
     chars: int = 0  # the prompt's length in characters (with blocks)
+    # The one unit it may go to (a stored response lives there); None: any unit.
+    unit: str | None = None
 
 
 def json_want(body: bytes, blocks: Blocks | None) -> Want:

@@ -24,11 +24,12 @@ from proxy.errors import UnitProxyError
 from proxy.gate import Gate
 from proxy.gateway.core import GatewayCore
 from proxy.gateway.discovery import Discovery
-from proxy.gateway.forward import Forwarder, Inbound
+from proxy.gateway.forward import POST, Forwarder, Inbound
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.http1 import front
 from proxy.gateway.http1.pool import Pool
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
+from proxy.gateway.models import ModelCards
 from proxy.gateway.rates import scaled
 from proxy.gateway.router import Router
 from proxy.gateway.tenancy import Admission, TenantGate, error_headers
@@ -79,7 +80,25 @@ TICK_S = 0.5
 # How often requests on units the router stopped routing to are moved elsewhere: a
 # stopped unit's streams resume within its detection time plus this and the migration.
 MOVE_CHECK_S = 0.1
-ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+# Every POST route of vLLM's server that takes a JSON body, by the route label of the
+# metrics; the lean front serves them all. The unit answers those its engine lacks (404).
+ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+# Routes on a stored response named in the path: sent to the unit that stores it.
+BY_ID_ROUTES = ("responses_retrieve", "responses_cancel")
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -123,6 +142,7 @@ class Gateway(Service):
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
         self.gate = Gate("gateway", self.changes, self.metrics.outstanding)
+        self.model_cards = ModelCards(self._pools.get)
         self.drain = Drain(
             lambda: self.gate.in_flight, self.changes, settings.server.drain_timeout_s
         )
@@ -149,7 +169,7 @@ class Gateway(Service):
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
-            self.wheel, self._unit_key(),
+            self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *BY_ID_ROUTES),
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
 
@@ -399,6 +419,8 @@ class Gateway(Service):
         path: str,
         body: bytes,
         headers: Mapping[str, str],
+        method: bytes = POST,
+        stored: str | None = None,
     ) -> None:
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
@@ -412,7 +434,8 @@ class Gateway(Service):
                 )
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
-                          headers.get(MIGRATE_HEADER) != "0", admission)  # fmt: skip
+                          headers.get(MIGRATE_HEADER) != "0", admission, method,
+                          stored)  # fmt: skip
             code = str(await self.forwarder.handle(down, req))
         except UnitProxyError as exc:
             code = str(exc.http_status)
@@ -450,8 +473,12 @@ class Gateway(Service):
                     self._count(route, "400")  # the error middleware answers
                     raise
                 down = AiohttpResponse(request)
+                stored = request.match_info.get("response_id")
+                method = request.method.encode()
                 try:
-                    await self._inference(down, route, request.path, body, request.headers)
+                    await self._inference(
+                        down, route, request.path, body, request.headers, method, stored
+                    )
                 except ClientGone as gone:
                     return gone.response
                 assert down.response is not None
@@ -461,6 +488,11 @@ class Gateway(Service):
 
         for path, route in ROUTES.items():
             app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
+        app.router.add_get("/v1/responses/{response_id}", inference("responses_retrieve"))
+        app.router.add_post(
+            "/v1/responses/{response_id}/cancel", inference("responses_cancel"),
+            expect_handler=self.api_keys.expect_handler,
+        )  # fmt: skip
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", _health)
@@ -479,14 +511,22 @@ class Gateway(Service):
         """Every model some unit's last load report lists, whatever its state now: the
         answer needs no unit, so it comes even while none is SERVING."""
         served = served_models(self.router.units.values())
-        return json_response({"object": "list", "data": [_card(m, u) for m, u in served.items()]})
+        return json_response({"object": "list", "data": await self._cards(request, served)})
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         units = served_models(self.router.units.values()).get(name)
         if units is None:
             raise openai_api.model_not_found(name)
-        return json_response(_card(name, units))
+        return json_response((await self._cards(request, {name: units}))[0])
+
+    async def _cards(
+        self, request: web.Request, served: dict[str, list[str]]
+    ) -> list[dict[str, Any]]:
+        serving = {u.id for u in self.router.serving()}
+        key = self._unit_key()
+        authorization = f"Bearer {key}" if key else request.headers.get("authorization")
+        return await self.model_cards.cards(served, serving, authorization)
 
     async def _ready(self, request: web.Request) -> web.Response:
         body = self._ready_body()
@@ -589,7 +629,3 @@ def served_models(units: Iterable[Unit]) -> dict[str, list[str]]:
             for model in unit.report.models:
                 found.setdefault(model, []).append(unit.id)
     return found
-
-
-def _card(model: str, units: list[str]) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "unitproxy", "units": units}

@@ -17,16 +17,19 @@ from aiohttp import web
 from engine.frontend import FrontendReply, FrontendRequest, FrontendRoute, OpenAIFrontend
 from proxy import openai_api
 from proxy.errors import InvalidRequest, UnitProxyError
-from proxy.httputil import REQUEST_ID_HEADER, UNIT_HEADER, ClientGone
+from proxy.httputil import REQUEST_ID_HEADER, SSE_CONTENT_TYPE, UNIT_HEADER, ClientGone
+from proxy.response_ids import new_response_id
 from proxy.sidecar import frontend_resume
 from proxy.sidecar.core import Lease, SidecarCore
 
 log = logging.getLogger(__name__)
 
+# Routes on a stored response, named in the path: no engine work, so no admission.
+BY_ID: frozenset[FrontendRoute] = frozenset({"responses_retrieve", "responses_cancel"})
 # The status that the requests metric counts, when it differs from the response's.
 OUTCOME = web.RequestKey("outcome", str)
 # Response headers of a stream, as vLLM's server sends them.
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_SSE_HEADERS = {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
 
 
 def json_object(body: bytes) -> dict[str, Any]:
@@ -50,6 +53,10 @@ async def serve(
 ) -> web.StreamResponse:
     """One OpenAI request through the engine's own layer; errors raise UnitProxyError."""
     fields = json_object(await request.read())
+    if route == "responses" and not fields.get("request_id"):
+        # vLLM's field for the response's id: one that names this unit, so that a
+        # follow-up through a gateway comes back here (proxy/response_ids.py)
+        fields["request_id"] = new_response_id(core.unit_id)
     hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
     lease = core.admit()
     try:
@@ -77,6 +84,22 @@ async def serve(
             body=reply.body, status=reply.status, content_type="application/json", headers=headers
         )
     return await _stream(request, route, core, lease, reply, headers, deadline)
+
+
+async def by_id(
+    request: web.Request,
+    route: FrontendRoute,
+    request_id: str,
+    core: SidecarCore,
+    frontend: OpenAIFrontend,
+) -> web.Response:
+    """Retrieve or cancel a stored response: ``{"response_id"}`` from the path."""
+    fields = {"response_id": request.match_info["response_id"]}
+    reply = await frontend.serve(FrontendRequest(route, fields, request_id, request.headers))
+    headers = {UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id}
+    return web.Response(
+        body=reply.body, status=reply.status, content_type="application/json", headers=headers
+    )
 
 
 async def _resume(

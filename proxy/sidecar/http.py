@@ -22,6 +22,7 @@ from proxy.httputil import (
     DEADLINE_HEADER,
     REQUEST_ID_HEADER,
     RESUME_HEADER,
+    SSE_CONTENT_TYPE,
     UNIT_HEADER,
     ClientGone,
     admin_drain,
@@ -47,6 +48,21 @@ SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The POST routes besides chat and completions, served where the engine's own layer has
+# them (engine/frontend.py), as vLLM's server serves them.
+ENGINE_ROUTES: dict[str, FrontendRoute] = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+}
 
 
 def build_app(
@@ -80,9 +96,11 @@ def build_app(
     )
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
-    # Served where the engine's own layer has them (engines vllm and openai), else 404.
-    app.router.add_post("/tokenize", _inference("tokenize"))
-    app.router.add_post("/detokenize", _inference("detokenize"))
+    # Served where the engine's own layer has them, else 404.
+    for path, route in ENGINE_ROUTES.items():
+        app.router.add_post(path, _inference(route), expect_handler=keys.expect_handler)
+    app.router.add_get("/v1/responses/{response_id}", _inference("responses_retrieve"))
+    app.router.add_post("/v1/responses/{response_id}/cancel", _inference("responses_cancel"))
     inference = grpc_api.InferenceService(core, metrics, max_prompt_chars, keys)
     app.router.add_post(grpcweb.PATH, _grpc_web(inference, core))
     app.router.add_get("/health", _health)
@@ -127,10 +145,12 @@ async def _serve(
 ) -> web.StreamResponse:
     frontend = core.engine.frontend
     if frontend is not None and route in frontend.routes:
+        if route in frontend_http.BY_ID:
+            return await frontend_http.by_id(request, route, request_id, core, frontend)
         deadline = _deadline(request)
         return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
     if route not in ("completions", "chat"):
-        raise NotFound(f"/{route} is not served by this engine", code="not_found")
+        raise NotFound(f"{request.path} is not served by this engine", code="not_found")
     body = await request.read()
     parsed = openai_api.parse(
         route,
@@ -182,7 +202,7 @@ async def _stream(
 ) -> web.StreamResponse:
     encoder = openai_api.StreamEncoder(parsed)
     response = web.StreamResponse(headers=_headers(core, parsed.engine_request.request_id))
-    response.content_type = "text/event-stream"
+    response.headers["Content-Type"] = SSE_CONTENT_TYPE
     response.headers["Cache-Control"] = "no-cache"
 
     async def send(delta: TokenDelta) -> None:
@@ -315,7 +335,7 @@ async def _load_watch(request: web.Request) -> web.StreamResponse:
     may carry WatchLoadRequest's fields (``?min_interval_ms=500&heartbeat_ms=2000``)."""
     asked = _asked_ms(request, "min_interval_ms") / 1000, _asked_ms(request, "heartbeat_ms") / 1000
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
