@@ -94,8 +94,14 @@ class Tenant:
     def counts_tokens(self) -> bool:
         return bool(self.tokens_per_minute or self.tokens_per_day)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str) -> None:
         """Raise Forbidden when the tenant's allow-list does not name ``model``."""
+        if self.models is not None and not model:
+            raise Forbidden(
+                f"tenant {self.name} must name its model: one of {', '.join(sorted(self.models))}",
+                param="model",
+                code="model_not_allowed",
+            )
         if self.models is not None and model not in self.models:
             raise Forbidden(
                 f"tenant {self.name} may not use model {model!r}",

@@ -110,6 +110,8 @@ def test_the_model_allow_list() -> None:
     tenant.check_model("m1")
     with pytest.raises(Forbidden):
         tenant.check_model("m2")
+    with pytest.raises(Forbidden, match="must name its model: one of m1"):
+        tenant.check_model("")  # the unit's default model may be any
     Tenant("open", ["y"]).check_model("anything")
 
 
