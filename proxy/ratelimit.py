@@ -482,6 +482,8 @@ class Limiter:
         if difference:
             local.tpm.add(r.minute, difference)
             local.tpd.add(r.day, difference)
+        if not difference and not r.tenant.max_concurrent:
+            return  # nothing to tell Redis: the estimate stands, no slot to free
         if r.shared and self._redis is not None:
             if self._outage.down:
                 self._unsent_settle(r, difference)

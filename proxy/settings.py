@@ -532,7 +532,7 @@ class GatewaySettings(_Section):
     replicas: int = Field(
         0,
         ge=0,
-        description="Gateway replicas that share the tenants' limits. With Redis unreachable each replica enforces limit / replicas from its own counts. 0: as many as were last seen in Redis (1 if none was). Default 0.",
+        description="Gateway replicas that share the tenants' limits. With Redis unreachable, or with no redis.url, each replica enforces limit / replicas from its own counts. 0: as many as were last seen in Redis (1 if none was, or with no Redis). Default 0.",
     )
 
     @model_validator(mode="after")

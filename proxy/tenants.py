@@ -94,8 +94,14 @@ class Tenant:
     def counts_tokens(self) -> bool:
         return bool(self.tokens_per_minute or self.tokens_per_day)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str) -> None:
         """Raise Forbidden when the tenant's allow-list does not name ``model``."""
+        if self.models is not None and not model:
+            raise Forbidden(
+                f"tenant {self.name} must name its model: one of {', '.join(sorted(self.models))}",
+                param="model",
+                code="model_not_allowed",
+            )
         if self.models is not None and model not in self.models:
             raise Forbidden(
                 f"tenant {self.name} may not use model {model!r}",
@@ -211,8 +217,12 @@ class Tenants:
             named = next((t for t in listed if t.name == DEFAULT_TENANT), None)
             if named is None:
                 listed.append(Tenant(DEFAULT_TENANT, hashes))
-            else:
-                named.key_hashes = tuple(dict.fromkeys(named.key_hashes + tuple(hashes)))
+            else:  # a copy: the file's tenant may be reused for the next set
+                both = list(dict.fromkeys(named.key_hashes + tuple(hashes)))
+                merged = Tenant(DEFAULT_TENANT, both, named.priority, named.requests_per_minute,
+                                named.tokens_per_minute, named.max_concurrent,
+                                named.tokens_per_day, named.models)  # fmt: skip
+                listed[listed.index(named)] = merged
         return cls(listed)
 
     def __len__(self) -> int:
@@ -268,6 +278,7 @@ class TenantSource:
         self._pattern = f"unitproxy:{cluster}:tenant:*"
         self._on_change = on_change
         self._signature: tuple[int, int, int] | None = None
+        self._from_file: list[Tenant] | None = None  # the file's last good tenants
         self._wake = asyncio.Event()
         self.current = Tenants.build((), flat_keys)
         self.reloads = 0  # sets put in force after the first
@@ -281,10 +292,11 @@ class TenantSource:
                  f" from {self.path}" if self.path else "")  # fmt: skip
         return self.current
 
-    async def check(self) -> bool:
-        """Read again if anything may have changed; True when a new set is in force."""
+    async def check(self, reread: bool = True) -> bool:
+        """Read again (the file too unless ``reread`` is false: only Redis may have
+        changed); True when a new set is in force."""
         try:
-            fresh = await self._read()
+            fresh = await self._read(reread)
         except TenantsError as exc:
             if str(exc) != self.last_error:
                 log.warning("tenants: keeping the last good set (%d tenants): %s",
@@ -314,8 +326,9 @@ class TenantSource:
                 forced = self._wake.is_set()
                 self._wake.clear()
                 try:
-                    if forced or self._redis is not None or self._changed():
-                        await self.check()
+                    changed = forced or await asyncio.to_thread(self._changed)
+                    if changed or self._redis is not None:
+                        await self.check(reread=changed)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -335,15 +348,16 @@ class TenantSource:
             loop.remove_signal_handler(signal.SIGHUP)
 
     def _changed(self) -> bool:
+        """Blocking (a stat): run it in a thread."""
         return self.path is not None and _signature(self.path) != self._signature
 
-    async def _read(self) -> Tenants:
-        listed: dict[str, Tenant] = {}
-        if self.path is not None:
+    async def _read(self, reread: bool = True) -> Tenants:
+        if self.path is not None and (reread or self._from_file is None):
             path = self.path
             signature, text = await asyncio.to_thread(_read_file, path)
-            self._signature = signature
-            listed = {t.name: t for t in parse_file(text, str(path))}
+            self._signature = signature  # a bad file is read once, not at every look
+            self._from_file = parse_file(text, str(path))
+        listed = {t.name: t for t in self._from_file or ()}
         if self._redis is not None:
             listed.update({t.name: t for t in await self._read_redis()})
         return Tenants.build(listed.values(), self._flat_keys)

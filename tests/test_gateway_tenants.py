@@ -386,3 +386,26 @@ async def test_requests_aiohttp_serves_pass_the_same_tenant_checks(
     async with http.post(url, data=body, headers={**headers, "Expect": "100-continue"}) as resp:
         assert resp.status == 401  # refused from the head, before the body is invited
     assert sample(gw, "unitproxy_tenant_requests_total", tenant="alpha", model="unitproxy-sim") == 1
+
+
+async def test_a_grpc_call_its_client_cancels_is_charged_what_it_got(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tenants_file: Path
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    request = inference_pb2.GenerateRequest(
+        model="unitproxy-sim",
+        prompt="hello there",
+        sampling=inference_pb2.SamplingParams(max_tokens=5000),
+    )
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(request, metadata=(("authorization", "Bearer sk-beta"),))
+        got = 0
+        async for chunk in call:
+            got += len(chunk.token_ids)
+            if got >= 5:
+                break
+        call.cancel()
+        await wait_until(lambda: in_flight(gw, "beta") == 0, what="the slot freed")
+    used = tpm(gw, "beta")
+    assert got + 2 <= used < 1000, "the prompt and what was sent, not the 5,000 reserved"

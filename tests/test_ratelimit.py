@@ -321,3 +321,12 @@ async def test_a_slot_freed_while_redis_was_away_is_freed_there_when_it_is_back(
         await b._redis.aclose()  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
             await relay.cut()
+
+
+async def test_without_redis_each_of_n_replicas_enforces_its_share() -> None:
+    limiter = Limiter(clock=Clock(), replicas=4)
+    t = tenant(requests_per_minute=8)
+    for _ in range(2):
+        await limiter.admit(t, 0)
+    over = await refused(limiter, t)
+    assert "this replica's share: 2" in over.message

@@ -110,6 +110,8 @@ def test_the_model_allow_list() -> None:
     tenant.check_model("m1")
     with pytest.raises(Forbidden):
         tenant.check_model("m2")
+    with pytest.raises(Forbidden, match="must name its model: one of m1"):
+        tenant.check_model("")  # the unit's default model may be any
     Tenant("open", ["y"]).check_model("anything")
 
 
@@ -238,3 +240,21 @@ def test_tenants_from_redis_need_a_redis_url() -> None:
         config.check_role("gateway", config.load({"gateway": gateway}))
     assert info.value.problems[0].startswith("gateway.tenants_redis needs redis.url")
     config.check_role("gateway", config.load({"gateway": gateway, "redis": {"url": REDIS_URL}}))
+
+
+async def test_a_look_for_redis_changes_does_not_read_an_unchanged_file(
+    tmp_path: Path, redis: Redis
+) -> None:
+    cluster = f"t{uuid.uuid4().hex[:10]}"
+    path = tmp_path / "tenants.toml"
+    _write(path, FILE)
+    source = TenantSource(path, redis=redis, cluster=cluster)
+    await source.load()
+    st = path.stat()
+    # the same size, inode and mtime: to the poll, the file did not change
+    path.write_text(FILE.replace("sk-search-1", "sk-search-9"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert not await source.check(reread=False)
+    assert source.current.identify("Bearer sk-search-1").name == "search"
+    assert await source.check()  # SIGHUP's look reads it whatever its signature
+    assert source.current.identify("Bearer sk-search-9").name == "search"
