@@ -8,9 +8,9 @@ An attempt sends the request (or its continuation) to a unit and says how it end
   through as they come, never re-encoded, and kept (``resume.SseTranscript``) in case
   the unit fails: DONE;
 - the unit failed under the request (connection lost once the request went out, its
-  ``unit_failed`` error event or 503, no byte for ``stream_idle_timeout_s``): MIGRATE. The next attempt sends the
-  request with what the client already got appended, and that unit's events follow on
-  in the same response;
+  ``unit_failed`` error event or 503, no byte for ``stream_idle_timeout_s``): MIGRATE.
+  The next attempt sends the request with what the client already got appended, and
+  that unit's events follow on in the same response;
 - anything else ends the client's response: an error before the response started is a
   plain error response, after it one SSE error event (never a silent cut).
 
