@@ -157,6 +157,28 @@ async def test_a_stream_leaves_its_unit_once_ejected_and_a_draining_one_keeps_it
     await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
 
 
+@pytest.mark.parametrize("wire", ["http", "grpc"])
+async def test_a_grpc_stream_leaves_its_unit_once_ejected(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, wire: str
+) -> None:
+    a, b, gw = await two_units(start_sidecar, start_gateway, eject_after=1, grpc_unit_wire=wire)
+    request = inference_pb2.GenerateRequest(
+        prompt="tell me a story", sampling=inference_pb2.SamplingParams(max_tokens=200)
+    )
+    chunks: list[inference_pb2.GenerateChunk] = []
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=20)
+        async for chunk in call:
+            chunks.append(chunk)
+            if len(chunks) == 5:
+                eject(gw, chunk.unit_id)
+    assert sum(len(c.token_ids) for c in chunks) == 200
+    assert chunks[-1].usage.completion_tokens == 200
+    assert len({c.unit_id for c in chunks}) == 2, "continued on the other unit"
+    assert sample(gw, "unitproxy_migrations_total", reason="unit_lost") == 1
+    await wait_until(lambda: a.core.outstanding == b.core.outstanding == 0, what="all released")
+
+
 async def test_a_completion_goes_on_token_for_token(
     start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
 ) -> None:
