@@ -113,7 +113,7 @@ class ServerSettings(_Section):
     write_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="Longest time a client may leave its response unread while the server has more to send, in s; past it the connection closes, the request ends and its capacity slot is freed. Default 60.",
+        description="Longest time a client may leave its response unread while the server has more to send, in s; past it the request ends and its capacity slot is freed (and the unit's stream is cancelled, at a gateway). HTTP: the socket buffer stays full this long, and the connection is aborted. gRPC Generate: a message waits this long on the stream's flow-control window (a client's transport may first take its whole window, a few MB), and the call ends with DEADLINE_EXCEEDED (code write_timeout) behind the messages already sent. Default 60.",
     )
     max_connections: int = Field(
         4096,

@@ -130,6 +130,7 @@ class Gateway(Service):
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.metrics, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
+            s.server.write_timeout_s,
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.metrics, self.gateway_metrics, self.gate,

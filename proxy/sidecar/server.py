@@ -203,8 +203,9 @@ class Sidecar(Service):
     def _register_grpc(self, server: grpc.aio.Server) -> None:
         s = self.settings
         inference = grpc_api.InferenceService(
-            self.core, self.serving_metrics, s.server.max_prompt_chars, self.api_keys
-        )
+            self.core, self.serving_metrics, s.server.max_prompt_chars, self.api_keys,
+            s.server.write_timeout_s,
+        )  # fmt: skip
         load = grpc_api.LoadService(self.core, self.watch)
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
         load_pb2_grpc.add_LoadReportingServicer_to_server(load, server)
