@@ -84,6 +84,10 @@ class ServerSettings(_Section):
         None,
         description="File with more API keys, one a line (blank lines and # comments ignored). Default none.",
     )
+    resume_secret: SecretStr | None = Field(
+        None,
+        description="Secret shared by a fleet's gateways and sidecars, never by clients: a gateway signs the resume hint of a stream it moves to another unit after its unit failed, and a sidecar takes only hints signed with it (any other is 403), so a client cannot move its prompt tokens into completion tokens. unitproxy up makes one for its cell. Without it a gateway does not move streams after their first byte, and a sidecar refuses every hint. A secret: give it in the environment (UNITPROXY_SERVER__RESUME_SECRET) or the config file. Default none.",
+    )
     tls_cert_file: Path | None = Field(
         None,
         description="PEM certificate chain: serve HTTP and gRPC over TLS. Needs tls_key_file. Default none (plain).",

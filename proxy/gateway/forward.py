@@ -54,6 +54,7 @@ from proxy.httputil import (
     UNIT_HEADER,
 )
 from proxy.metrics import GatewayMetrics, LoopBuckets, ServingMetrics
+from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -136,9 +137,11 @@ class Forwarder:
         gate: Gate,
         wheel: Wheel,
         unit_key: str | None = None,
+        resume_key: HintKey | None = None,
     ):
         self.core = core
         self.settings = settings
+        self.resume_key = resume_key  # None: no migration after the first byte
         self.pools = pools
         self.wheel = wheel
         self.gateway_metrics = gateway_metrics
@@ -308,8 +311,8 @@ class HttpJob:
     def _continuation(self) -> tuple[bytes, str | None] | None:
         if not self._down.started:
             return self._req.body, None  # nothing went out: the request as it came
-        transcript = self._transcript
-        if transcript is None:
+        transcript, key = self._transcript, self._fw.resume_key
+        if transcript is None or key is None:
             return None
         text = transcript.text()
         if not transcript.resumable or transcript.finished:
@@ -317,7 +320,7 @@ class HttpJob:
         body = resume_body(self._req.route, self._req.body, text)
         if body is None:
             return None
-        return body, resume_hint(transcript.created, len(text))
+        return body, resume_hint(key, transcript.created, text)
 
     def _headers(self, conn: UnitConnection, unit: Unit) -> dict[str, str]:
         headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}

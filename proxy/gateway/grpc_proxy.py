@@ -68,6 +68,7 @@ from proxy.gateway.units import Unit
 from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics, ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
+from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -119,10 +120,12 @@ class GenerateProxy:
         unit_key: str | None = None,
         pool_for: Callable[[Unit], Pool | None] | None = None,
         write_timeout_s: float = 60.0,
+        resume_key: HintKey | None = None,
     ):
         self.core = core
         self.settings = settings
         self.write_timeout_s = write_timeout_s
+        self.resume_key = resume_key  # None: no migration after the first byte
         self.call_for = call_for
         self.wheel = wheel
         self.metrics = metrics
@@ -493,10 +496,13 @@ class GrpcJob:
     def _continuation(self) -> tuple[bytes, str | None] | None:
         if not self._sent:
             return self._request, None
+        key = self._proxy.resume_key
+        if key is None:
+            return None
         self._transcript.text()
         if self._transcript.finished:
             return None
-        return resume_generate(self._request, self._transcript)
+        return resume_generate(self._request, self._transcript, key)
 
     # -- silence ---------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from proxy.httputil import (
 )
 from proxy.ingress import Limits
 from proxy.metrics import GatewayMetrics, IngressMetrics, LoopCount, ServingMetrics, UnitView
+from proxy.resume import HintKey
 from proxy.serving import (
     Drain,
     ListenError,
@@ -127,14 +128,15 @@ class Gateway(Service):
         self.wheel = Wheel(asyncio.get_running_loop())
         stack.callback(self.wheel.close)
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
+        resume_key = self._resume_key()
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.metrics, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
-            s.server.write_timeout_s,
+            s.server.write_timeout_s, resume_key,
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.metrics, self.gateway_metrics, self.gate,
-            self.wheel, self._unit_key(),
+            self.wheel, self._unit_key(), resume_key,
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
 
@@ -184,6 +186,16 @@ class Gateway(Service):
         """What units are verified by: the CA file, else the system's roots. Loaded even
         when no configured unit is https://, for those discovered through Redis."""
         return await ClientTLS.load(self.settings.gateway.tls_ca_file)
+
+    def _resume_key(self) -> HintKey | None:
+        secret = self.settings.server.resume_secret
+        if secret is None:
+            if self.settings.gateway.migrations:
+                log.warning("server.resume_secret is not set: a stream whose unit fails "
+                            "after its first byte ends with an error instead of going on "
+                            "elsewhere (units take resume hints from gateways only)")  # fmt: skip
+            return None
+        return HintKey(secret.get_secret_value())
 
     def _unit_key(self) -> str | None:
         key = self.settings.gateway.unit_api_key

@@ -33,6 +33,7 @@ from proxy.errors import (
 )
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import ServingMetrics
+from proxy.resume import HintKey
 from proxy.sidecar.health import UnitHealth
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,10 @@ class SidecarCore:
         capacity: int,
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        resume_key: HintKey | None = None,
     ):
         self.unit_id = unit_id
+        self.resume_key = resume_key  # what resume hints must be signed with; None: none taken
         self.engine = engine
         self.health = health
         self.capacity = capacity

@@ -147,7 +147,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         )
         hint = resume.parse_hint(resume_hint)
         if hint is not None:
-            parsed = await resume.resume(parsed, hint, core.engine.count_tokens)
+            parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
         delivered = parsed.delivered_tokens or 0
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         lease = core.admit()
