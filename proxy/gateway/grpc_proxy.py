@@ -228,7 +228,7 @@ class GrpcJob:
         self._idle = False
         self._stopping = False
         self.stalled = False  # the client took no message for write_timeout_s
-        self._task = asyncio.current_task()
+        self._task = asyncio.current_task(self._loop)  # the loop given: no lookup of it
         self._writes: Timer | None = proxy.wheel.call_at(
             self._loop.time() + proxy.write_timeout_s, self._check_writes
         )
