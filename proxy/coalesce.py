@@ -12,6 +12,9 @@ write in flight, which is the backpressure a stalled client puts on its producer
 ``offer`` is ``put`` for a producer that is a protocol callback: it never waits, and
 pauses the producer's reading instead until the writer has taken what waits.
 
+``writing_since`` is the loop time the write in flight began (0.0 when none is): a
+writer that waits that long on a peer's flow control is the owner's to give up on.
+
 ``interval_s`` spaces the writes: after one, the next waits until that much time has
 passed (or ``close``), merging what comes meanwhile. The first item still goes out at
 once, and an item that comes after a quiet spell of that length waits for nothing;
@@ -61,6 +64,7 @@ class Coalescer(Generic[T]):
         self._spacing: asyncio.Future[None] | None = None  # the writer waits out interval_s
         self._task = self._loop.create_task(self._run())
         self.writes = 0
+        self.writing_since = 0.0  # loop time the write in flight began; 0.0: none is
 
     async def put(self, item: T) -> None:
         """Queue ``item``; raises the writer's error if a write failed."""
@@ -124,7 +128,9 @@ class Coalescer(Generic[T]):
                 reader.resume_reading()
             item = pending[0] if len(pending) == 1 else self._merge(pending)
             self.writes += 1
+            self.writing_since = self._loop.time()
             await self._write(item)
+            self.writing_since = 0.0
             if self._interval_s > 0 and not self._closing:
                 await self._space()
 

@@ -56,6 +56,7 @@ __all__ = [
     "UnitFailed",
     "UnitProxyError",
     "VersionNotSupported",
+    "write_timeout",
 ]
 
 # gRPC trailing metadata key that carries an error's ``code`` (as ``error.code`` does in an
@@ -85,6 +86,15 @@ class RequestTimeout(UnitProxyError):
     http_status = 408
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     error_type = "request_timeout"
+
+
+def write_timeout(limit_s: float) -> RequestTimeout:
+    """A gRPC client that took no message for ``server.write_timeout_s`` (an HTTP one
+    has its connection closed instead)."""
+    return RequestTimeout(
+        f"the client took no message for {limit_s:g} s (server.write_timeout_s)",
+        code="write_timeout",
+    )
 
 
 class PayloadTooLarge(UnitProxyError):

@@ -97,6 +97,10 @@ class ServerSettings(_Section):
         None,
         description="File with more API keys, one a line (blank lines and # comments ignored). Default none.",
     )
+    resume_secret: SecretStr | None = Field(
+        None,
+        description="Secret shared by a fleet's gateways and sidecars, never by clients: a gateway signs the resume hint of a stream it moves to another unit after its unit failed, and a sidecar takes only hints signed with it (any other is 403), so a client cannot move its prompt tokens into completion tokens. unitproxy up makes one for its cell. Without it a gateway does not move streams after their first byte, and a sidecar refuses every hint. A secret: give it in the environment (UNITPROXY_SERVER__RESUME_SECRET) or the config file. Default none.",
+    )
     tls_cert_file: Path | None = Field(
         None,
         description="PEM certificate chain: serve HTTP and gRPC over TLS. Needs tls_key_file. Default none (plain).",
@@ -126,7 +130,7 @@ class ServerSettings(_Section):
     write_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="Longest time a client may leave its response unread while the server has more to send, in s; past it the connection closes, the request ends and its capacity slot is freed. Default 60.",
+        description="Longest time a client may leave its response unread while the server has more to send, in s; past it the request ends and its capacity slot is freed (and the unit's stream is cancelled, at a gateway). HTTP: the socket buffer stays full this long, and the connection is aborted. gRPC Generate: a message waits this long on the stream's flow-control window (a client's transport may first take its whole window, a few MB), and the call ends with DEADLINE_EXCEEDED (code write_timeout) behind the messages already sent. Default 60.",
     )
     max_connections: int = Field(
         4096,

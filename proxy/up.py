@@ -9,6 +9,11 @@ is supervised: a child that exits is logged and left so, to be watched. With
 rewritten with its new pid. SIGINT or SIGTERM stops every child, restarted ones
 included (SIGTERM, then SIGKILL after the stop timeout, or at once on a second
 signal), and removes the state file.
+
+The gateway and the sidecars share a ``server.resume_secret`` (the one given, else a
+new random one for each start of the cell), in their environment: the gateway signs
+the resume hints of the streams it moves off a failed unit, and the sidecars take no
+other.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -129,6 +135,8 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
         return Child(role, name, unit, http_port, grpc_port, argv, log_path)
 
     gateway = child("gateway", "gateway", "", [])  # its --unit flags follow below
+    shared = {RESUME_SECRET_ENV: resume_secret(settings)}
+    gateway.env = dict(shared)
     units = []
     for i in range(up.units):
         unit_id = f"unit-{i}"
@@ -141,7 +149,7 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
         sidecar.args += given_flags(settings, TO_SIDECARS)
         if up.unit_models:  # after the engine flags: it wins over --served-model-name
             sidecar.args += ["--served-model-name", up.unit_models[i % len(up.unit_models)]]
-        sidecar.env = given_secrets(settings, TO_SIDECARS)
+        sidecar.env = {**given_secrets(settings, TO_SIDECARS), **shared}
         for f in followers:
             f.args += given_flags(settings, TO_FOLLOWERS)
         units.append(Unit(unit_id, sidecar, followers))
@@ -149,6 +157,15 @@ def plan(settings: Settings, ports: Iterator[int]) -> Cell:
         gateway.args += ["--unit", f"{u.unit_id}={u.sidecar.http_url},{u.sidecar.grpc_target}"]
     gateway.args += given_flags(settings, TO_GATEWAY)
     return Cell(gateway, units)
+
+
+RESUME_SECRET_ENV = "UNITPROXY_SERVER__RESUME_SECRET"
+
+
+def resume_secret(settings: Settings) -> str:
+    """The cell's server.resume_secret: the one given, else a new one."""
+    given = settings.server.resume_secret
+    return secrets.token_hex(32) if given is None else given.get_secret_value()
 
 
 # Passed in the environment: a command line is visible to every user of the machine

@@ -12,9 +12,10 @@ import aiohttp
 import pytest
 
 from proxy.gateway.server import Gateway
+from proxy.resume import HintKey, ResumeHint
 from proxy.settings import Settings, load
 from proxy.sidecar.server import Sidecar
-from tests.procs import Procs
+from tests.procs import RESUME_SECRET, Procs
 
 SidecarFactory = Callable[..., Awaitable[Sidecar]]
 
@@ -37,7 +38,12 @@ GatewayFactory = Callable[..., Awaitable[Gateway]]
 def sidecar_settings(**sections: dict[str, Any]) -> Settings:
     """Settings for a test sidecar: loopback, free ports, fast health checks, fast sim."""
     base: dict[str, dict[str, Any]] = {
-        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        "server": {
+            "host": "127.0.0.1",
+            "http_port": 0,
+            "grpc_port": 0,
+            "resume_secret": RESUME_SECRET,
+        },
         "health": {"interval_s": 0.05, "timeout_s": 0.5},
         "engine": {
             "sim": {"decode_step_ms": 1.0, "decode_ms_per_seq": 0.0, "prefill_ms_per_token": 0.0}
@@ -49,6 +55,16 @@ def sidecar_settings(**sections: dict[str, Any]) -> Settings:
         else:
             base.setdefault(name, {}).update(values)
     return load(base)
+
+
+def signed_hint(delivered: str | list[int], created: int | None = None) -> str:
+    """An ``x-unitproxy-resume`` value for ``delivered`` (text, or token ids), signed as
+    the test fleet's gateways sign it."""
+    if isinstance(delivered, str):
+        hint = ResumeHint(created, delivered_chars=len(delivered))
+    else:
+        hint = ResumeHint(created, delivered_tokens=len(delivered))
+    return HintKey(RESUME_SECRET).sign(hint, delivered)
 
 
 async def wait_until(
@@ -106,7 +122,12 @@ async def start_gateway() -> AsyncIterator[GatewayFactory]:
         units = [f"{s.core.unit_id}={s.http_url},{s.grpc_target}" for s in sidecars]
         settings = load(
             {
-                "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+                "server": {
+                    "host": "127.0.0.1",
+                    "http_port": 0,
+                    "grpc_port": 0,
+                    "resume_secret": RESUME_SECRET,
+                },
                 "gateway": {"units": units, **gateway},
             }
         )

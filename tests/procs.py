@@ -15,6 +15,9 @@ HOST = "127.0.0.1"
 START_TIMEOUT_S = 15.0  # a follower logs its addresses within this
 READY_TIMEOUT_S = 20.0  # a sidecar or gateway answers GET /ready with 200 within this
 STOP_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL after this
+# The test fleet's server.resume_secret: its gateways move streams, its sidecars take
+# their hints (tests/conftest.py gives in-process servers the same).
+RESUME_SECRET = "test-fleet-resume-secret"
 
 
 def free_ports(n: int) -> list[int]:
@@ -33,7 +36,8 @@ class Procs:
     async def start(self, *args: str, name: str = "proc") -> Proc:
         """``python -m proxy ARGS``, its output in the test's directory."""
         log = self.workdir / f"{name}-{len(self.started)}.log"
-        proc = await procutil.start(name, procutil.python_m(*args), log)
+        env = {"UNITPROXY_SERVER__RESUME_SECRET": RESUME_SECRET}
+        proc = await procutil.start(name, procutil.python_m(*args), log, env=env)
         self.started.append(proc)
         return proc
 

@@ -35,3 +35,7 @@ async def test_ingress_bench_quick(tmp_path: Path) -> None:
     assert goals["rss_max_mb <= 200"], output.decode()
     assert goals["no error"], output.decode()
     assert all(k["still_open"] == 0 for k in result["kinds"].values())
+    # gRPC streams never read: each given up, its unit slot freed, memory bounded.
+    assert goals["gRPC unread: every unread call given up, its unit slot freed"], output.decode()
+    assert goals["gRPC unread: rss_max_mb <= 200"], output.decode()
+    assert result["grpc_unread"]["ended"] == {"DEADLINE_EXCEEDED": 10}

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from proxy.sidecar.server import Sidecar
-from tests.conftest import GatewayFactory, SidecarFactory
+from tests.conftest import GatewayFactory, SidecarFactory, signed_hint
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -280,7 +280,7 @@ async def test_a_resume_with_nothing_left_ends_at_once_with_length(
     body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 4}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
-    hint = json.dumps({"created": 77, "delivered_chars": 18})
+    hint = signed_hint("one two three four", created=77)
     url = f"{sidecar.http_url}/v1/chat/completions"
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
@@ -322,3 +322,29 @@ async def test_the_gateway_shows_the_units_model_cards_with_vllms_fields(
     assert shown["permission"] == [{"id": "modelperm-1", "object": "model_permission"}]
     assert shown["unitproxy"] == {"units": [sidecar.core.unit_id], "simulator": False}
     assert again.model_dump(exclude_unset=True) == shown
+
+
+async def test_a_resume_hint_from_a_client_is_refused_on_the_engines_own_layer(
+    start_sidecar: SidecarFactory, recorder: Recorder
+) -> None:
+    # The same resume as above, but the hint is the client's own (no gateway signed
+    # it): refused before any work, so no usage moves from prompt to completion.
+    sidecar = await _sidecar(start_sidecar, recorder)
+    messages = [
+        {"role": "user", "content": "count"},
+        {"role": "assistant", "content": "one two three four"},
+    ]
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 4}
+    url = f"{sidecar.http_url}/v1/chat/completions"
+    for hint in (
+        json.dumps({"created": 77, "delivered_chars": 18}),
+        signed_hint("one two three fou?", created=77),  # signed for other output
+    ):
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+            http.post(url, json=body, headers={"x-unitproxy-resume": hint}) as resp,
+        ):
+            assert resp.status == 403
+            assert (await resp.json())["error"]["code"] == "resume_forbidden"
+    assert recorder.bodies == [], "no engine work"
+    assert sidecar.core.outstanding == 0

@@ -20,6 +20,7 @@ from proxy.gateway.router import Outcome
 from proxy.gateway.server import Gateway
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+from proxy.settings import load
 from proxy.sidecar.server import Sidecar
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
 from tests.procs import Procs, free_ports
@@ -228,6 +229,28 @@ async def test_no_unit_left_ends_the_stream_with_an_error_event(
     assert sample(gw, "unitproxy_requests_total", route="chat", code="503") == 1
     assert sample(gw, "unitproxy_requests_total", route="chat", code="200") == 0
     assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 0, "none happened"
+
+
+async def test_a_gateway_without_the_resume_secret_moves_no_started_stream(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    # Its units would refuse its hints (it cannot sign them): the stream ends with the
+    # unit's error, as with no unit left, instead of a refused resume.
+    a = await start_sidecar(sidecar={"unit_id": "a"}, sim=SLOW_SIM)
+    b = await start_sidecar(sidecar={"unit_id": "b"}, sim=SLOW_SIM)
+    units = [f"{s.core.unit_id}={s.http_url},{s.grpc_target}" for s in (a, b)]
+    settings = load({"server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+                     "gateway": {"units": units}})  # fmt: skip
+    async with Gateway(settings) as gw:
+        await wait_until(lambda: len(gw.router.serving()) == 2, what="both units SERVING")
+        resp = await http.post(f"{gw.http_url}/v1/chat/completions", json=CHAT)
+        await read_events(resp, 3)
+        await sidecar_of(resp, a, b).engine.stop()
+        events = await rest_of(resp)
+        assert json.loads(events[-1])["error"]["code"] == "unit_failed"
+        assert sample(gw, "unitproxy_migrations_total", reason="unit_failed") == 0
+        assert sample(gw, "unitproxy_requests_total", route="chat", code="503") == 1
+        resp.release()
 
 
 async def test_a_client_may_opt_out_of_migration(

@@ -8,6 +8,19 @@ import tracemalloc
 from proxy.gateway import resume
 from proxy.gateway.resume import GrpcTranscript, SseTranscript, resume_body, resume_generate
 from proxy.pb.unitproxy.v1 import inference_pb2
+from proxy.resume import HintKey, parse_hint
+
+KEY = HintKey("test-secret")
+
+
+def unsigned(value: str, delivered: str | list[int]) -> dict[str, int]:
+    """The hint's counts, once its signature is checked for ``delivered``."""
+    hint = parse_hint(value)
+    assert hint is not None and KEY.valid(hint, delivered)
+    assert not HintKey("another-secret").valid(hint, delivered)
+    raw: dict[str, int] = json.loads(value)
+    del raw["sig"]
+    return raw
 
 
 def chat_event(content: str | None, *, role: bool = False, finish: str | None = None) -> bytes:
@@ -78,7 +91,10 @@ def test_a_chat_resumes_with_a_partial_assistant_message() -> None:
     assert out["messages"][-1] == {"role": "assistant", "content": "Dear sir"}
     assert len(out["messages"]) == 2
     assert resume_body("chat", body.encode(), "") == body.encode()
-    assert json.loads(resume.resume_hint(17, 5)) == {"created": 17, "delivered_chars": 5}
+    assert unsigned(resume.resume_hint(KEY, 17, " sir!"), " sir!") == {
+        "created": 17,
+        "delivered_chars": 5,
+    }
 
 
 def grpc_chunks(*texts: str, ids_from: int = 0) -> list[bytes]:
@@ -95,13 +111,13 @@ def test_grpc_requests_resume_by_their_input_kind() -> None:
     by_ids = inference_pb2.GenerateRequest(
         request_id="r", prompt_token_ids=inference_pb2.PromptTokenIds(ids=[1, 2])
     )
-    out = resume_generate(by_ids.SerializeToString(), t)
+    out = resume_generate(by_ids.SerializeToString(), t, KEY)
     assert out is not None
     msg = inference_pb2.GenerateRequest.FromString(out[0])
     assert list(msg.prompt_token_ids.ids) == [1, 2, 7, 8]
-    assert json.loads(out[1]) == {"delivered_tokens": 2}
+    assert unsigned(out[1], [7, 8]) == {"delivered_tokens": 2}
     by_text = inference_pb2.GenerateRequest(request_id="r", prompt="Once")
-    out = resume_generate(by_text.SerializeToString(), t)
+    out = resume_generate(by_text.SerializeToString(), t, KEY)
     assert out is not None
     assert inference_pb2.GenerateRequest.FromString(out[0]).prompt == "Once a b"
     chat = inference_pb2.GenerateRequest(
@@ -109,12 +125,12 @@ def test_grpc_requests_resume_by_their_input_kind() -> None:
             messages=[inference_pb2.ChatMessage(role="user", content="hi")]
         )
     )
-    out = resume_generate(chat.SerializeToString(), t)
+    out = resume_generate(chat.SerializeToString(), t, KEY)
     assert out is not None
     resumed = inference_pb2.GenerateRequest.FromString(out[0]).chat
     assert resumed.continue_final_message
     assert (resumed.messages[-1].role, resumed.messages[-1].content) == ("assistant", " a b")
-    assert json.loads(out[1]) == {"delivered_chars": 4}
+    assert unsigned(out[1], " a b") == {"delivered_chars": 4}
 
 
 def test_what_a_2000_token_stream_keeps_is_bounded() -> None:

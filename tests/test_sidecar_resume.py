@@ -15,8 +15,9 @@ import pytest
 
 from proxy.httputil import RESUME_HEADER
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+from proxy.resume import HintKey, ResumeHint
 from proxy.sidecar.server import Sidecar
-from tests.conftest import SidecarFactory
+from tests.conftest import SidecarFactory, signed_hint
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -31,8 +32,8 @@ MESSAGES: list[dict[str, Any]] = [
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 
 
-def hint(**fields: int) -> dict[str, str]:
-    return {RESUME_HEADER: json.dumps(fields, separators=(",", ":"))}
+def hint(delivered: str, created: int | None = None) -> dict[str, str]:
+    return {RESUME_HEADER: signed_hint(delivered, created)}
 
 
 @dataclass
@@ -147,7 +148,7 @@ async def test_completion_resumes_where_it_stopped(
         client,
         PROMPT + delivered,
         stream,
-        hint(created=CREATED, delivered_chars=len(delivered)),
+        hint(delivered, CREATED),
     )
     assert_rest(whole, rest, delivered)
     if stream:
@@ -162,7 +163,7 @@ async def test_chat_resumes_its_final_assistant_message(
     assert whole.role_chunks == 1
     delivered = "".join(whole.pieces[:K])
     partial = [*MESSAGES, {"role": "assistant", "content": delivered}]
-    headers = hint(created=CREATED, delivered_chars=len(delivered))
+    headers = hint(delivered, CREATED)
     rest = await chat(client, partial, stream, headers, CONTINUE)
     assert_rest(whole, rest, delivered)
     if stream:
@@ -172,9 +173,7 @@ async def test_chat_resumes_its_final_assistant_message(
 
 async def test_output_used_up_ends_at_once(client: openai.AsyncOpenAI) -> None:
     whole = await completion(client, PROMPT, True, {})
-    rest = await completion(
-        client, PROMPT + whole.text, True, hint(created=CREATED, delivered_chars=len(whole.text))
-    )
+    rest = await completion(client, PROMPT + whole.text, True, hint(whole.text, CREATED))
     assert rest.text == ""
     assert (rest.finish_reason, rest.usage) == ("length", whole.usage)
 
@@ -222,7 +221,7 @@ async def test_chat_hint_needs_a_continued_assistant_message(
     partial = [*MESSAGES, {"role": "assistant", "content": " the"}]
     url = f"{sidecar.http_url}/v1/chat/completions"
     for body in ({"messages": partial}, {"messages": MESSAGES, **CONTINUE}):
-        async with http.post(url, json=body, headers=hint(delivered_chars=4)) as resp:
+        async with http.post(url, json=body, headers=hint(" the")) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == RESUME_HEADER
     both = {"messages": partial, "continue_final_message": True}
@@ -260,8 +259,8 @@ async def generate(
     )
 
 
-def grpc_hint(**fields: int) -> tuple[tuple[str, str], ...]:
-    return ((RESUME_HEADER, json.dumps(fields)),)
+def grpc_hint(delivered: str | list[int]) -> tuple[tuple[str, str], ...]:
+    return ((RESUME_HEADER, signed_hint(delivered)),)
 
 
 async def test_grpc_resumes_text_ids_and_chat(sidecar: Sidecar) -> None:
@@ -274,7 +273,7 @@ async def test_grpc_resumes_text_ids_and_chat(sidecar: Sidecar) -> None:
         rest = await generate(
             stub,
             inference_pb2.GenerateRequest(prompt=PROMPT + delivered.text),
-            grpc_hint(delivered_chars=len(delivered.text)),
+            grpc_hint(delivered.text),
         )
         assert rest.token_ids == whole.token_ids[K:]
         assert rest.text == whole.text[len(delivered.text) :]
@@ -283,7 +282,7 @@ async def test_grpc_resumes_text_ids_and_chat(sidecar: Sidecar) -> None:
         ids = [17, 4, 99, 250, 3]
         whole = await generate(stub, prompt_ids(ids))
         rest = await generate(
-            stub, prompt_ids(ids + whole.token_ids[:K]), grpc_hint(delivered_tokens=K)
+            stub, prompt_ids(ids + whole.token_ids[:K]), grpc_hint(whole.token_ids[:K])
         )
         assert rest.token_ids == whole.token_ids[K:]
         assert rest.usage == whole.usage == (5, N, 5 + N)
@@ -300,13 +299,13 @@ async def test_grpc_resumes_text_ids_and_chat(sidecar: Sidecar) -> None:
         rest = await generate(
             stub,
             inference_pb2.GenerateRequest(chat=continued),
-            grpc_hint(delivered_chars=len(partial)),
+            grpc_hint(partial),
         )
         assert rest.token_ids == whole.token_ids[K:]
         assert rest.usage == whole.usage
 
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await generate(stub, prompt_ids(ids), grpc_hint(delivered_tokens=6))
+            await generate(stub, prompt_ids(ids), grpc_hint([0] * 6))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert RESUME_HEADER in (info.value.details() or "")
     assert sidecar.core.outstanding == 0
@@ -314,3 +313,60 @@ async def test_grpc_resumes_text_ids_and_chat(sidecar: Sidecar) -> None:
 
 def prompt_ids(ids: list[int]) -> inference_pb2.GenerateRequest:
     return inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.PromptTokenIds(ids=ids))
+
+
+# -- only a gateway gives hints --------------------------------------------------------
+
+
+def forged(kind: str, delivered: str) -> str:
+    """A hint a client could make, holding no resume secret."""
+    if kind == "unsigned":
+        return json.dumps({"created": CREATED, "delivered_chars": len(delivered)})
+    if kind == "another secret":
+        return HintKey("not-the-fleet-secret").sign(ResumeHint(CREATED, len(delivered)), delivered)
+    if kind == "other output":  # a real signature, for other text of the same length
+        return signed_hint(delivered[:-1] + "?", CREATED)
+    # A real signature with its count raised: more of the prompt called output.
+    raw = json.loads(signed_hint(delivered, CREATED))
+    raw["delivered_chars"] += len(PROMPT)
+    return json.dumps(raw)
+
+
+@pytest.mark.parametrize("kind", ["unsigned", "another secret", "other output", "count raised"])
+async def test_a_hint_not_signed_by_a_gateway_is_refused(
+    sidecar: Sidecar, client: openai.AsyncOpenAI, http: aiohttp.ClientSession, kind: str
+) -> None:
+    whole = await completion(client, PROMPT, True, {})
+    delivered = "".join(whole.pieces[:K])
+    body = {"prompt": PROMPT + delivered, "max_tokens": N, "stream": True}
+    headers = {RESUME_HEADER: forged(kind, delivered)}
+    async with http.post(f"{sidecar.http_url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 403
+        error = (await resp.json())["error"]
+    assert error["code"] == "resume_forbidden" and RESUME_HEADER in error["message"]
+    async with grpc.aio.insecure_channel(sidecar.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.GenerateRequest(prompt=PROMPT + delivered)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(stub, request, ((RESUME_HEADER, forged(kind, delivered)),))
+    assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert sidecar.core.outstanding == 0
+    # The gateway's own hint for the same request is taken: usage as one request.
+    rest = await completion(client, PROMPT + delivered, True, hint(delivered, CREATED))
+    assert_rest(whole, rest, delivered)
+
+
+async def test_a_sidecar_without_a_resume_secret_takes_no_hint(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    lone = await start_sidecar(server={"resume_secret": None})
+    body = {"prompt": PROMPT + " the", "max_tokens": N}
+    headers = {RESUME_HEADER: signed_hint(" the", CREATED)}
+    async with http.post(f"{lone.http_url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 403
+        error = (await resp.json())["error"]
+    assert error["code"] == "resume_forbidden" and "resume_secret" in error["message"]
+    async with http.post(f"{lone.http_url}/v1/completions", json=body) as resp:
+        assert resp.status == 200  # the same request without the hint: a new one
+        usage = (await resp.json())["usage"]
+    assert usage["completion_tokens"] == N

@@ -125,6 +125,18 @@ def test_plan_names_ports_and_flags() -> None:
     assert cell.gateway.log_path == Path(".unitproxy/logs/gateway.log")
 
 
+def test_the_gateway_and_the_sidecars_share_a_resume_secret_in_their_environment() -> None:
+    cell = _plan(up={"units": 2, "followers": 1})
+    secret = cell.gateway.env["UNITPROXY_SERVER__RESUME_SECRET"]
+    assert len(secret) == 64  # 32 random bytes, hex
+    assert [u.sidecar.env["UNITPROXY_SERVER__RESUME_SECRET"] for u in cell.units] == [secret] * 2
+    assert all(secret not in " ".join(c.args) for c in cell.children)
+    assert _plan().gateway.env["UNITPROXY_SERVER__RESUME_SECRET"] != secret  # a new one
+    given = _plan(server={"resume_secret": "our-fleet"})
+    assert given.gateway.env["UNITPROXY_SERVER__RESUME_SECRET"] == "our-fleet"
+    assert given.units[0].sidecar.env["UNITPROXY_SERVER__RESUME_SECRET"] == "our-fleet"
+
+
 def test_units_of_different_models() -> None:
     cell = _plan(
         up={"units": 3, "followers": 0, "unit_models": ["llama", "qwen"]},

@@ -26,7 +26,7 @@ from proxy.load import UnitState
 from proxy.settings import load
 from proxy.sidecar.server import Sidecar
 from tests import test_engine_openai_vllm, test_engine_vllm
-from tests.conftest import sidecar_settings, wait_until
+from tests.conftest import sidecar_settings, signed_hint, wait_until
 from tests.test_engine_vllm import (
     MODEL_NAME,
     VLLM_TEST_TIMEOUT_S,
@@ -350,12 +350,9 @@ async def test_a_resumed_stream_continues_the_unfailed_one(sidecar: Sidecar) -> 
             "continue_final_message": True,
             "add_generation_prompt": False,
         }
-        hint = {"created": whole[0]["created"], "delivered_chars": len(delivered)}
+        hint = signed_hint(delivered, whole[0]["created"])
         rest = await _sse(
-            http,
-            sidecar.http_url,
-            resumed_body,
-            {**headers, "x-unitproxy-resume": json.dumps(hint, separators=(",", ":"))},
+            http, sidecar.http_url, resumed_body, {**headers, "x-unitproxy-resume": hint}
         )
     assert all("role" not in (c["choices"] or [{"delta": {}}])[0]["delta"] for c in rest)
     rest_texts = [c["choices"][0]["delta"].get("content") for c in rest if c["choices"]]
@@ -391,12 +388,9 @@ async def test_a_resume_with_nothing_left_is_the_finish_alone(sidecar: Sidecar) 
             "continue_final_message": True,
             "add_generation_prompt": False,
         }
-        hint = {"created": whole[0]["created"], "delivered_chars": len(delivered)}
+        hint = signed_hint(delivered, whole[0]["created"])
         rest = await _sse(
-            http,
-            sidecar.http_url,
-            resumed_body,
-            {**headers, "x-unitproxy-resume": json.dumps(hint, separators=(",", ":"))},
+            http, sidecar.http_url, resumed_body, {**headers, "x-unitproxy-resume": hint}
         )
     assert rest[0]["choices"][0]["finish_reason"] == "length"
     assert rest[0]["choices"][0]["delta"] == {"content": ""}

@@ -52,6 +52,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -98,13 +99,18 @@ AWAY = re.compile(
 # starts a drained sidecar again on its ports, which up does not do on demand.
 
 
+# The gateway signs the resume hints of the streams it moves with the secret it shares
+# with the sidecars (server.resume_secret), as `unitproxy up` sets it up.
+CELL_ENV = {"UNITPROXY_SERVER__RESUME_SECRET": secrets.token_hex(32)}
+
+
 @asynccontextmanager
 async def running(name: str, args: Sequence[str], log: Path) -> AsyncIterator[Child]:
     """``python -m proxy ARGS``, output added to ``log`` (a restarted sidecar's goes on
     after the last one's); stopped on the way out, whatever happened."""
     argv = python_m(*args)
     async with procutil.running(
-        name, argv, log, cwd=REPO, stop_timeout_s=STOP_TIMEOUT_S, append=True
+        name, argv, log, cwd=REPO, stop_timeout_s=STOP_TIMEOUT_S, append=True, env=CELL_ENV
     ) as child:
         yield child
 

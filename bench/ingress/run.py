@@ -21,6 +21,12 @@ Goals: gateway RSS at most 200 MB with every hostile connection open; each close
 within its timeout (plus one second of slack); the normal client's TTFT p99 under
 attack within 2x of the baseline, and no error.
 
+Then, in a cell of its own with a fast unit, --grpc-unread gRPC Generate streams (10)
+that their client opens and never reads, beside the normal client: the gateway must
+give each up (DEADLINE_EXCEEDED) once flow control has held its writer for
+server.write_timeout_s (2 s with --quick, else 60), freeing its unit slot, with its
+RSS and the normal client's TTFT p99 held to the same goals.
+
     .venv/bin/python bench/ingress/run.py            # 1,000 connections, default limits (~2 min)
     .venv/bin/python bench/ingress/run.py --quick    # 200 connections, 1-3 s limits (~20 s)
 """
@@ -46,6 +52,7 @@ if __package__ in (None, ""):  # run as a file: make the bench package importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
+import grpc
 
 from bench.common import code_version, cpu_model, free_ports, loop_name, run_loop, until_signal
 from proxy.procutil import python_m, running
@@ -359,6 +366,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await normal_client(url, args.concurrency, 1.0)  # warm up
             baseline = await normal_client(url, args.concurrency, duration_s)
             result = await attack(url, pid, args, n, duration_s, limits)
+        grpc_unread = await grpc_unread_phase(args, Path(tmp)) if args.grpc_unread else None
     streams: Streams = result["streams"]
     kinds = summarize(result["hostiles"], limits)
     ratio = streams.p(0.99) / baseline.p(0.99) if baseline.ttft_ms else float("nan")
@@ -383,11 +391,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "rss_max_mb": round(result["rss_max_mb"], 1),
         "all_open_after_s": round(result["open_s"], 2),
         "kinds": kinds,
+        "grpc_unread": grpc_unread,
         "goals": {
             "rss_max_mb <= 200": result["rss_max_mb"] <= RSS_GOAL_MB,
             "every hostile connection closed in time": closed_in_time == n,
             "ttft p99 within 2x": ratio <= TTFT_GOAL_RATIO,
             "no error": streams.errors == 0 and baseline.errors == 0,
+            **({} if grpc_unread is None
+               else {f"gRPC unread: {k}": v for k, v in grpc_unread["goals"].items()}),
         },
     }  # fmt: skip
 
@@ -413,8 +424,194 @@ def table(r: dict[str, Any]) -> str:
             f"{kind:10} {k['connections']:>6} {k['timeout_s']:>9g} {k['closed_in_time']:>8} "
             f"{k['still_open']:>5} {k['close_s_min']!s:>11} {k['close_s_max']!s:>7}  {k['answers']}"
         )
+    if r.get("grpc_unread"):
+        lines += ["", grpc_unread_table(r["grpc_unread"])]
     lines.append("")
     lines += [f"{'met' if ok else 'MISSED'}: {goal}" for goal, ok in r["goals"].items()]
+    return "\n".join(lines)
+
+
+# -- never-reading gRPC clients ------------------------------------------------------------
+# Generate streams that a client opens and never reads, on a fast unit, while the normal
+# client streams beside them: the gateway must give each up once flow control has held
+# its writer for server.write_timeout_s, so the unit's slot frees, and hold bounded memory
+# meanwhile. In a cell of its own (the gRPC port and a fast unit), run after the others.
+# A default grpc.aio channel's transport takes its whole window (a few MB per stream on
+# loopback) before flow control holds anything: --grpc-unread-window default plays that,
+# which at the simulator's speed takes minutes; the default plays a 64 KB window.
+
+GRPC_UNREAD_REQUEST_TOKENS = 10_000_000  # never reached: the stream is given up first
+GRPC_FREE_SLACK_S = 10.0  # past write_timeout_s, for the window to fill and the timer grain
+
+
+@asynccontextmanager
+async def grpc_cell(workdir: Path, write_timeout_s: float) -> AsyncIterator[dict[str, Any]]:
+    """A fast sidecar and a gateway (no API keys) for the gRPC attack."""
+    s_http, s_grpc, g_http, g_grpc = free_ports(4)
+    limit = ["--write-timeout", str(write_timeout_s), "--log-level", "warning"]
+    sidecar = ["sidecar", "--host", HOST, "--http-port", str(s_http), "--grpc-port", str(s_grpc),
+               "--unit-id", "u0", "--capacity", "256", "--sim-max-num-seqs", "256",
+               "--sim-decode-step-ms", "0.2", "--sim-prefill-ms-per-token", "0", *limit]  # fmt: skip
+    gateway = ["gateway", "--host", HOST, "--http-port", str(g_http), "--grpc-port", str(g_grpc),
+               "--unit", f"u0=http://{HOST}:{s_http},{HOST}:{s_grpc}", *limit]  # fmt: skip
+    async with running("sidecar", python_m(*sidecar), workdir / "grpc-sidecar.log", cwd=REPO,
+                       stop_timeout_s=5.0) as unit:  # fmt: skip
+        unit.http_url = f"http://{HOST}:{s_http}"
+        await unit.until_ready(START_TIMEOUT_S)
+        async with running("gateway", python_m(*gateway), workdir / "grpc-gateway.log",
+                           cwd=REPO, stop_timeout_s=5.0) as gw:  # fmt: skip
+            gw.http_url = f"http://{HOST}:{g_http}"
+            await gw.until_ready(START_TIMEOUT_S)
+            yield {"url": gw.http_url, "grpc": f"{HOST}:{g_grpc}", "pid": gw.pid,
+                   "unit": unit.http_url}  # fmt: skip
+
+
+async def grpc_unread_worker(target: str, n: int, small_window: bool) -> None:
+    """Opens ``n`` Generate streams and reads none; prints OPEN once each has its first
+    message; on a line on stdin reads them all and prints how each ended."""
+    from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+
+    options = [("grpc.http2.bdp_probe", 0)] if small_window else []
+    request = inference_pb2.GenerateRequest(
+        prompt="x", sampling=inference_pb2.SamplingParams(max_tokens=GRPC_UNREAD_REQUEST_TOKENS)
+    )
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        calls = [stub.Generate(request) for _ in range(n)]
+        async with asyncio.timeout(START_TIMEOUT_S):
+            await asyncio.gather(*(call.initial_metadata() for call in calls))
+        print("OPEN", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        ended = await asyncio.gather(*(how_it_ends(call) for call in calls))
+        print(json.dumps({code: ended.count(code) for code in set(ended)}), flush=True)
+
+
+async def how_it_ends(call: Any) -> str:
+    """The status a call ends with once read, or "still open" after 10 s of reading."""
+    try:
+        async with asyncio.timeout(10):
+            async for _ in call:
+                pass
+        return "OK"
+    except grpc.aio.AioRpcError as exc:
+        return str(exc.code().name)
+    except TimeoutError:
+        call.cancel()
+        return "still open"
+
+
+STALLED = 'unitproxy_requests_total{code="DEADLINE_EXCEEDED",route="grpc_generate"}'
+
+
+async def until_given_up(gateway_url: str, n: int, limit_s: float) -> float | None:
+    """Seconds until the gateway has ended ``n`` gRPC calls with DEADLINE_EXCEEDED (its
+    write timeout), polled from its /metrics; None if not within ``limit_s``."""
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while time.monotonic() - started < limit_s:
+            async with http.get(f"{gateway_url}/metrics") as resp:
+                text = await resp.text()
+            counted = [float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith(STALLED)]  # fmt: skip
+            if counted and counted[0] >= n:
+                return time.monotonic() - started
+            await asyncio.sleep(0.1)
+    return None
+
+
+async def unit_outstanding(unit_url: str) -> int:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+        http.get(f"{unit_url}/load") as resp,
+    ):
+        return int((await resp.json())["outstanding"])
+
+
+async def grpc_unread_phase(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    write_timeout_s = 2.0 if args.quick else 60.0
+    duration_s = args.duration or (3.0 if args.quick else 10.0)
+    n = args.grpc_unread
+    async with grpc_cell(workdir, write_timeout_s) as cell_:
+        url = cell_["url"]
+        await normal_client(url, args.concurrency, 1.0)  # warm up
+        baseline = await normal_client(url, args.concurrency, duration_s)
+        rss = [rss_mb(cell_["pid"])]
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--grpc-unread-worker", cell_["grpc"],
+            "--grpc-unread", str(n), "--grpc-unread-window", args.grpc_unread_window,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert worker.stdin is not None and worker.stdout is not None
+        stop = asyncio.Event()
+
+        async def sample() -> None:
+            with contextlib.suppress(OSError):
+                while not stop.is_set():
+                    rss.append(rss_mb(cell_["pid"]))
+                    await asyncio.sleep(0.25)
+
+        sampler = asyncio.ensure_future(sample())
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                line = await worker.stdout.readline()
+            if line.strip() != b"OPEN":
+                raise RuntimeError(f"the gRPC worker failed: {line[:300]!r}")
+            limit_s = write_timeout_s + GRPC_FREE_SLACK_S
+            given_up = asyncio.ensure_future(until_given_up(url, n, limit_s))
+            attacked = await normal_client(url, args.concurrency, duration_s)
+            given_up_after_s = await given_up
+            # The normal client is done and the unread calls are still open: every
+            # request the unit holds now is one of theirs.
+            left = await unit_outstanding(cell_["unit"])
+            worker.stdin.write(b"read\n")
+            await worker.stdin.drain()
+            async with asyncio.timeout(60):
+                codes = json.loads(await worker.stdout.readline())
+                await worker.wait()
+        finally:
+            if worker.returncode is None:
+                worker.kill()
+                await worker.wait()
+            stop.set()
+            await sampler
+    ratio = attacked.p(0.99) / baseline.p(0.99) if baseline.ttft_ms else float("nan")
+    return {
+        "streams": n,
+        "window": args.grpc_unread_window,
+        "write_timeout_s": write_timeout_s,
+        "baseline": {"streams": len(baseline.ttft_ms), "errors": baseline.errors,
+                     "ttft_p99_ms": baseline.p(0.99)},
+        "under_attack": {"streams": len(attacked.ttft_ms), "errors": attacked.errors,
+                         "ttft_p99_ms": attacked.p(0.99)},
+        "ttft_p99_ratio": ratio,
+        "rss_before_mb": round(rss[0], 1),
+        "rss_max_mb": round(max(rss), 1),
+        "given_up_after_s": None if given_up_after_s is None else round(given_up_after_s, 2),
+        "unit_slots_held_after": left,
+        "ended": codes,
+        "goals": {
+            "rss_max_mb <= 200": max(rss) <= RSS_GOAL_MB,
+            "every unread call given up, its unit slot freed": (
+                given_up_after_s is not None and left == 0
+            ),
+            "ttft p99 within 2x": ratio <= TTFT_GOAL_RATIO,
+            "no error": attacked.errors == 0 and baseline.errors == 0,
+        },
+    }  # fmt: skip
+
+
+def grpc_unread_table(g: dict[str, Any]) -> str:
+    lines = [
+        f"{g['streams']} gRPC streams never read ({g['window']} window, write timeout "
+        f"{g['write_timeout_s']:g} s), normal client beside them",
+        f"TTFT p99 {g['baseline']['ttft_p99_ms']:.1f} ms before, "
+        f"{g['under_attack']['ttft_p99_ms']:.1f} ms under attack (ratio "
+        f"{g['ttft_p99_ratio']:.2f}); gateway RSS {g['rss_before_mb']} MB before, "
+        f"{g['rss_max_mb']} MB at most",
+        f"all given up {g['given_up_after_s']} s after the streams opened, unit slots "
+        f"still held then {g['unit_slots_held_after']}; the streams ended {g['ended']}",
+    ]
+    lines += [f"{'met' if ok else 'MISSED'}: {goal}" for goal, ok in g["goals"].items()]
     return "\n".join(lines)
 
 
@@ -429,6 +626,11 @@ def parse_args() -> argparse.Namespace:
                         help="hostile kinds, spread evenly (default: all)")  # fmt: skip
     parser.add_argument("--with-key", action="store_true",
                         help="hostile clients send a valid API key")  # fmt: skip
+    parser.add_argument("--grpc-unread", type=int, default=10,
+                        help="gRPC streams opened and never read (0: skip that attack)")  # fmt: skip
+    parser.add_argument("--grpc-unread-window", choices=("small", "default"), default="small",
+                        help="their client's HTTP/2 window: 64 KB, or grpc's own")  # fmt: skip
+    parser.add_argument("--grpc-unread-worker", metavar="TARGET", help=argparse.SUPPRESS)
     parser.add_argument("--hostile-worker", metavar="URL", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -437,6 +639,10 @@ def run() -> int:
     args = parse_args()
     if args.with_key:
         HOSTILE_AUTH.append(f"Authorization: Bearer {KEY}")
+    if args.grpc_unread_worker:
+        small = args.grpc_unread_window == "small"
+        run_loop(grpc_unread_worker(args.grpc_unread_worker, args.grpc_unread, small))
+        return 0
     if args.hostile_worker:
         run_loop(hostile_worker(args.hostile_worker, args.hostile, args.kinds, limits_of(args)))
         return 0

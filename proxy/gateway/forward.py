@@ -58,6 +58,7 @@ from proxy.httputil import (
     error_parts,
 )
 from proxy.metrics import GatewayMetrics, LoopBuckets
+from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -150,9 +151,11 @@ class Forwarder:
         wheel: Wheel,
         unit_key: str | None = None,
         routes: tuple[str, ...] = ("completions", "chat"),  # the route labels it serves
+        resume_key: HintKey | None = None,
     ):
         self.core = core
         self.settings = settings
+        self.resume_key = resume_key  # None: no migration after the first byte
         self.pools = pools
         self.wheel = wheel
         self.gateway_metrics = metrics
@@ -391,8 +394,8 @@ class HttpJob:
             return self._req.body, None  # nothing went out: the request as it came
         if self._req.route not in RESUMABLE:
             return None
-        transcript = self._transcript
-        if transcript is None:
+        transcript, key = self._transcript, self._fw.resume_key
+        if transcript is None or key is None:
             return None
         text = transcript.text()
         if not transcript.resumable or transcript.finished:
@@ -400,7 +403,7 @@ class HttpJob:
         body = resume_body(self._req.route, self._req.body, text)
         if body is None:
             return None
-        return body, resume_hint(transcript.created, len(text))
+        return body, resume_hint(key, transcript.created, text)
 
     def _headers(self, conn: UnitConnection, unit: Unit) -> dict[str, str]:
         headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}

@@ -9,6 +9,14 @@ is in flight are decoded only to be merged into the next one (``proxy.coalesce``
 Every message that went toward the client is kept (``resume.GrpcTranscript``) in case
 its unit fails.
 
+A client that takes no message for ``server.write_timeout_s`` (a write to it waits that
+long on HTTP/2 flow control: its window is full, gRPC's equivalent of a full socket
+buffer) is given up on as one that went away: its unit's stream is cancelled, which
+frees the unit's slot, and its status (DEADLINE_EXCEEDED, code write_timeout) waits
+behind the messages it has yet to read. What the gateway holds for such a client stays bounded: the
+writer's queue pauses the unit stream at ``coalesce.DEFAULT_LIMIT`` messages, and the
+unit's own stream is flow controlled in turn.
+
 An attempt ends as on HTTP: RESOURCE_EXHAUSTED, or UNAVAILABLE before the first
 message (the unit's refusal or no connection), is a RETRY; UNAVAILABLE after it, or a
 unit silent for ``stream_idle_timeout_s``, is a MIGRATE (the request goes on elsewhere
@@ -29,7 +37,14 @@ import grpc
 from proxy import grpcweb
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
-from proxy.errors import GRPC_CODE_KEY, DeadlineExceeded, Unavailable, UnitProxyError
+from proxy.errors import (
+    GRPC_CODE_KEY,
+    DeadlineExceeded,
+    RequestTimeout,
+    Unavailable,
+    UnitProxyError,
+    write_timeout,
+)
 from proxy.gate import Gate
 from proxy.gateway.core import (
     DONE_OK,
@@ -55,6 +70,7 @@ from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.ratelimit import RateLimited
+from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
 from proxy.timers import Deadline, Timer, Wheel
 
@@ -105,9 +121,13 @@ class GenerateProxy:
         unit_key: str | None = None,
         pool_for: Callable[[Unit], Pool | None] | None = None,
         tenancy: TenantGate | None = None,
+        write_timeout_s: float = 60.0,
+        resume_key: HintKey | None = None,
     ):
         self.core = core
         self.settings = settings
+        self.write_timeout_s = write_timeout_s
+        self.resume_key = resume_key  # None: no migration after the first byte
         self.call_for = call_for
         self.wheel = wheel
         self.metrics = metrics.serving
@@ -153,17 +173,22 @@ class GenerateProxy:
             await context.abort(exc.grpc_code, exc.message, refusal_metadata(exc))
         job = GrpcJob(self, request, context, started, admission)
         self.streams += 1
+        error: UnitProxyError | None = None
         try:
-            await self.core.run(job, self.core.grpc_want(request))
-            await job.finish()
-        except UnitProxyError as exc:
-            code = exc.grpc_code.name
-            await job.flush()  # what the units sent before the error, then the status
-            await context.abort(exc.grpc_code, exc.message, ((GRPC_CODE_KEY, exc.code),))
+            try:
+                await self.core.run(job, self.core.grpc_want(request))
+                await job.finish()
+            except UnitProxyError as exc:
+                error = exc
+                await job.flush()  # what the units sent before the error, then the status
         except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
+            if not job.stalled:
+                code = "CANCELLED"
+                raise
+            error = job.stall_error()
         finally:
+            if error is not None:
+                code = error.grpc_code.name
             self.streams -= 1
             job.close()
             self._gate.exit()
@@ -172,6 +197,10 @@ class GenerateProxy:
             if admission is not None:
                 job.measure(admission.usage)
                 admission.finish(code)  # settles its tokens, whatever ended it
+        if error is not None:
+            # After a stall the status waits behind the messages the client has yet to
+            # read: it gets them, then the status, if it ever reads again.
+            await context.abort(error.grpc_code, error.message, ((GRPC_CODE_KEY, error.code),))
 
 
 class GrpcJob:
@@ -215,6 +244,11 @@ class GrpcJob:
         self._watch: Timer | None = None
         self._idle = False
         self._stopping = False
+        self.stalled = False  # the client took no message for write_timeout_s
+        self._task = asyncio.current_task(self._loop)  # the loop given: no lookup of it
+        self._writes: Timer | None = proxy.wheel.call_at(
+            self._loop.time() + proxy.write_timeout_s, self._check_writes
+        )
 
     # -- core.Job ------------------------------------------------------------------------
 
@@ -264,6 +298,9 @@ class GrpcJob:
     def close(self) -> None:
         self._out.cancel()
         self._unwatch()
+        if self._writes is not None:
+            self._proxy.wheel.cancel(self._writes)
+            self._writes = None
 
     def measure(self, usage: Usage) -> None:
         """What the call used, as far as the client got it (tenants' accounting)."""
@@ -526,10 +563,13 @@ class GrpcJob:
     def _continuation(self) -> tuple[bytes, str | None] | None:
         if not self._sent:
             return self._request, None
+        key = self._proxy.resume_key
+        if key is None:
+            return None
         self._transcript.text()
         if self._transcript.finished:
             return None
-        return resume_generate(self._request, self._transcript)
+        return resume_generate(self._request, self._transcript, key)
 
     # -- silence ---------------------------------------------------------------------------
 
@@ -554,6 +594,28 @@ class GrpcJob:
             call.cancel()
         if conn is not None:
             conn.close()
+
+    def _check_writes(self) -> None:
+        """A client whose write has waited ``write_timeout_s`` is not reading: its task
+        is cancelled, as grpc.aio does when a client leaves, and ``generate`` ends the
+        call with ``stall_error``."""
+        self._writes = None
+        limit = self._proxy.write_timeout_s
+        since, now = self._out.writing_since, self._loop.time()
+        if since and now - since >= limit and self._task is not None:
+            self.stalled = True
+            self._task.cancel()
+            return
+        due = (since or now) + limit
+        self._writes = self._proxy.wheel.call_at(due, self._check_writes)
+
+    def stall_error(self) -> RequestTimeout:
+        """The error of a stalled client, with its task's cancellation taken back."""
+        if self._task is not None:
+            self._task.uncancel()
+        limit = self._proxy.write_timeout_s
+        log.info("a gRPC client took no message for %g s (server.write_timeout_s)", limit)
+        return write_timeout(limit)
 
     def _unwatch(self) -> None:
         if self._watch is not None:

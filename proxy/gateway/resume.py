@@ -9,7 +9,8 @@ The resumed request is the original with the delivered output appended (a comple
 prompt, a chat's partial assistant message that the engine continues, or token ids) and
 a hint header for the sidecar (``RESUME_HEADER``): the ``created`` the client saw and how
 much of the input is delivered output, so that the unit reduces ``max_tokens``, drops
-the chat role chunk and counts usage as for one request. The response bytes of the new
+the chat role chunk and counts usage as for one request. The hint is signed with
+``server.resume_secret`` (``proxy.resume.HintKey``): units take no hint without it. The response bytes of the new
 unit then go to the client as they come.
 """
 
@@ -20,6 +21,7 @@ from array import array
 from typing import Any
 
 from proxy.pb.unitproxy.v1.inference_pb2 import ChatMessage, GenerateChunk, GenerateRequest
+from proxy.resume import HintKey, ResumeHint
 
 FOLD_AT = 64 * 1024  # bytes kept raw before they are read into text
 _CHAT_DELTA_KEYS = frozenset({"role", "content"})
@@ -196,22 +198,23 @@ def _continue_chat(req: dict[str, Any], text: str) -> bool:
     return True
 
 
-def resume_hint(created: int | None, delivered_chars: int) -> str:
-    hint: dict[str, int] = {"delivered_chars": delivered_chars}
-    if created is not None:
-        hint["created"] = created
-    return _dumps(hint)
+def resume_hint(key: HintKey, created: int | None, text: str) -> str:
+    """The signed hint of an HTTP request resumed after ``text``."""
+    return key.sign(ResumeHint(created, len(text)), text)
 
 
-def resume_generate(request: bytes, transcript: GrpcTranscript) -> tuple[bytes, str] | None:
-    """The GenerateRequest (and hint) that continues after what ``transcript`` holds."""
+def resume_generate(
+    request: bytes, transcript: GrpcTranscript, key: HintKey
+) -> tuple[bytes, str] | None:
+    """The GenerateRequest (and signed hint) that continues after what ``transcript``
+    holds."""
     msg = GenerateRequest.FromString(request)
     kind = msg.WhichOneof("input")
     text = transcript.text()
     if kind == "prompt_token_ids":
         ids = transcript.token_ids()
         msg.prompt_token_ids.ids.extend(ids)
-        return msg.SerializeToString(), _dumps({"delivered_tokens": len(ids)})
+        return msg.SerializeToString(), key.sign(ResumeHint(delivered_tokens=len(ids)), ids)
     if kind == "prompt":
         msg.prompt += text
     elif kind == "chat":
@@ -226,4 +229,4 @@ def resume_generate(request: bytes, transcript: GrpcTranscript) -> tuple[bytes, 
             chat.continue_final_message = True
     else:
         return None
-    return msg.SerializeToString(), _dumps({"delivered_chars": len(text)})
+    return msg.SerializeToString(), key.sign(ResumeHint(delivered_chars=len(text)), text)

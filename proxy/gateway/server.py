@@ -58,6 +58,7 @@ from proxy.metrics import (
 )
 from proxy.ratelimit import Limiter
 from proxy.redis_reports import connect
+from proxy.resume import HintKey
 from proxy.serving import (
     Drain,
     ListenError,
@@ -162,14 +163,16 @@ class Gateway(Service):
         self.wheel = Wheel(asyncio.get_running_loop())
         stack.callback(self.wheel.close)
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
+        resume_key = self._resume_key()
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
-            self.tenancy,
+            self.tenancy, s.server.write_timeout_s, resume_key,
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
             self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *BY_ID_ROUTES),
+            resume_key,
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
 
@@ -241,6 +244,16 @@ class Gateway(Service):
         """What units are verified by: the CA file, else the system's roots. Loaded even
         when no configured unit is https://, for those discovered through Redis."""
         return await ClientTLS.load(self.settings.gateway.tls_ca_file)
+
+    def _resume_key(self) -> HintKey | None:
+        secret = self.settings.server.resume_secret
+        if secret is None:
+            if self.settings.gateway.migrations:
+                log.warning("server.resume_secret is not set: a stream whose unit fails "
+                            "after its first byte ends with an error instead of going on "
+                            "elsewhere (units take resume hints from gateways only)")  # fmt: skip
+            return None
+        return HintKey(secret.get_secret_value())
 
     def _unit_key(self) -> str | None:
         key = self.settings.gateway.unit_api_key

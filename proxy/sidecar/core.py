@@ -40,6 +40,7 @@ from proxy.load import (
     named_metrics,
 )
 from proxy.metrics import ServingMetrics
+from proxy.resume import HintKey
 from proxy.sidecar.health import UnitHealth
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,10 @@ class SidecarCore:
         capacity: int,
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        resume_key: HintKey | None = None,
     ):
         self.unit_id = unit_id
+        self.resume_key = resume_key  # what resume hints must be signed with; None: none taken
         self.engine = engine
         self.health = health
         self.capacity = capacity

@@ -19,6 +19,7 @@ from proxy import openai_api
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.httputil import REQUEST_ID_HEADER, SSE_CONTENT_TYPE, UNIT_HEADER, ClientGone
 from proxy.response_ids import new_response_id
+from proxy.resume import HintKey, check_signed
 from proxy.sidecar import frontend_resume
 from proxy.sidecar.core import Lease, SidecarCore
 
@@ -63,7 +64,9 @@ async def serve(
         async with core.tracked(lease, deadline):  # the deadline, and a unit that lets go
             resumed = None
             if hint is not None and route in ("chat", "completions"):
-                fields, resumed = await _resume(frontend, route, fields, hint, request_id)
+                fields, resumed = await _resume(
+                    frontend, route, fields, hint, request_id, core.resume_key
+                )
             fr = FrontendRequest(route, fields, request_id, request.headers)
             if isinstance(resumed, FrontendReply):
                 reply, resumed = resumed, None  # nothing left to generate
@@ -108,6 +111,7 @@ async def _resume(
     fields: dict[str, Any],
     hint: frontend_resume.ResumeHint,
     request_id: str,
+    resume_key: HintKey | None,
 ) -> tuple[dict[str, Any], frontend_resume.ResumedAnswer | FrontendReply]:
     """The body to send the engine, and what rewrites its answer; or, when the delivered
     output already reaches the token limit, the whole answer, made here."""
@@ -117,6 +121,7 @@ async def _resume(
             param=frontend_resume.RESUME_HEADER,
         )
     text = frontend_resume.delivered_text(route, fields, hint.delivered_chars)
+    check_signed(resume_key, hint, text)
     delivered = await frontend_resume.count_tokens(frontend, text, request_id)
     reduced = frontend_resume.reduce_limits(fields, delivered)
     if reduced is None:

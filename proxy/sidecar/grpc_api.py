@@ -2,6 +2,12 @@
 
 Generate is also served on the HTTP port in the gRPC-Web framing (``proxy.grpcweb``,
 ``sidecar.http``): both wires go through ``InferenceService.serve``.
+
+On the gRPC port a client that takes no message for ``server.write_timeout_s`` (a write
+waits that long on flow control) is treated as gone (``WriteWatch``): its request ends,
+its capacity slot is freed, and its status (DEADLINE_EXCEEDED, code write_timeout)
+waits behind the messages it has yet to read. On the HTTP port the port's own write timer
+does that (``proxy.ingress``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from engine.base import TokenDelta
 from proxy import openai_api, resume
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
-from proxy.errors import GRPC_CODE_KEY, InvalidRequest, UnitProxyError
+from proxy.errors import GRPC_CODE_KEY, InvalidRequest, UnitProxyError, write_timeout
 from proxy.httputil import RESUME_HEADER
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
@@ -74,8 +80,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         metrics: ServingMetrics,
         max_prompt_chars: int,
         api_keys: ApiKeys | None = None,
+        write_timeout_s: float | None = None,
     ):
         self._api_keys = api_keys or ApiKeys()
+        self._write_timeout_s = write_timeout_s
         self._core = core
         self._metrics = metrics
         self._max_prompt_chars = max_prompt_chars
@@ -139,7 +147,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         )
         hint = resume.parse_hint(resume_hint)
         if hint is not None:
-            parsed = await resume.resume(parsed, hint, core.engine.count_tokens)
+            parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
         delivered = parsed.delivered_tokens or 0
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         lease = core.admit()
@@ -160,6 +168,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await write_chunk(chunk)
 
         out = Coalescer(write, merge_deltas, interval_s=interval_s)
+        limit = self._write_timeout_s
+        watch = None if limit is None else WriteWatch(out, limit)
 
         async def send(delta: TokenDelta) -> None:
             await out.put(delta)
@@ -167,12 +177,51 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 await out.close()  # the lease is held until the client has it all
 
         try:
-            await core.run(lease, parsed.engine_request, ROUTE, send, deadline, delivered)
-        except UnitProxyError:
-            await out.close()  # what was generated before the error, then the status
-            raise
+            try:
+                await core.run(lease, parsed.engine_request, ROUTE, send, deadline, delivered)
+            except UnitProxyError:
+                await out.close()  # what was generated before the error, then the status
+                raise
+        except asyncio.CancelledError:
+            if watch is None or not watch.stalled:
+                raise
+            raise watch.error() from None
         finally:
             out.cancel()
+            if watch is not None:
+                watch.cancel()
+
+
+class WriteWatch:
+    """Cancels the running task once a write of ``out`` has waited ``limit_s``: a
+    client that takes no message is treated as one that went away, except that it
+    gets ``error()`` as its status should it ever read again."""
+
+    def __init__(self, out: Coalescer[Any], limit_s: float):
+        self._out = out
+        self._limit = limit_s
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(limit_s, self._check)
+        self.stalled = False
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    def error(self) -> UnitProxyError:
+        """The stalled call's error, with its task's cancellation taken back."""
+        if self._task is not None:
+            self._task.uncancel()
+        log.info("a gRPC client took no message for %g s (server.write_timeout_s)", self._limit)
+        return write_timeout(self._limit)
+
+    def _check(self) -> None:
+        since, now = self._out.writing_since, self._loop.time()
+        if since and now - since >= self._limit and self._task is not None:
+            self.stalled = True
+            self._task.cancel()
+            return
+        self._handle = self._loop.call_at((since or now) + self._limit, self._check)
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:

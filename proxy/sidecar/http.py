@@ -161,7 +161,7 @@ async def _serve(
     )
     hint = resume.parse_hint(request.headers.get(RESUME_HEADER))
     if hint is not None:
-        parsed = await resume.resume(parsed, hint, core.engine.count_tokens)
+        parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
     deadline = _deadline(request)
     lease = core.admit()
     if parsed.stream:

@@ -24,6 +24,7 @@ from proxy.ingress import Limits
 from proxy.load import UnitState
 from proxy.metrics import HealthMetrics, IngressMetrics, ServingMetrics, UnitMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
+from proxy.resume import HintKey
 from proxy.serving import Drain, Service, advertised_host, cancel_tasks, start_grpc, start_http
 from proxy.settings import FollowerTarget, Settings
 from proxy.sidecar import grpc_api, http
@@ -66,6 +67,7 @@ class Sidecar(Service):
             changes=self.changes,
             capacity=settings.sidecar.capacity,
             retry_after_s=settings.sidecar.retry_after_s,
+            resume_key=_resume_key(settings.server.resume_secret),
         )
         self.health_service = HealthServicer()
         self.recovery: RecoveryHook | None = None
@@ -203,8 +205,9 @@ class Sidecar(Service):
     def _register_grpc(self, server: grpc.aio.Server) -> None:
         s = self.settings
         inference = grpc_api.InferenceService(
-            self.core, self.serving_metrics, s.server.max_prompt_chars, self.api_keys
-        )
+            self.core, self.serving_metrics, s.server.max_prompt_chars, self.api_keys,
+            s.server.write_timeout_s,
+        )  # fmt: skip
         load = grpc_api.LoadService(self.core, self.watch)
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
         load_pb2_grpc.add_LoadReportingServicer_to_server(load, server)
@@ -293,3 +296,7 @@ class Sidecar(Service):
 
 def _secret(value: SecretStr | None) -> str | None:
     return None if value is None else value.get_secret_value()
+
+
+def _resume_key(secret: SecretStr | None) -> HintKey | None:
+    return None if secret is None else HintKey(secret.get_secret_value())
