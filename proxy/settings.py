@@ -118,7 +118,7 @@ class ServerSettings(_Section):
     max_connections: int = Field(
         4096,
         gt=0,
-        description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
+        description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Fewer where the open-file limit (RLIMIT_NOFILE, raised to its hard limit at start) has no room for about 2 files a connection: a WARNING at start says how many. Default 4096.",
     )
     max_connections_per_client: int = Field(
         1024,
