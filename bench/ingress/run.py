@@ -32,8 +32,8 @@ within its timeout (plus one second of slack); the normal client's TTFT p99 unde
 attack within 2x of the baseline, and no error; the same RSS, TTFT and error goals
 under each single attack.
 
-    .venv/bin/python bench/ingress/run.py            # 1,000 connections, default limits (~2 min)
-    .venv/bin/python bench/ingress/run.py --quick    # 200 connections, 1-3 s limits (~20 s)
+    .venv/bin/python bench/ingress/run.py            # 1,000 connections, default limits (~4 min)
+    .venv/bin/python bench/ingress/run.py --quick    # 200 connections, 1-3 s limits (~1 min)
 """
 
 from __future__ import annotations
