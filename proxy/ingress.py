@@ -88,7 +88,7 @@ LISTEN_BACKLOG = 1024
 class Limits:
     """The limits of one HTTP port, its count of open connections, and its timers."""
 
-    def __init__(self, server: ServerSettings, wheel: Wheel, metrics: IngressMetrics):
+    def __init__(self, server: ServerSettings, wheel: Wheel, metrics: IngressMetrics, role: str):
         self.head_timeout_s = server.head_timeout_s
         self.body_timeout_s = server.body_timeout_s
         self.keepalive_s = server.keepalive_timeout_s
@@ -98,7 +98,7 @@ class Limits:
         # lowest free one: a high one means the process is nearly out of them).
         self.fd_ceiling, self.max_connections = fit_to_fds(server.max_connections)
         self._fd_short = 0  # connections refused for descriptors; 0: none lately
-        self.per_client = server.max_connections_per_client  # 0: no cap
+        self.per_client = server.connections_per_client(role)  # 0: no cap
         self._clients: dict[str, int] = {}  # open connections by client address
         self._capped: set[str] = set()  # client addresses refused (and logged) at their cap
         self.body_budget = server.max_body_buffer_bytes

@@ -280,6 +280,17 @@ async def check_cap(server: Gateway | Sidecar) -> None:
         w.close()
 
 
+def test_the_cap_per_client_address_is_on_for_gateways_only_by_default() -> None:
+    # A sidecar's clients are gateways, each with up to gateway.connections_per_unit
+    # connections to it, from one address.
+    server = load({}).server
+    assert server.connections_per_client("gateway") == 1024
+    assert server.connections_per_client("sidecar") == 0
+    assert server.connections_per_client("follower") == 0
+    given = load({"server": {"max_connections_per_client": 7}}).server
+    assert given.connections_per_client("sidecar") == 7
+
+
 @pytest.mark.parametrize("role", ROLES)
 async def test_one_client_address_is_capped_and_others_are_served(
     start_sidecar: SidecarFactory, role: str
