@@ -29,6 +29,7 @@ from proxy.flags import (
     choices_of,
     field_of,
 )
+from proxy.ingress import raise_fd_limit
 from proxy.serving import ListenError, run_loop, serve_until_drained, wait_for_signal
 from proxy.tenants import TenantsError
 
@@ -205,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    raise_fd_limit()  # before any port counts how many connections fit
     try:
         return int(run_loop(lambda: _run(args.command, settings, worker)))
     except EngineUnavailable as exc:

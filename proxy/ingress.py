@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import resource
 from http import HTTPStatus
 from typing import cast
 
@@ -67,10 +69,17 @@ BODY_BUFFER_REFUSAL = error_response(
 REFUSAL = error_response(
     Unavailable("too many client connections", code="max_connections"), "Retry-After: 1"
 )
+FD_REFUSAL = error_response(
+    Unavailable("the server is out of file descriptors", code="fd_limit"), "Retry-After: 1"
+)
 CLIENT_REFUSAL = error_response(
     Overloaded("too many connections from this client address", code="max_client_connections"),
     "Retry-After: 1",
 )
+# File descriptors kept for the process's own use (listeners, Redis, probes, logs) beyond
+# the open ones counted at start; a client connection takes up to two (its own, and one
+# onward to a unit or an engine).
+FD_HEADROOM = 64
 # Connections the kernel queues before they are accepted (asyncio's default is 100, which
 # a burst of clients overflows into SYN retries); capped by net.core.somaxconn.
 LISTEN_BACKLOG = 1024
@@ -79,13 +88,17 @@ LISTEN_BACKLOG = 1024
 class Limits:
     """The limits of one HTTP port, its count of open connections, and its timers."""
 
-    def __init__(self, server: ServerSettings, wheel: Wheel, metrics: IngressMetrics):
+    def __init__(self, server: ServerSettings, wheel: Wheel, metrics: IngressMetrics, role: str):
         self.head_timeout_s = server.head_timeout_s
         self.body_timeout_s = server.body_timeout_s
         self.keepalive_s = server.keepalive_timeout_s
         self.write_timeout_s = server.write_timeout_s
-        self.max_connections = server.max_connections
-        self.per_client = server.max_connections_per_client  # 0: no cap
+        # The most connections the process's open-file limit leaves room for, and the
+        # descriptor number past which a new connection is refused (the kernel gives the
+        # lowest free one: a high one means the process is nearly out of them).
+        self.fd_ceiling, self.max_connections = fit_to_fds(server.max_connections)
+        self._fd_short = 0  # connections refused for descriptors; 0: none lately
+        self.per_client = server.connections_per_client(role)  # 0: no cap
         self._clients: dict[str, int] = {}  # open connections by client address
         self._capped: set[str] = set()  # client addresses refused (and logged) at their cap
         self.body_budget = server.max_body_buffer_bytes
@@ -104,6 +117,23 @@ class Limits:
         """Count a new connection in and return its client's address (for ``release``);
         at a cap, answer it (503 at max_connections, 429 at its client's cap), close it,
         and return None."""
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.fileno() >= self.fd_ceiling:
+            # Near the open-file limit (RLIMIT_NOFILE): answered while a descriptor is
+            # left, rather than reset when accept() finds none.
+            if not self._fd_short:
+                log.warning("file descriptor %d of %d in use: out of file descriptors "
+                            "(RLIMIT_NOFILE), refusing new client connections",
+                            sock.fileno(), self.fd_ceiling + FD_HEADROOM // 2)  # fmt: skip
+            self._fd_short += 1
+            self.metrics.closed.labels("fd_limit").inc()
+            cast(asyncio.WriteTransport, transport).write(FD_REFUSAL)
+            transport.close()
+            return None
+        if self._fd_short:
+            log.warning("file descriptors free again; %d connections were refused",
+                        self._fd_short)  # fmt: skip
+            self._fd_short = 0
         if self.open >= self.max_connections:
             if not self._refusing:
                 log.warning("%d client connections open (server.max_connections): refusing "
@@ -168,6 +198,47 @@ class Limits:
 
     def timed_out(self, reason: str) -> None:
         self.metrics.closed.labels(reason).inc()
+
+
+def raise_fd_limit() -> None:
+    """At start: raise the soft limit on open files (RLIMIT_NOFILE) to the hard one, where
+    the system lets it, so that server.max_connections fits (a connection is a file)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:  # macOS caps it below an infinite hard one
+            log.info("cannot raise the open-file limit from %d to %d: %s", soft, want, exc)
+
+
+def fit_to_fds(wanted: int) -> tuple[int, int]:
+    """The descriptor number past which a new connection is refused, and the most of
+    ``wanted`` client connections the open-file limit leaves room for (with a WARNING
+    when that is fewer: the rest are answered 503, never reset)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 40, wanted
+    in_use = _open_fds()
+    room = (soft - in_use - FD_HEADROOM) // 2
+    if wanted > room:
+        fit = max(room, 1)
+        log.warning("server.max_connections is %d, but this process may open %d files "
+                    "(RLIMIT_NOFILE, hard limit %d; %d open now) and a client connection "
+                    "takes up to 2: at most %d are served, more are answered 503; raise "
+                    "the limit (ulimit -n, systemd LimitNOFILE=, docker --ulimit nofile=)",
+                    wanted, soft, hard, in_use, fit)  # fmt: skip
+        wanted = fit
+    return soft - FD_HEADROOM // 2, wanted
+
+
+def _open_fds() -> int:
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 0
 
 
 class Guard(asyncio.Protocol):

@@ -245,6 +245,7 @@ CLOSE_REASONS = (
     "idle",
     "max_connections",
     "max_client_connections",
+    "fd_limit",
     "body_buffer",
 )
 

@@ -135,12 +135,12 @@ class ServerSettings(_Section):
     max_connections: int = Field(
         4096,
         gt=0,
-        description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Default 4096.",
+        description="Most client connections open on the HTTP port at once; one more is answered 503 and closed. Fewer where the open-file limit (RLIMIT_NOFILE, raised to its hard limit at start) has no room for about 2 files a connection: a WARNING at start says how many. Default 4096.",
     )
-    max_connections_per_client: int = Field(
-        1024,
+    max_connections_per_client: int | None = Field(
+        None,
         ge=0,
-        description="Most client connections open on the HTTP port at once from one client address (an IPv4 or IPv6 address); one more is answered 429 and closed. 0: no cap per client. Behind a proxy or load balancer that connects from a few addresses, raise it or give 0. Default 1024.",
+        description="Most client connections open on the HTTP port at once from one client address (an IPv4 or IPv6 address); one more is answered 429 and closed. 0: no cap per client. Behind a proxy or load balancer that connects from a few addresses, raise it or give 0. Default by role: gateway 1024; sidecar and follower 0 (their clients are gateways, each with up to gateway.connections_per_unit connections to a unit).",
     )
     max_body_buffer_bytes: int = Field(
         64 * 1024 * 1024,
@@ -157,6 +157,12 @@ class ServerSettings(_Section):
         gt=0,
         description="Largest prompt (all messages together), in characters. Default 1,000,000.",
     )
+
+    def connections_per_client(self, role: str) -> int:
+        """max_connections_per_client, or its default for ``role``."""
+        if self.max_connections_per_client is not None:
+            return self.max_connections_per_client
+        return 1024 if role == "gateway" else 0
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerSettings:

@@ -1,5 +1,6 @@
 """bench/ingress --quick runs end to end and meets the goals that do not depend on how
-busy this machine is (TTFT under attack is in its table, not asserted here)."""
+busy this machine is, under the mixed attack and each single one (TTFT under attack is
+in its table, not asserted here)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 async def test_ingress_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "ingress.json"
     proc = await asyncio.create_subprocess_exec(
@@ -22,7 +23,7 @@ async def test_ingress_bench_quick(tmp_path: Path) -> None:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     try:
-        async with asyncio.timeout(150):
+        async with asyncio.timeout(270):
             output, _ = await proc.communicate()
     finally:
         if proc.returncode is None:
@@ -39,3 +40,8 @@ async def test_ingress_bench_quick(tmp_path: Path) -> None:
     assert goals["gRPC unread: every unread call given up, its unit slot freed"], output.decode()
     assert goals["gRPC unread: rss_max_mb <= 200"], output.decode()
     assert result["grpc_unread"]["ended"] == {"DEADLINE_EXCEEDED": 10}
+    # Each single attack: RSS within its goal, no error and no empty reply.
+    assert set(result["attacks"]) == {"pipelined", "declared-hold", "idle-sockets", "upgrade"}
+    for name in result["attacks"]:
+        assert goals[f"{name}: rss_max_mb <= 200"], output.decode()
+        assert goals[f"{name}: no error"], output.decode()

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import resource
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import pytest
@@ -276,6 +280,17 @@ async def check_cap(server: Gateway | Sidecar) -> None:
         w.close()
 
 
+def test_the_cap_per_client_address_is_on_for_gateways_only_by_default() -> None:
+    # A sidecar's clients are gateways, each with up to gateway.connections_per_unit
+    # connections to it, from one address.
+    server = load({}).server
+    assert server.connections_per_client("gateway") == 1024
+    assert server.connections_per_client("sidecar") == 0
+    assert server.connections_per_client("follower") == 0
+    given = load({"server": {"max_connections_per_client": 7}}).server
+    assert given.connections_per_client("sidecar") == 7
+
+
 @pytest.mark.parametrize("role", ROLES)
 async def test_one_client_address_is_capped_and_others_are_served(
     start_sidecar: SidecarFactory, role: str
@@ -310,6 +325,107 @@ async def test_one_client_address_is_capped_and_others_are_served(
         for _, w in held:
             w.close()
         await wait_until(lambda: gauge(server) == 0, what="all closed")
+
+
+@contextmanager
+def open_file_limit(extra: int) -> Iterator[int]:
+    """This process's soft RLIMIT_NOFILE set to the files open now plus ``extra``, for
+    the block; yields the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/proc/self/fd")) + extra
+    assert limit < soft, "the test needs a lower limit than the one it runs under"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        yield limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def gateway_in_front(sidecar: Sidecar, **server: Any) -> Gateway:
+    unit = f"a={sidecar.http_url},{sidecar.grpc_target}"
+    base = {"host": HOST, "http_port": 0, "grpc_port": 0, **server}
+    gateway = Gateway(load({"server": base, "gateway": {"units": [unit]}}))
+    await gateway.__aenter__()
+    return gateway
+
+
+async def test_max_connections_past_the_open_file_limit_are_answered_503(
+    start_sidecar: SidecarFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 4096 connections do not fit in a few hundred files: the gateway says so at start,
+    # serves what fits, and answers the rest 503 (no reset when accept finds no file).
+    sidecar = await start_sidecar()
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    with open_file_limit(300):
+        gateway = await gateway_in_front(sidecar, max_connections=4096)
+        try:
+            warned = [r for r in caplog.records if "RLIMIT_NOFILE" in r.getMessage()]
+            assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.text
+            fit = int(warned[0].getMessage().split("at most ")[1].split()[0])
+            assert 0 < fit < 150, warned[0].getMessage()
+            held = [await connect(gateway.http_url) for _ in range(fit)]
+            await wait_until(lambda: gauge(gateway) == fit, what=f"{fit} connections counted")
+            reader, writer = await connect(gateway.http_url)
+            got, _ = await closed_with(reader, time.monotonic())
+            writer.close()
+            assert status(got) == 503, got
+            assert closed_total(gateway, "max_connections") == 1
+        finally:
+            for _, w in held:
+                w.close()
+            await gateway.__aexit__(None, None, None)
+
+
+async def test_a_connection_near_the_open_file_limit_is_answered_503(
+    start_sidecar: SidecarFactory,
+) -> None:
+    # Files taken by something else (here: this test) leave the gateway almost none: a
+    # new client gets 503 fd_limit while a descriptor is left, not a reset.
+    sidecar = await start_sidecar()
+    fillers: list[int] = []
+    with open_file_limit(300) as limit:
+        gateway = await gateway_in_front(sidecar, max_connections=8)
+        try:
+            while True:
+                fd = os.open(os.devnull, os.O_RDONLY)
+                fillers.append(fd)
+                if fd >= limit - 30:  # the client's socket and the server's come next
+                    break
+            reader, writer = await connect(gateway.http_url)
+            got, _ = await closed_with(reader, time.monotonic())
+            writer.close()
+            assert status(got) == 503, got
+            assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "fd_limit"
+            assert closed_total(gateway, "fd_limit") == 1
+            for fd in fillers:
+                os.close(fd)
+            fillers = []
+            reader, writer = await connect(gateway.http_url)  # served again
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+            async with asyncio.timeout(LATE_S):
+                assert status(await reader.readuntil(b"\r\n\r\n")) == 200
+            writer.close()
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            await gateway.__aexit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one_at_start() -> None:
+    # In a child process: the limit is the process's own.
+    code = (
+        "import resource\n"
+        "from proxy.ingress import raise_fd_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "raise_fd_limit()\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard, hard)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert out.stdout.split()[0] == "True", out
 
 
 def gauge(server: Gateway | Sidecar | FollowerAgent) -> float:

@@ -17,9 +17,20 @@ Hostile kinds (each records when the gateway closed it, from the start of its ti
     expect         a head with Expect: 100-continue, no body  body_timeout_s from the head
     idle           GET /health, then nothing                  keepalive_timeout_s after it
 
+Then one attack at a time (--attacks), each while the normal client streams again:
+
+    pipelined      a long request (unstreamed), then 4 MiB pipelined behind it (with a key)
+    declared-hold  a head announcing 4 MiB, then a body byte every 0.5 s (with a key)
+    idle-sockets   connections that never send a byte
+    upgrade        requests offering Upgrade: h2c or websocket, one every 0.5 s
+
+Hostile connections come from 127.0.0.2 (the normal client from 127.0.0.1), so the
+per-address cap (server.max_connections_per_client) falls on them alone.
+
 Goals: gateway RSS at most 200 MB with every hostile connection open; each closed
 within its timeout (plus one second of slack); the normal client's TTFT p99 under
-attack within 2x of the baseline, and no error.
+attack within 2x of the baseline, and no error; the same RSS, TTFT and error goals
+under each single attack.
 
 Then, in a cell of its own with a fast unit, --grpc-unread gRPC Generate streams (10)
 that their client opens and never reads, beside the normal client: the gateway must
@@ -27,8 +38,8 @@ give each up (DEADLINE_EXCEEDED) once flow control has held its writer for
 server.write_timeout_s (2 s with --quick, else 60), freeing its unit slot, with its
 RSS and the normal client's TTFT p99 held to the same goals.
 
-    .venv/bin/python bench/ingress/run.py            # 1,000 connections, default limits (~2 min)
-    .venv/bin/python bench/ingress/run.py --quick    # 200 connections, 1-3 s limits (~20 s)
+    .venv/bin/python bench/ingress/run.py            # 1,000 connections, default limits (~4 min)
+    .venv/bin/python bench/ingress/run.py --quick    # 200 connections, 1-3 s limits (~1 min)
 """
 
 from __future__ import annotations
@@ -62,6 +73,9 @@ DEFAULT_OUT = REPO / "bench" / "results" / "ingress.json"
 HOST = "127.0.0.1"
 KEY = "sk-bench-ingress"
 KINDS = ("slow-head", "slow-body", "one-short", "expect", "idle")
+ATTACKS = ("pipelined", "declared-hold", "idle-sockets", "upgrade")
+HOSTILE_ADDRESS = "127.0.0.2"  # where hostile connections come from (loopback)
+PIPELINED = 4 * 1024 * 1024  # bytes a pipelining client sends behind its request
 SLACK_S = 1.0  # a close may come this much after its timeout (timer grain, a busy loop)
 RSS_GOAL_MB = 200.0
 TTFT_GOAL_RATIO = 2.0
@@ -120,6 +134,7 @@ async def cell(limits: Limits, workdir: Path) -> AsyncIterator[tuple[str, int]]:
     sidecar = ["sidecar", "--host", HOST, "--http-port", str(s_http), "--grpc-port", str(s_grpc),
                "--unit-id", "u0", "--capacity", "256", "--sim-max-num-seqs", "256",
                "--sim-decode-step-ms", "5", "--sim-prefill-ms-per-token", "0",
+               "--sim-decode-ms-per-seq", "0",
                "--log-level", "warning"]  # fmt: skip
     gateway = ["gateway", "--host", HOST, "--http-port", str(g_http), "--grpc-port", str(g_grpc),
                "--unit", f"u0=http://{HOST}:{s_http},{HOST}:{s_grpc}", "--log-level", "warning",
@@ -202,7 +217,9 @@ def head(length: int, *extra: str) -> bytes:
 async def hostile(url: str, h: Hostile, opened: asyncio.Event, stop: asyncio.Event) -> None:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     try:
-        reader, writer = await asyncio.open_connection(host, int(port))
+        reader, writer = await asyncio.open_connection(
+            host, int(port), local_addr=(HOSTILE_ADDRESS, 0)
+        )
     except OSError as exc:
         h.failed = f"connect: {exc.strerror or exc}"
         opened.set()
@@ -265,6 +282,230 @@ async def _trickle(h: Hostile, writer: asyncio.StreamWriter, stop: asyncio.Event
         await asyncio.sleep(0.5)
         writer.write(bytes([byte]))
     await stop.wait()
+
+
+# -- single attacks -----------------------------------------------------------------------
+
+
+@dataclass
+class Played:
+    """What one attacking connection saw."""
+
+    answers: list[int] = field(default_factory=list)  # statuses the gateway sent
+    closed_by_gateway: bool = False
+    empty_replies: int = 0  # requests the gateway closed on without an answer
+    failed: str = ""
+
+
+def keyed_head(length: int, *extra: str, path: str = "/v1/completions") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {HOST}", "Content-Type: application/json",
+             f"Authorization: Bearer {KEY}", f"Content-Length: {length}", *extra]  # fmt: skip
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def read_answer(reader: asyncio.StreamReader) -> int:
+    """The status of one whole answer (Content-Length framed); 0 if the connection closed."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return 0
+    lower = head.lower()
+    if b"content-length: " in lower:
+        await reader.readexactly(int(lower.split(b"content-length: ")[1].split(b"\r\n")[0]))
+    return int(head[9:12])
+
+
+async def play_attack(name: str, url: str, p: Played, opened: asyncio.Event,
+                      stop: asyncio.Event) -> None:  # fmt: skip
+    """One attacking client until ``stop``; the ones the gateway closes by a timer
+    (declared-hold, idle-sockets) connect again, as an attacker would."""
+    try:
+        while True:
+            await _attack_once(name, url, p, opened, stop)
+            if stop.is_set() or name not in ("declared-hold", "idle-sockets") or p.failed:
+                return
+    finally:
+        opened.set()
+
+
+async def _attack_once(name: str, url: str, p: Played, opened: asyncio.Event,
+                       stop: asyncio.Event) -> None:  # fmt: skip
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.open_connection(
+            host, int(port), local_addr=(HOSTILE_ADDRESS, 0)
+        )
+    except OSError as exc:
+        p.failed = f"connect: {exc.strerror or exc}"
+        return
+    try:
+        if name == "upgrade":
+            opened.set()
+            await _upgrades(reader, writer, p, stop)
+            return
+        if name == "pipelined":
+            body = json.dumps({"prompt": "x", "max_tokens": 100_000}).encode()
+            writer.write(keyed_head(len(body)) + body)
+            opened.set()
+            chunk = b"x" * 65536
+            for _ in range(PIPELINED // len(chunk)):  # until the gateway stops reading
+                writer.write(chunk)
+                await _drain_or_stop(writer, stop)
+                if stop.is_set():
+                    break
+        elif name == "declared-hold":
+            writer.write(keyed_head(4 * 1024 * 1024) + b"{")
+            opened.set()
+        else:
+            opened.set()  # idle-sockets: not a byte
+        read = asyncio.ensure_future(reader.read())
+        waiting = asyncio.ensure_future(stop.wait())
+        trickle = asyncio.ensure_future(_trickle_body(writer, stop, name == "declared-hold"))
+        try:
+            done, _ = await asyncio.wait({read, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (read, waiting, trickle):
+                task.cancel()
+        if read in done:
+            got = b""
+            with contextlib.suppress(ConnectionError):
+                got = read.result()
+            p.closed_by_gateway = True
+            if got.startswith(b"HTTP/1.1 "):
+                p.answers.append(int(got[9:12]))
+    except ConnectionError as exc:
+        p.closed_by_gateway = True
+        p.failed = p.failed or type(exc).__name__
+    finally:
+        writer.close()
+
+
+async def _trickle_body(writer: asyncio.StreamWriter, stop: asyncio.Event, on: bool) -> None:
+    """declared-hold: a body byte every 0.5 s (other kinds send nothing more)."""
+    if not on:
+        return
+    with contextlib.suppress(ConnectionError):
+        while not stop.is_set():
+            await asyncio.sleep(0.5)
+            writer.write(b" ")
+
+
+async def _upgrades(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, p: Played, stop: asyncio.Event
+) -> None:
+    """Requests offering Upgrade (h2c, websocket; inference and GET /health), one at a
+    time on one connection; an empty reply ends it."""
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    offers = [("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c",
+               "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA"),
+              ("Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13",
+               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")]  # fmt: skip
+    i = 0
+    while not stop.is_set():
+        offer = offers[i % 2]
+        if i % 4 < 2:
+            writer.write(keyed_head(len(body), *offer) + body)
+        else:
+            lines = ["GET /health HTTP/1.1", f"Host: {HOST}", *offer]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        i += 1
+        status = await read_answer(reader)
+        if not status:
+            p.empty_replies += 1
+            return
+        p.answers.append(status)
+        await asyncio.sleep(0.5)
+
+
+async def _drain_or_stop(writer: asyncio.StreamWriter, stop: asyncio.Event) -> None:
+    drain = asyncio.ensure_future(writer.drain())
+    waiting = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({drain, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        drain.cancel()
+        waiting.cancel()
+
+
+async def attack_worker(url: str, name: str, n: int, hold_s: float) -> None:
+    """One attack, in a process of its own: prints OPEN once every connection plays,
+    holds them ``hold_s``, then prints what they saw."""
+    stop = asyncio.Event()
+    played = [Played() for _ in range(n)]
+    opened = [asyncio.Event() for _ in played]
+    tasks = []
+    async with asyncio.timeout(START_TIMEOUT_S):
+        for i in range(0, n, BATCH):
+            batch = list(zip(played[i : i + BATCH], opened[i : i + BATCH], strict=True))
+            tasks += [asyncio.ensure_future(play_attack(name, url, p, o, stop)) for p, o in batch]
+            await asyncio.gather(*(o.wait() for _, o in batch))
+    print("OPEN", flush=True)
+    await asyncio.sleep(hold_s)
+    stop.set()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(10):
+            await asyncio.gather(*tasks, return_exceptions=True)
+    print(json.dumps([asdict(p) for p in played]), flush=True)
+
+
+def attack_counts(quick: bool) -> dict[str, int]:
+    if quick:
+        return {"pipelined": 50, "declared-hold": 32, "idle-sockets": 500, "upgrade": 50}
+    return {"pipelined": 100, "declared-hold": 64, "idle-sockets": 2000, "upgrade": 100}
+
+
+async def single_attack(url: str, pid: int, name: str, n: int, duration_s: float,
+                        concurrency: int) -> dict[str, Any]:  # fmt: skip
+    stop = asyncio.Event()
+    rss_samples = [rss_mb(pid)]
+
+    async def sample() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                rss_samples.append(rss_mb(pid))
+                await asyncio.sleep(0.25)
+
+    sampler = asyncio.ensure_future(sample())
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--attack-worker", url, "--attack", name,
+        "--hostile", str(n), "--hold", str(duration_s + 1.0),
+        stdout=asyncio.subprocess.PIPE, limit=64 << 20,
+    )  # fmt: skip
+    assert worker.stdout is not None
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            line = await worker.stdout.readline()
+        if line.strip() != b"OPEN":
+            raise RuntimeError(f"the {name} worker failed: {line[:300]!r}")
+        await asyncio.sleep(0.5)  # the attack settles (the gateway reads what it takes)
+        streams = await normal_client(url, concurrency, duration_s)
+        async with asyncio.timeout(60):
+            found = json.loads(await worker.stdout.readline())
+            await worker.wait()
+    finally:
+        if worker.returncode is None:
+            worker.kill()
+            await worker.wait()
+        stop.set()
+        await sampler
+    played = [Played(**p) for p in found]
+    answers: dict[str, int] = {}
+    for p in played:
+        for status in set(p.answers):
+            answers[str(status)] = answers.get(str(status), 0) + 1
+    return {
+        "connections": n,
+        "rss_before_mb": round(rss_samples[0], 1),
+        "rss_max_mb": round(max(rss_samples), 1),
+        "streams": len(streams.ttft_ms),
+        "errors": streams.errors,
+        "ttft_p50_ms": streams.p(0.5),
+        "ttft_p99_ms": streams.p(0.99),
+        "closed_by_gateway": sum(p.closed_by_gateway for p in played),
+        "connections_answered": answers,  # status: connections that got it at least once
+        "empty_replies": sum(p.empty_replies for p in played),
+        "failed": [p.failed for p in played if p.failed][:3],
+    }
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -366,7 +607,18 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await normal_client(url, args.concurrency, 1.0)  # warm up
             baseline = await normal_client(url, args.concurrency, duration_s)
             result = await attack(url, pid, args, n, duration_s, limits)
+            counts = attack_counts(args.quick)
+            attacks = {}
+            for name in args.attacks:
+                await asyncio.sleep(1.0)  # what the last attack left closes
+                attacks[name] = await single_attack(
+                    url, pid, name, counts[name], duration_s, args.concurrency
+                )
         grpc_unread = await grpc_unread_phase(args, Path(tmp)) if args.grpc_unread else None
+    for a in attacks.values():
+        a["ttft_p99_ratio"] = (
+            a["ttft_p99_ms"] / baseline.p(0.99) if baseline.ttft_ms else float("nan")
+        )
     streams: Streams = result["streams"]
     kinds = summarize(result["hostiles"], limits)
     ratio = streams.p(0.99) / baseline.p(0.99) if baseline.ttft_ms else float("nan")
@@ -392,6 +644,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "all_open_after_s": round(result["open_s"], 2),
         "kinds": kinds,
         "grpc_unread": grpc_unread,
+        "attacks": attacks,
         "goals": {
             "rss_max_mb <= 200": result["rss_max_mb"] <= RSS_GOAL_MB,
             "every hostile connection closed in time": closed_in_time == n,
@@ -399,6 +652,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "no error": streams.errors == 0 and baseline.errors == 0,
             **({} if grpc_unread is None
                else {f"gRPC unread: {k}": v for k, v in grpc_unread["goals"].items()}),
+            **{f"{name}: rss_max_mb <= 200": a["rss_max_mb"] <= RSS_GOAL_MB
+               for name, a in attacks.items()},
+            **{f"{name}: ttft p99 within 2x": a["ttft_p99_ratio"] <= TTFT_GOAL_RATIO
+               for name, a in attacks.items()},
+            **{f"{name}: no error": a["errors"] == 0 and a["empty_replies"] == 0
+               for name, a in attacks.items()},
         },
     }  # fmt: skip
 
@@ -426,6 +685,19 @@ def table(r: dict[str, Any]) -> str:
         )
     if r.get("grpc_unread"):
         lines += ["", grpc_unread_table(r["grpc_unread"])]
+    if r["attacks"]:
+        lines += [
+            "",
+            f"{'attack':14} {'conns':>6} {'RSS MB':>7} {'TTFT p99 ms':>12} {'ratio':>6} "
+            f"{'errors':>7} {'closed':>7} {'empty':>6}  answers (connections)",
+        ]
+        for name, a in r["attacks"].items():
+            lines.append(
+                f"{name:14} {a['connections']:>6} {a['rss_max_mb']:>7} "
+                f"{a['ttft_p99_ms']:>12.1f} {a['ttft_p99_ratio']:>6.2f} {a['errors']:>7} "
+                f"{a['closed_by_gateway']:>7} {a['empty_replies']:>6}  "
+                f"{a['connections_answered']}"
+            )
     lines.append("")
     lines += [f"{'met' if ok else 'MISSED'}: {goal}" for goal, ok in r["goals"].items()]
     return "\n".join(lines)
@@ -631,7 +903,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--grpc-unread-window", choices=("small", "default"), default="small",
                         help="their client's HTTP/2 window: 64 KB, or grpc's own")  # fmt: skip
     parser.add_argument("--grpc-unread-worker", metavar="TARGET", help=argparse.SUPPRESS)
+    parser.add_argument("--attacks", nargs="*", choices=ATTACKS, default=list(ATTACKS),
+                        help="single attacks played after the mixed one (default: all)")  # fmt: skip
     parser.add_argument("--hostile-worker", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--attack-worker", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--attack", choices=ATTACKS, help=argparse.SUPPRESS)
+    parser.add_argument("--hold", type=float, default=0.0, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -645,6 +922,9 @@ def run() -> int:
         return 0
     if args.hostile_worker:
         run_loop(hostile_worker(args.hostile_worker, args.hostile, args.kinds, limits_of(args)))
+        return 0
+    if args.attack_worker:
+        run_loop(attack_worker(args.attack_worker, args.attack, args.hostile, args.hold))
         return 0
     result = run_loop(until_signal(main(args)))
     print(table(result))

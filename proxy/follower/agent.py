@@ -98,7 +98,7 @@ class FollowerAgent(Service):
         _, bound_grpc = await start_grpc(stack, s.server.host, grpc_port, self._register)
         wheel = Wheel(asyncio.get_running_loop())
         stack.callback(wheel.close)
-        limits = Limits(s.server, wheel, self.ingress_metrics)
+        limits = Limits(s.server, wheel, self.ingress_metrics, "follower")
         bound_http = await start_http(
             stack, self._http_app(), s.server.host, http_port, limits=limits
         )

@@ -393,7 +393,7 @@ class Gateway(Service):
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
-        limits = Limits(s, self.wheel, self.ingress_metrics)
+        limits = Limits(s, self.wheel, self.ingress_metrics, "gateway")
         keys = self.api_keys  # with tenants, their lookup
         http_front = front.Front(
             ROUTES, self._serve_front, runner.server, s.max_body_bytes, limits,

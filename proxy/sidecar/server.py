@@ -146,7 +146,7 @@ class Sidecar(Service):
         )
         wheel = Wheel(asyncio.get_running_loop())
         stack.callback(wheel.close)
-        limits = Limits(s.server, wheel, self.ingress_metrics)
+        limits = Limits(s.server, wheel, self.ingress_metrics, "sidecar")
         bound_http = await start_http(stack, app, s.server.host, http_port, tls=tls, limits=limits)
         stack.push_async_callback(self.watch.close)  # before the servers close
         host = advertised_host(s.server.host, s.server.advertise_host)
