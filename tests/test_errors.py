@@ -23,6 +23,7 @@ from proxy.errors import (
     Unavailable,
     UnitFailed,
     UnitProxyError,
+    VersionNotSupported,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -41,6 +42,7 @@ MAPPING: list[tuple[type[UnitProxyError], int, grpc.StatusCode]] = [
     (Unavailable, 503, grpc.StatusCode.UNAVAILABLE),
     (UnitFailed, 503, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, 504, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (VersionNotSupported, 505, grpc.StatusCode.UNIMPLEMENTED),
     (EngineError, 500, grpc.StatusCode.INTERNAL),
     (EngineDeadError, 503, grpc.StatusCode.UNAVAILABLE),
 ]
