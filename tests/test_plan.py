@@ -83,6 +83,13 @@ def test_a_busy_unit_takes_a_request_at_its_next_step_and_the_batch_slows_every_
     assert outcome.tpot_s == [pytest.approx(0.020), pytest.approx(0.020)]
 
 
+def test_steps_that_cost_nothing_take_no_time() -> None:
+    s = shape(decode_step_ms=0.0, prefill_ms_per_token=0.0)
+    # capacity 1: the second waits in the gateway and is sent as a run of steps ends
+    outcome = FleetSim(s, 1, 1).run([Request(0.0, 10, 50), Request(0.0, 10, 50)], 1.0)
+    assert outcome.ttft_s == [0.0, 0.0] and outcome.end_s == 0.0
+
+
 def test_chunked_prefill_spreads_a_long_prompt_over_steps() -> None:
     s = shape(max_num_batched_tokens=100)
     outcome = FleetSim(s, 1, 8).run([Request(0.0, 250, 1)], 1.0)

@@ -183,7 +183,8 @@ class FleetSim:
             self._plan_run(unit, now)
         elif unit.run_steps > 1 and model.running < model.settings.max_num_seqs:
             # A free slot takes it at the next step: end the run of same steps there.
-            done = math.floor((now - unit.run_start) / unit.step_s) + 1
+            step_s = unit.step_s
+            done = 1 if step_s <= 0 else math.floor((now - unit.run_start) / step_s) + 1
             if done < unit.run_steps:
                 unit.run_steps = done
                 self._schedule(unit, unit.run_start + done * unit.step_s)
