@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import random
+import selectors
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from engine.base import EngineRequest, SamplingParams
 from engine.settings import SimSettings
+from engine.sim import SimEngine
 from proxy import cli
 from proxy.plan.fleet import FleetSim
 from proxy.plan.planner import Objectives, percentile, plan, simulate
@@ -232,3 +236,77 @@ def test_a_bad_trace_line_is_named(capsys: pytest.CaptureFixture[str], tmp_path:
     trace.write_text('{"at_s": 0, "prompt_tokens": 10, "output_tokens": 5}\n{"at_s": 1}\n')
     assert cli.main(["plan", "--trace", str(trace), "--slo-ttft-p99", "1"]) == 2
     assert f"{trace}:2" in capsys.readouterr().err
+
+
+# -- the same model as the simulator ----------------------------------------------------------
+
+
+class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """Waiting for a timer moves the loop's clock to it at once."""
+
+    loop: VirtualTimeLoop
+
+    def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+        if timeout is not None and timeout > 0:
+            self.loop.now += timeout
+        return super().select(0)  # type: ignore[no-any-return]
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        selector = _VirtualSelector()
+        super().__init__(selector)
+        selector.loop = self
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def _on_sim_engine(s: SimSettings, traffic: list[Request]) -> tuple[list[float], list[float]]:
+    """TTFT and TPOT of each request through a real SimEngine, on virtual time."""
+
+    async def one(engine: SimEngine, index: int, r: Request) -> tuple[float, float | None]:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(r.at_s - loop.time())
+        shared = [r.group * 100_000 + k for k in range(r.prefix_tokens)]
+        own = [10_000_000 + index * 10_000 + k for k in range(r.prompt_tokens - len(shared))]
+        request = EngineRequest(f"r{index}", prompt_token_ids=tuple(shared + own),
+                                sampling=SamplingParams(max_tokens=r.output_tokens))  # fmt: skip
+        first = last = -1.0
+        async for _ in engine.generate(request):
+            last = loop.time()
+            first = last if first < 0 else first
+        tpot = (last - first) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+        return first - r.at_s, tpot
+
+    async def main() -> list[tuple[float, float | None]]:
+        engine = SimEngine(s)
+        await engine.start()
+        try:
+            return await asyncio.gather(*(one(engine, i, r) for i, r in enumerate(traffic)))
+        finally:
+            await engine.stop()
+
+    loop = VirtualTimeLoop()
+    try:
+        results = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    return [t for t, _ in results], [p for _, p in results if p is not None]
+
+
+@pytest.mark.parametrize("rate", [3.0, 12.0])  # free slots mostly; a queue at times
+def test_one_planned_unit_gives_the_sim_engines_own_times(rate: float) -> None:
+    # The simulator itself, stepping on a virtual clock, against the planner's one unit:
+    # slots, the queue, chunked prefill, the prefix cache and step times all agree.
+    s = SimSettings(max_num_seqs=6, max_num_batched_tokens=700, decode_step_ms=20.0,
+                    decode_ms_per_seq=1.5, prefill_ms_per_token=0.2, prefix_cache_blocks=60,
+                    block_size=16)  # fmt: skip
+    traffic = Traffic(rate, 20.0, parse_lengths("lognormal:400:0.8:2000"),
+                      parse_lengths("uniform:1:40"), 0.6, 3).requests(seed=9)  # fmt: skip
+    ttft, tpot = _on_sim_engine(s, traffic)
+    planned = FleetSim(s, 1, 10_000).run(traffic, 20.0)
+    assert len(traffic) > 40
+    assert sorted(planned.ttft_s) == pytest.approx(sorted(ttft), abs=1e-9)
+    assert sorted(planned.tpot_s) == pytest.approx(sorted(tpot), abs=1e-9)
