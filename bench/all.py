@@ -49,6 +49,7 @@ BENCHES = (
     Bench("overhead", ("bench/overhead/run.py",)),
     Bench("overhead_instructions", ("bench/overhead/instructions.py",)),
     Bench("routing", ("-m", "bench.routing.run")),
+    Bench("plan", ("-m", "bench.plan.run")),
     Bench("failover_detect", ("bench/failover/detect.py",)),
     Bench("failover_under_load", ("bench/failover/under_load.py",)),
     Bench("ingress", ("bench/ingress/run.py",)),

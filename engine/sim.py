@@ -25,7 +25,6 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from engine import tokens
 from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
@@ -33,6 +32,7 @@ from engine.errors import EngineDeadError, EngineError
 from engine.prefix_cache import PrefixCache
 from engine.settings import SimSettings
 from engine.sim_api import SimFrontend
+from engine.sim_model import State, StepModel
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class _Seq:
     stop: _StopFilter | None
     blocks: list[int]  # the prompt's KV blocks (chained hashes), for the prefix cache
     pooling: bool = False  # prefill only: done, with no output, once the prompt is in
-    state: Literal["waiting", "running", "done"] = "waiting"
+    state: State = "waiting"
     prefill_left: int = 0  # running: prompt tokens still to prefill (0: decoding)
     completion_tokens: int = 0
     deltas: deque[TokenDelta] = field(default_factory=deque)
@@ -221,8 +221,7 @@ class SimEngine(Engine):
     def __init__(self, settings: SimSettings, model_name: str | None = None) -> None:
         self.model_name = model_name or DEFAULT_MODEL_NAME
         self._settings = settings
-        self._running: dict[_Seq, None] = {}  # insertion-ordered set with O(1) removal
-        self._waiting: deque[_Seq] = deque()
+        self._model: StepModel[_Seq] = StepModel(settings)  # slots, queue, cache, step times
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -232,9 +231,6 @@ class SimEngine(Engine):
         self._last_progress = 0.0
         self._tables = _Tables.of(tokens.builtin())
         self.frontend = SimFrontend(self, settings)  # the routes beyond chat and completions
-        self._cache: PrefixCache | None = None
-        if settings.prefix_cache_blocks > 0:
-            self._cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
 
     @property
     def last_progress(self) -> float:
@@ -243,7 +239,7 @@ class SimEngine(Engine):
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return self._model.has_work
 
     async def start(self) -> None:
         if self._task is not None:
@@ -281,10 +277,11 @@ class SimEngine(Engine):
             raise EngineDeadError(self._dead)
 
     def stats(self) -> EngineStats:
-        running, cache = len(self._running), self._cache
+        model = self._model
+        running, cache = model.running, model.cache
         return EngineStats(
             running=running,
-            waiting=len(self._waiting),
+            waiting=len(model.waiting),
             kv_cache_usage=running / self._settings.max_num_seqs,
             prefix_cache_hit_rate=-1.0 if cache is None else cache.hit_rate,
             prefix_cache_queries=0 if cache is None else cache.queries,
@@ -294,7 +291,7 @@ class SimEngine(Engine):
     @property
     def prefix_cache(self) -> PrefixCache | None:
         """The prefix cache (None when ``prefix_cache_blocks`` is 0)."""
-        return self._cache
+        return self._model.cache
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         seq = self._accept(request)
@@ -326,7 +323,7 @@ class SimEngine(Engine):
             seq.state = "done"
             seq.deltas.append(TokenDelta("", (), seq.prompt_tokens, 0, "length"))
         else:
-            self._waiting.append(seq)
+            self._model.add(seq)
             self._wake.set()
         return seq
 
@@ -348,7 +345,7 @@ class SimEngine(Engine):
         )
 
     def _blocks(self, request: EngineRequest, text: str) -> list[int]:
-        cache = self._cache
+        cache = self._model.cache
         if cache is None:
             return []
         if request.prompt_token_ids is not None:
@@ -360,11 +357,7 @@ class SimEngine(Engine):
         return self._loop.create_future()
 
     def _discard(self, seq: _Seq) -> None:
-        if seq.state == "running":
-            del self._running[seq]
-        elif seq.state == "waiting":
-            self._waiting.remove(seq)
-        seq.state = "done"
+        self._model.discard(seq)
 
     # -- faults -----------------------------------------------------------------------
 
@@ -383,12 +376,9 @@ class SimEngine(Engine):
 
     def _die(self, reason: str) -> None:
         self._dead = reason
-        for seq in (*self._running, *self._waiting):
-            seq.state = "done"
+        for seq in self._model.clear():
             seq.error = EngineDeadError(reason)
             seq.wake()
-        self._running.clear()
-        self._waiting.clear()
         self._wake.set()  # let an idle scheduler see it and end
 
     # -- scheduler --------------------------------------------------------------------
@@ -405,15 +395,16 @@ class SimEngine(Engine):
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time()
+        model = self._model
         while self._dead is None:
-            if not (self._running or self._waiting):
+            if not model.has_work:
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = loop.time()  # idle time is not owed to the next step
                 continue
             if self._hung:
                 await loop.create_future()  # never done: only stop() ends a hung engine
-            deadline += self._step_seconds(self._fill_slots())
+            deadline += model.plan_step()
             now = loop.time()
             if deadline < now - _MAX_LAG_S:
                 deadline = now
@@ -422,53 +413,13 @@ class SimEngine(Engine):
             if self._dead is None and not self._hung:
                 self._decode(loop)
 
-    def _fill_slots(self) -> int:
-        """Move waiting requests into free slots (each to prefill what the prefix cache
-        does not hold), then plan the next step: every decoding sequence's token first,
-        then prefill chunks, oldest sequence first, up to ``max_num_batched_tokens``
-        tokens in all (chunked prefill, as vLLM schedules). Returns the prompt tokens
-        prefilled in the step."""
-        free = self._settings.max_num_seqs - len(self._running)
-        cache = self._cache
-        while free > 0 and self._waiting:
-            seq = self._waiting.popleft()
-            seq.state = "running"
-            self._running[seq] = None
-            cached = 0 if cache is None else cache.admit(seq.blocks, seq.prompt_tokens)
-            seq.prefill_left = seq.prompt_tokens - cached
-            free -= 1
-        budget = self._settings.max_num_batched_tokens or float("inf")
-        budget -= sum(1 for seq in self._running if not seq.prefill_left)
-        prefill = 0
-        for seq in self._running:
-            if budget <= 0:
-                break
-            if seq.prefill_left:
-                chunk = int(min(seq.prefill_left, budget))
-                seq.prefill_left -= chunk
-                budget -= chunk
-                prefill += chunk
-        return prefill
-
-    def _step_seconds(self, prefill_tokens: int) -> float:
-        """Prefill per token plus a decode step growing with the sequences that make a
-        token in it (those decoding, and those whose prefill ends in it)."""
-        s = self._settings
-        tokens = sum(1 for seq in self._running if not seq.prefill_left)
-        ms = (
-            prefill_tokens * s.prefill_ms_per_token
-            + s.decode_step_ms
-            + s.decode_ms_per_seq * tokens
-        )
-        return ms / 1000.0
-
     def _decode(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not self._running:
+        model = self._model
+        if not model.running:
             return  # every sequence was aborted during the step
-        finished = [seq for seq in self._running if not seq.prefill_left and self._advance(seq)]
+        finished = [seq for seq in model.decoding if self._advance(seq)]
         for seq in finished:
-            del self._running[seq]
-            seq.state = "done"
+            model.discard(seq)
         self._last_progress = loop.time()
 
     def _advance(self, seq: _Seq) -> bool:

@@ -22,6 +22,8 @@ from proxy.flags import (
     FOLLOWER,
     GATEWAY,
     HEALTH,
+    PLAN,
+    PLAN_UNIT,
     SERVING,
     SIDECAR,
     UP,
@@ -43,6 +45,7 @@ SECTIONS = {
     "follower": "the follower node (follower.*)",
     "gateway": "routing (gateway.*)",
     "up": "the cell (up.*)",
+    "plan": "the workload and objectives (plan.*)",
     "health": "node health (health.*)",
     "engine": "the engine (engine.*)",
     "engine.sim": "the simulator engine (engine.sim.*)",
@@ -73,6 +76,14 @@ Whether given as flags, in the environment or in --config: the engine settings a
 
 example: two simulated units of one leader and one follower each, gateway on port 8000
   unitproxy up --units 2 --followers 1 --base-port 8000""",
+    "plan": """\
+Simulates fleets of 1, 2, 4, ... units of the simulator's model on a virtual clock
+(requests routed by least outstanding requests, as the gateway's default policy), then
+bisects, and prints every fleet tried and the fewest units that meet the objectives.
+
+example: an hour of 20 requests/s, long-tailed lengths, a TTFT objective of 1 s at p99
+  unitproxy plan --rate 20 --prompt-tokens lognormal:512:1 --output-tokens 128 \\
+      --slo-ttft-p99 1 --slo-tpot-p99 0.05 --sim-decode-step-ms 12""",
 }
 
 
@@ -154,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         UP + ENGINE + HEALTH + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed),
         "up",
     )
+    plan = command(
+        "plan", "how many units meet latency objectives: the fleet simulated on a virtual clock"
+    )
+    unit_shape = tuple(f for f in ENGINE + SIDECAR if f.flag in PLAN_UNIT)
+    _add_grouped(plan, PLAN + unit_shape, "plan")
     return parser
 
 
@@ -202,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"unitproxy: invalid configuration: {problem}", file=sys.stderr)
         return 2
+    if args.command == "plan":
+        from proxy.plan.command import run_plan
+
+        return run_plan(settings)
     logging.basicConfig(
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -164,6 +164,25 @@ UP = (
     Flag("--restart", "up.restart", switch=True),
     Flag("--unit-model", "up.unit_models", "NAME", many=True),
 )
+PLAN = (
+    Flag("--rate", "plan.rate_per_s", "PER_S"),
+    Flag("--trace", "plan.trace_file", "FILE"),
+    Flag("--duration", "plan.duration_s", "SECONDS"),
+    Flag("--prompt-tokens", "plan.prompt_tokens", "N_OR_DISTRIBUTION"),
+    Flag("--output-tokens", "plan.output_tokens", "N_OR_DISTRIBUTION"),
+    Flag("--prefix-share", "plan.prefix_share", "FRACTION"),
+    Flag("--prefix-groups", "plan.prefix_groups", "N"),
+    Flag("--slo-ttft-p99", "plan.slo_ttft_p99_s", "SECONDS"),
+    Flag("--slo-tpot-p99", "plan.slo_tpot_p99_s", "SECONDS"),
+    Flag("--max-units", "plan.max_units", "N"),
+    Flag("--seed", "plan.seed", "N"),
+    Flag("--json", "plan.json_output", switch=True),
+    Flag("--plot", "plan.plot_file", "PNG"),
+)
+# The unit's shape for the planner: the simulator's model knobs and the admission limit.
+PLAN_UNIT = ("--sim-max-num-seqs", "--sim-prefill-ms-per-token", "--sim-max-num-batched-tokens",
+             "--sim-decode-step-ms", "--sim-decode-ms-per-seq", "--sim-prefix-cache-blocks",
+             "--sim-block-size", "--capacity")  # fmt: skip
 FOLLOWER = (
     Flag("--node-name", "follower.node_name", "NAME"),
     Flag("--check", "follower.checks", "KIND:ARGS", many=True),

@@ -659,6 +659,71 @@ def _port_count(units: int, followers: int) -> int:
     return 2 * (1 + units * (1 + followers))
 
 
+class PlanSettings(_Section):
+    rate_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Requests per second arriving, as a Poisson process, for unitproxy plan. Default none: give this or trace_file.",
+    )
+    trace_file: Path | None = Field(
+        None,
+        description='Arrivals to plan for instead of a rate: JSON lines, one request each, {"at_s": 0.25, "prompt_tokens": 812, "output_tokens": 120}, optionally "prefix_group" and "prefix_tokens" (leading prompt tokens shared with its group). Default none.',
+    )
+    duration_s: float = Field(
+        3600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="Traffic simulated at rate_per_s, in s of virtual time. Default 3600 (an hour).",
+    )
+    prompt_tokens: str = Field(
+        "512",
+        description="Prompt length: a number of tokens, or uniform:LO:HI, lognormal:MEAN:SIGMA[:MAX] or exponential:MEAN. Default 512.",
+    )
+    output_tokens: str = Field(
+        "128",
+        description="Output length, written as prompt_tokens is. Default 128.",
+    )
+    prefix_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of each prompt that is its group's prefix (a system prompt), 0 to 1; the units' prefix caches hold them. Default 0: no shared prefixes.",
+    )
+    prefix_groups: int = Field(
+        1, ge=1, description="Groups of requests that share a prefix, picked at random. Default 1."
+    )
+    slo_ttft_p99_s: float | None = Field(
+        None,
+        gt=0,
+        description="Objective: time to first token at the 99th percentile, in s (queue in the gateway and the unit included). No default: required.",
+    )
+    slo_tpot_p99_s: float | None = Field(
+        None,
+        gt=0,
+        description="Objective: time per output token after the first at the 99th percentile, in s. Default none: no objective.",
+    )
+    max_units: int = Field(
+        1024, ge=1, description="Largest fleet tried before giving up. Default 1024."
+    )
+    seed: int = Field(0, description="Seed of the arrivals, lengths and ties. Default 0.")
+    json_output: bool = Field(
+        False,
+        description="Print one JSON object (units, every fleet tried) instead of the table. Default false.",
+    )
+    plot_file: Path | None = Field(
+        None,
+        description="Draw TTFT and TPOT p50/p99 against units to this PNG (needs matplotlib). Default none.",
+    )
+
+    @field_validator("prompt_tokens", "output_tokens")
+    @classmethod
+    def _lengths(cls, value: str) -> str:
+        from proxy.plan.workload import parse_lengths
+
+        parse_lengths(value)  # ValueError says what is wrong
+        return value
+
+
 class RedisSettings(_Section):
     url: str | None = Field(
         None,
@@ -728,6 +793,7 @@ class Settings(BaseSettings):
     follower: FollowerSettings = Field(default_factory=FollowerSettings)  # type: ignore[arg-type]
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)  # type: ignore[arg-type]
     up: UpSettings = Field(default_factory=UpSettings)  # type: ignore[arg-type]
+    plan: PlanSettings = Field(default_factory=PlanSettings)  # type: ignore[arg-type]
     redis: RedisSettings = Field(default_factory=RedisSettings)  # type: ignore[arg-type]
 
     @classmethod
@@ -786,8 +852,21 @@ def check_role(role: str, settings: Settings) -> None:
             problems.append(
                 "gateway.units: no unit configured; give --unit ID=HTTP_URL,GRPC_TARGET (repeatable)"
             )
+    if role == "plan":
+        problems += _plan_problems(settings.plan)
     if problems:
         raise ConfigError(problems)
+
+
+def _plan_problems(plan: PlanSettings) -> list[str]:
+    problems = []
+    if (plan.rate_per_s is None) == (plan.trace_file is None):
+        problems.append(
+            "plan.rate_per_s: give either --rate REQUESTS_PER_S or --trace FILE (one of them)"
+        )
+    if plan.slo_ttft_p99_s is None:
+        problems.append("plan.slo_ttft_p99_s: give the objective, --slo-ttft-p99 SECONDS")
+    return problems
 
 
 def read_toml(path: Path) -> dict[str, Any]:

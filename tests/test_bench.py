@@ -37,6 +37,7 @@ SMOKE: dict[str, tuple[str, ...]] = {
         "--saturation-window",
         "2",
     ),
+    "plan": ("--duration", "10", "--max-units", "6"),
     "failover_detect": ("--scenarios", "kill-watch,stop-watch"),
     "failover_under_load": ("--scenarios", "sidecar-kill", "--settle", "1", "--watch", "2"),
 }

@@ -81,7 +81,9 @@ def test_unitproxy_command_lines_in_docs_use_real_flags(path: Path) -> None:
     flags = _subcommand_flags()
     every = set().union(*flags.values())
     for span in _code_spans(_text(path)):
-        for command, rest in re.findall(r"\bunitproxy (sidecar|follower|gateway|up)\b(.*)", span):
+        for command, rest in re.findall(
+            r"\bunitproxy (sidecar|follower|gateway|up|plan)\b(.*)", span
+        ):
             options = rest.split(" -- ")[0]  # after --: the worker's own command
             for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", options):
                 assert flag in flags[command], f"{path.name}: `unitproxy {command}` has no {flag}"
