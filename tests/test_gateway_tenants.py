@@ -409,3 +409,87 @@ async def test_a_grpc_call_its_client_cancels_is_charged_what_it_got(
         await wait_until(lambda: in_flight(gw, "beta") == 0, what="the slot freed")
     used = tpm(gw, "beta")
     assert got + 2 <= used < 1000, "the prompt and what was sent, not the 5,000 reserved"
+
+
+PRIORITY_TENANTS = """
+[[tenant]]
+name = "bulk"
+keys = ["sk-bulk"]
+priority = "batch"
+
+[[tenant]]
+name = "chat"
+keys = ["sk-chat"]
+priority = "interactive"
+"""
+
+
+async def one_slot(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, **kw: Any
+) -> Gateway:
+    """A gateway with PRIORITY_TENANTS in front of one unit that takes one request at once."""
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS)
+    sidecar = await start_sidecar(sim=SLOW_SIM, sidecar={"capacity": 1})
+    return await start_gateway([sidecar], tenants_file=str(path), **kw)
+
+
+async def test_a_waiting_batch_request_is_shed_for_an_interactive_one(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    gw = await one_slot(start_sidecar, start_gateway, tmp_path, queue_size=1)
+    bulk, chat = client(gw, "sk-bulk"), client(gw, "sk-chat")
+    unit = next(iter(gw.router.units.values()))
+    running = asyncio.create_task(
+        bulk.completions.create(model="unitproxy-sim", prompt="a long one", max_tokens=40)
+    )
+    await wait_until(lambda: unit.inflight == 1, what="the unit busy")
+    waiting = asyncio.create_task(
+        bulk.completions.create(model="unitproxy-sim", prompt="next", max_tokens=2)
+    )
+    await wait_until(lambda: gw.router.waiting == 1, what="a batch request waiting")
+    answer = await chat.completions.create(model="unitproxy-sim", prompt="hi", max_tokens=2)
+    assert answer.usage is not None and answer.usage.completion_tokens == 2
+    with pytest.raises(openai.RateLimitError) as shed:
+        await waiting
+    assert shed.value.code == "shed"
+    finished = await running  # the request the unit had first is never cut
+    assert finished.usage is not None and finished.usage.completion_tokens == 40
+    assert gw.router.waiting == 0
+
+
+async def test_grpc_and_http_requests_wait_in_their_tenants_class(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    gw = await one_slot(start_sidecar, start_gateway, tmp_path)
+    unit = next(iter(gw.router.units.values()))
+    done: list[str] = []
+
+    async def http(key: str, name: str, max_tokens: int, lower: str | None = None) -> None:
+        headers = {"x-unitproxy-priority": lower} if lower else {}
+        await client(gw, key).completions.create(
+            model="unitproxy-sim", prompt=name, max_tokens=max_tokens, extra_headers=headers
+        )
+        done.append(name)
+
+    async def grpc_call(key: str, name: str) -> None:
+        request = inference_pb2.GenerateRequest(
+            model="unitproxy-sim", prompt=name, sampling=inference_pb2.SamplingParams(max_tokens=2)
+        )
+        async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            _ = [c async for c in stub.Generate(request, metadata=(("authorization", key),))]
+        done.append(name)
+
+    first = asyncio.create_task(http("sk-bulk", "first", 40))
+    await wait_until(lambda: unit.inflight == 1, what="the unit busy")
+    later = [asyncio.create_task(http("sk-bulk", "bulk", 2))]
+    await wait_until(lambda: gw.router.waiting == 1, what="bulk waiting")
+    later.append(asyncio.create_task(http("sk-chat", "chat lowered", 2, lower="batch")))
+    await wait_until(lambda: gw.router.waiting == 2, what="the lowered one waiting")
+    later.append(asyncio.create_task(grpc_call("Bearer sk-chat", "chat grpc")))
+    await wait_until(lambda: gw.router.waiting == 3, what="the gRPC call waiting")
+    await asyncio.gather(first, *later)
+    # interactive first, whatever the wire; the lowered one is batch: after bulk, which
+    # came first and has been served no more than it
+    assert done == ["first", "chat grpc", "bulk", "chat lowered"]

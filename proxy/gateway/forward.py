@@ -170,7 +170,7 @@ class Forwarder:
 
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
-        want = self.core.json_want(req.body)
+        want = self.core.json_want(req.body, req.admission)
         if req.stored is not None:
             want = self.core.pin(want, req.stored, None)
         elif req.route == "responses":

@@ -154,7 +154,7 @@ class GenerateProxy:
         job = GrpcJob(self, request, context, started, admission)
         self.streams += 1
         try:
-            await self.core.run(job, self.core.grpc_want(request))
+            await self.core.run(job, self.core.grpc_want(request, admission))
             await job.finish()
         except UnitProxyError as exc:
             code = exc.grpc_code.name
