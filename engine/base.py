@@ -76,6 +76,11 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
 
+# The named metric (LoadReport.named_metrics) under which a unit reports its engine's
+# slots: the requests it runs at once (``Engine.slots``).
+ENGINE_SLOTS = "engine_slots"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     running: int = 0
@@ -104,6 +109,11 @@ class Engine(abc.ABC):
         """Every model name a request may give: ``model_name`` first, then what else
         the engine serves (LoRA adapters, an upstream's other models)."""
         return (self.model_name,)
+
+    def slots(self) -> int | None:
+        """Requests the engine runs at once, its batch (the simulator's and vLLM's
+        max_num_seqs): more wait in its own queue. None: not known (yet)."""
+        return None
 
     @abc.abstractmethod
     async def start(self) -> None: ...

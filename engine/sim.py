@@ -280,6 +280,9 @@ class SimEngine(Engine):
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    def slots(self) -> int:
+        return self._settings.max_num_seqs
+
     def stats(self) -> EngineStats:
         running, cache = len(self._running), self._cache
         return EngineStats(

@@ -439,6 +439,18 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise EngineDeadError(f"vLLM engine is dead: {one_line(exc)}") from exc
 
+    def slots(self) -> int | None:
+        """max_num_seqs of each engine core (vLLM's default for the device when not
+        given) times the data-parallel engines, from the built engine's config."""
+        if self._vllm is None:
+            return None
+        config: Any = getattr(self._vllm.engine, "vllm_config", None)
+        try:
+            seqs = int(config.scheduler_config.max_num_seqs)
+            return seqs * max(1, int(config.parallel_config.data_parallel_size))
+        except (AttributeError, TypeError, ValueError):
+            return None
+
     def stats(self) -> EngineStats:
         if self._vllm is None:
             return EngineStats(kv_cache_usage=-1.0)

@@ -227,10 +227,10 @@ class SidecarSettings(_Section):
     unit_id: str = Field(
         "unit-0", min_length=1, max_length=64, description="This unit's id. Default unit-0."
     )
-    capacity: int = Field(
-        64,
+    capacity: int | None = Field(
+        None,
         gt=0,
-        description="Most requests admitted at once (outstanding); more get 429. Default 64.",
+        description="Most requests admitted at once (outstanding); more get 429. Gateways send a unit at most this many at once and hold the rest in their fair queue. Default: the engine's slots, the requests it runs at once (engine_slots in the load report: the simulator's and vLLM's max_num_seqs), so that nothing waits in the engine's own FIFO; 64 where the engine does not say (engine openai).",
     )
     report_interval_s: float = Field(
         1.0,

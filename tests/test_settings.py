@@ -56,7 +56,7 @@ def _one_problem(problems: list[str], key: str) -> str:
 
 def test_defaults() -> None:
     s = config.load({})
-    assert s.sidecar.capacity == 64
+    assert s.sidecar.capacity is None  # the engine's slots
     assert s.sidecar.unit_id == "unit-0"
     assert s.engine.kind == "sim"
     assert s.engine.sim.max_num_seqs == 32

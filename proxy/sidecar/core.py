@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import TypeVar
 
-from engine.base import Engine, EngineRequest, TokenDelta
+from engine.base import ENGINE_SLOTS, Engine, EngineRequest, TokenDelta
 from proxy.broadcast import Broadcast
 from proxy.errors import (
     DeadlineExceeded,
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 # How often a request awaiting a whole answer looks at the engine's step count.
 _PROGRESS_POLL_S = 1.0
+# A unit's capacity when none is configured and its engine does not say its slots.
+DEFAULT_CAPACITY = 64
 
 
 class Lease:
@@ -74,14 +76,14 @@ class SidecarCore:
         health: UnitHealth,
         metrics: ServingMetrics,
         changes: Broadcast,
-        capacity: int,
+        capacity: int | None,  # None: the engine's slots (DEFAULT_CAPACITY if unknown)
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.unit_id = unit_id
         self.engine = engine
         self.health = health
-        self.capacity = capacity
+        self._capacity = capacity
         self.outstanding = 0
         self.http_url = ""
         self.grpc_target = ""
@@ -97,13 +99,23 @@ class SidecarCore:
         # Requests inside run(), each with the scope that bounds it (its deadline).
         self._running: dict[Lease, asyncio.Timeout] = {}
 
+    @property
+    def capacity(self) -> int:
+        """Most requests admitted at once: as configured, else the engine's slots (so
+        what its engine cannot run at once waits in the gateways, where it can be put
+        in order), else DEFAULT_CAPACITY."""
+        if self._capacity is not None:
+            return self._capacity
+        return self.engine.slots() or DEFAULT_CAPACITY
+
     def admit(self) -> Lease:
         state = self.health.state
         if state is not UnitState.SERVING:
             raise Unavailable(f"unit {self.unit_id} is {state}", code=state.lower())
-        if self.outstanding >= self.capacity:
+        capacity = self.capacity
+        if self.outstanding >= capacity:
             raise Overloaded(
-                f"unit {self.unit_id} is at capacity ({self.capacity} outstanding requests)",
+                f"unit {self.unit_id} is at capacity ({capacity} outstanding requests)",
                 retry_after_s=self._retry_after_s,
                 code="unit_at_capacity",
             )
@@ -334,6 +346,10 @@ class SidecarCore:
     def report(self) -> LoadReport:
         self._seq += 1
         stats = self.engine.stats()
+        named = joined_metrics(stats.named_metrics, self._named)
+        slots = self.engine.slots()
+        if slots is not None and ENGINE_SLOTS not in named and len(named) < MAX_NAMED_METRICS:
+            named[ENGINE_SLOTS] = float(slots)
         return LoadReport(
             unit_id=self.unit_id,
             state=self.health.state,
@@ -352,7 +368,7 @@ class SidecarCore:
             timestamp_ms=int(time.time() * 1000),
             http_url=self.http_url,
             grpc_target=self.grpc_target,
-            named_metrics=joined_metrics(stats.named_metrics, self._named),
+            named_metrics=named,
         )
 
 
