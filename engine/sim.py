@@ -1,7 +1,8 @@
 """A continuous-batching simulator of an LLM engine: tests, demos, benchmarks, capacity planning.
 
 It models what a router can see of a vLLM-like engine: ``max_num_seqs`` batch slots, a
-FIFO waiting queue, a prefill cost per prompt token, and a decode step whose time grows
+waiting queue in order of priority (``EngineRequest.priority``, lower first, as vLLM's
+priority scheduling) then arrival, a prefill cost per prompt token, and a decode step whose time grows
 with the batch; every running sequence gets one token per step. The text is common
 English words, each one token of the simulator's tokenizer (``engine.tokens``, which
 counts like a real BPE tokenizer): token k is a function of the engine seed, the
@@ -10,7 +11,12 @@ output so far), so the same request gives the same text in any process, and a
 request resumed with its output so far appended continues exactly as it would have.
 A prefix cache (``engine.prefix_cache``: KV blocks, LRU) makes prefill cost only the
 prompt tokens not already cached, shared across requests; its hit rate is in
-``stats()``. Fault knobs make every request fail after N tokens (error), the
+``stats()``. As vLLM under ``--scheduling-policy priority``, a waiting request of a
+higher priority takes the slot of the running request of the lowest priority (the
+latest of them) when every slot is taken: that one goes back to the head of its class
+in the waiting queue, its stream paused, and resumes where it was once a slot frees
+(re-prefilling its prompt and output, less what the prefix cache holds); it never
+fails. Requests of one priority never preempt each other. Fault knobs make every request fail after N tokens (error), the
 scheduler stop stepping (hang) or the whole engine die (crash).
 
 The hang and crash knobs count requests admitted since ``start()`` (``generate()``
@@ -182,6 +188,9 @@ class _Seq:
     stop: _StopFilter | None
     blocks: list[int]  # the prompt's KV blocks (chained hashes), for the prefix cache
     pooling: bool = False  # prefill only: done, with no output, once the prompt is in
+    priority: int = 1  # lower goes first (EngineRequest.priority)
+    arrival: int = 0  # its order of arrival in the engine
+    preempted: int = 0  # times it gave its slot to a request of a higher priority
     state: Literal["waiting", "running", "done"] = "waiting"
     prefill_left: int = 0  # running: prompt tokens still to prefill (0: decoding)
     completion_tokens: int = 0
@@ -222,7 +231,10 @@ class SimEngine(Engine):
         self.model_name = model_name or DEFAULT_MODEL_NAME
         self._settings = settings
         self._running: dict[_Seq, None] = {}  # insertion-ordered set with O(1) removal
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: deque[_Seq] = deque()  # by priority, then arrival
+        self._running_by_priority: dict[int, int] = {}  # priority -> sequences running
+        self._arrivals = 0
+        self.preemptions = 0  # running sequences that gave their slot to a higher priority
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -283,6 +295,9 @@ class SimEngine(Engine):
     def slots(self) -> int:
         return self._settings.max_num_seqs
 
+    def takes_priority(self) -> bool:
+        return True
+
     def stats(self) -> EngineStats:
         running, cache = len(self._running), self._cache
         return EngineStats(
@@ -329,15 +344,45 @@ class SimEngine(Engine):
             seq.state = "done"
             seq.deltas.append(TokenDelta("", (), seq.prompt_tokens, 0, "length"))
         else:
-            self._waiting.append(seq)
+            self._queue(seq)
             self._wake.set()
         return seq
+
+    def _queue(self, seq: _Seq) -> None:
+        """Into the waiting queue, behind every sequence of its priority or a higher one
+        that came before it (a preempted one came before those waiting in its class)."""
+        seq.state = "waiting"
+        waiting = self._waiting
+        if not waiting or (waiting[-1].priority, waiting[-1].arrival) < (seq.priority, seq.arrival):
+            waiting.append(seq)  # the common case: one priority, in arrival order
+            return
+        at = len(waiting)
+        while at > 0 and (waiting[at - 1].priority, waiting[at - 1].arrival) > (
+            seq.priority,
+            seq.arrival,
+        ):
+            at -= 1
+        waiting.insert(at, seq)
+
+    def _run_seq(self, seq: _Seq) -> None:
+        seq.state = "running"
+        self._running[seq] = None
+        by = self._running_by_priority
+        by[seq.priority] = by.get(seq.priority, 0) + 1
+
+    def _stop_running(self, seq: _Seq) -> None:
+        del self._running[seq]
+        by = self._running_by_priority
+        by[seq.priority] -= 1
+        if not by[seq.priority]:
+            del by[seq.priority]
 
     def _new_seq(self, request: EngineRequest) -> _Seq:
         sampling = request.sampling
         stops = tuple(s for s in sampling.stop if s)
         max_tokens = sampling.max_tokens
         text = _context_text(request)
+        self._arrivals += 1
         return _Seq(
             prompt_tokens=count_prompt_tokens(request, self._tables.count),
             max_tokens=self._settings.default_max_tokens if max_tokens is None else max_tokens,
@@ -348,6 +393,8 @@ class SimEngine(Engine):
             stop=_StopFilter(stops) if stops else None,
             blocks=self._blocks(request, text),
             pooling=request.pooling,
+            priority=request.priority,
+            arrival=self._arrivals,
         )
 
     def _blocks(self, request: EngineRequest, text: str) -> list[int]:
@@ -364,7 +411,7 @@ class SimEngine(Engine):
 
     def _discard(self, seq: _Seq) -> None:
         if seq.state == "running":
-            del self._running[seq]
+            self._stop_running(seq)
         elif seq.state == "waiting":
             self._waiting.remove(seq)
         seq.state = "done"
@@ -391,6 +438,7 @@ class SimEngine(Engine):
             seq.error = EngineDeadError(reason)
             seq.wake()
         self._running.clear()
+        self._running_by_priority.clear()
         self._waiting.clear()
         self._wake.set()  # let an idle scheduler see it and end
 
@@ -433,13 +481,14 @@ class SimEngine(Engine):
         prefilled in the step."""
         free = self._settings.max_num_seqs - len(self._running)
         cache = self._cache
-        while free > 0 and self._waiting:
-            seq = self._waiting.popleft()
-            seq.state = "running"
-            self._running[seq] = None
+        waiting = self._waiting
+        while waiting and (free > 0 or self._preempt(waiting[0].priority)):
+            seq = waiting.popleft()
+            self._run_seq(seq)
             cached = 0 if cache is None else cache.admit(seq.blocks, seq.prompt_tokens)
-            seq.prefill_left = seq.prompt_tokens - cached
-            free -= 1
+            # a preempted sequence prefills its output again too (vLLM's recompute)
+            seq.prefill_left = max(0, seq.prompt_tokens + seq.completion_tokens - cached)
+            free = max(0, free - 1)
         budget = self._settings.max_num_batched_tokens or float("inf")
         budget -= sum(1 for seq in self._running if not seq.prefill_left)
         prefill = 0
@@ -452,6 +501,27 @@ class SimEngine(Engine):
                 budget -= chunk
                 prefill += chunk
         return prefill
+
+    def _preempt(self, priority: int) -> bool:
+        """Every slot is taken and a request of ``priority`` waits: free the slot of the
+        latest running sequence of the lowest priority, if that is lower; true if one
+        was freed. That sequence waits again at the head of its class, its stream paused."""
+        by = self._running_by_priority
+        if not by:
+            return False
+        lowest = max(by)
+        if lowest <= priority:
+            return False
+        victim = None
+        for seq in self._running:  # in order of admission: the last one wins
+            if seq.priority == lowest:
+                victim = seq
+        assert victim is not None
+        self._stop_running(victim)
+        victim.preempted += 1
+        self.preemptions += 1
+        self._queue(victim)
+        return True
 
     def _step_seconds(self, prefill_tokens: int) -> float:
         """Prefill per token plus a decode step growing with the sequences that make a
@@ -470,7 +540,7 @@ class SimEngine(Engine):
             return  # every sequence was aborted during the step
         finished = [seq for seq in self._running if not seq.prefill_left and self._advance(seq)]
         for seq in finished:
-            del self._running[seq]
+            self._stop_running(seq)
             seq.state = "done"
         self._last_progress = loop.time()
 

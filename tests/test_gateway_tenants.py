@@ -493,3 +493,55 @@ async def test_grpc_and_http_requests_wait_in_their_tenants_class(
     # interactive first, whatever the wire; the lowered one is batch: after bulk, which
     # came first and has been served no more than it
     assert done == ["first", "chat grpc", "bulk", "chat lowered"]
+
+
+async def test_the_class_reaches_the_engine_where_interactive_takes_a_batch_slot(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    # A unit sent more than its engine runs at once (capacity 2 over 1 slot): inside it,
+    # the engine's priority decides, as the gateway's class says.
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS)
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1}, sidecar={"capacity": 2})
+    gw = await start_gateway([sidecar], tenants_file=str(path))
+    engine: Any = sidecar.engine
+    stream = await client(gw, "sk-bulk").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=200, stream=True
+    )
+    text = [(await anext(aiter(stream))).choices[0].text]
+    answer = await client(gw, "sk-chat").completions.create(
+        model="unitproxy-sim", prompt="hi", max_tokens=3
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    assert engine.preemptions == 1, "the batch stream gave its slot to the interactive one"
+    async for chunk in stream:
+        text.append(chunk.choices[0].text if chunk.choices else "")
+    alone = await client(gw, "sk-bulk").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=200
+    )
+    assert "".join(text) == alone.choices[0].text, "paused and resumed, never cut"
+
+
+async def test_a_sidecar_trusts_a_priority_header_only_downwards(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1}, sidecar={"capacity": 2})
+    engine: Any = sidecar.engine
+    url = f"{sidecar.http_url}/v1/completions"
+
+    async def send(priority: str | None, max_tokens: int) -> None:
+        headers = {"x-unitproxy-priority": priority} if priority else {}
+        body = {"model": "unitproxy-sim", "prompt": "p", "max_tokens": max_tokens}
+        async with http.post(url, json=body, headers=headers) as resp:
+            assert resp.status == 200
+
+    standard = asyncio.create_task(send(None, 30))
+    await wait_until(lambda: engine.stats().running == 1, what="the standard one running")
+    await send("interactive", 2)  # a client's claim: no more than standard, so it waits
+    assert engine.preemptions == 0
+    await standard
+    batch = asyncio.create_task(send("batch", 30))
+    await wait_until(lambda: engine.stats().running == 1, what="the batch one running")
+    await send(None, 2)
+    assert engine.preemptions == 1, "standard goes before a request that said batch"
+    await batch

@@ -59,6 +59,7 @@ from proxy.httputil import (
 )
 from proxy.metrics import GatewayMetrics, LoopBuckets
 from proxy.settings import GatewaySettings
+from proxy.tenants import PRIORITY_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,8 @@ class Forwarder:
         authorization = self._unit_auth or req.authorization
         if authorization:
             headers["Authorization"] = authorization
+        if req.admission is not None:  # the unit passes the class to its engine
+            headers[PRIORITY_HEADER] = req.admission.priority
         return headers
 
 

@@ -15,13 +15,14 @@ a drain lets requests finish instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import TypeVar
 
-from engine.base import ENGINE_SLOTS, Engine, EngineRequest, TokenDelta
+from engine.base import ENGINE_SLOTS, PRIORITY_RANK, Engine, EngineRequest, TokenDelta
 from proxy.broadcast import Broadcast
 from proxy.errors import (
     DeadlineExceeded,
@@ -48,6 +49,25 @@ _T = TypeVar("_T")
 _PROGRESS_POLL_S = 1.0
 # A unit's capacity when none is configured and its engine does not say its slots.
 DEFAULT_CAPACITY = 64
+
+
+def engine_priority(asked: str | bytes | None) -> int:
+    """The engine priority (``EngineRequest.priority``) of a request whose
+    ``x-unitproxy-priority`` names its class: a gateway with tenants sends its tenant's
+    class there. A sidecar has no tenants and no credential tells a gateway from a
+    client that reaches it directly, so the header is a hint trusted downwards only:
+    ``batch`` is batch, anything else (``interactive`` included) is standard, the top
+    of what a sidecar grants. Inside the engine interactive and standard are one class;
+    the gateways' queues still put interactive first."""
+    if asked == "batch" or asked == b"batch":
+        return PRIORITY_RANK["batch"]
+    return PRIORITY_RANK["standard"]
+
+
+def with_priority(request: EngineRequest, priority: int) -> EngineRequest:
+    if priority == request.priority:
+        return request
+    return dataclasses.replace(request, priority=priority)
 
 
 class Lease:
