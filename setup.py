@@ -28,6 +28,7 @@ from setuptools import setup
 COMPILED = [
     "proxy/gateway/core.py",
     "proxy/gateway/discovery.py",
+    "proxy/gateway/fairqueue.py",
     "proxy/gateway/forward.py",
     "proxy/gateway/grpc_proxy.py",
     "proxy/gateway/index.py",

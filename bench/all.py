@@ -53,6 +53,7 @@ BENCHES = (
     Bench("failover_detect", ("bench/failover/detect.py",)),
     Bench("failover_under_load", ("bench/failover/under_load.py",)),
     Bench("ingress", ("bench/ingress/run.py",)),
+    Bench("tenants", ("bench/tenants/run.py",)),
     Bench("vllm_side_by_side", ("bench/vllm_side_by_side.py",), VLLM_PYTHON),
 )
 

@@ -63,6 +63,13 @@ class EngineRequest:
     # Prefill only (embeddings, scores): no output; one last delta, finish_reason
     # "stop", once the prompt is prefilled.
     pooling: bool = False
+    # Its priority class inside the engine, as vLLM's priority: lower goes first
+    # (PRIORITY_RANK: 0 interactive, 1 standard, 2 batch).
+    priority: int = 1
+
+
+# A priority class's value for an engine (EngineRequest.priority; vLLM's lower-first).
+PRIORITY_RANK = {"interactive": 0, "standard": 1, "batch": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,11 @@ class TokenDelta:
     prompt_tokens: int
     completion_tokens: int  # cumulative, including this delta
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+# The named metric (LoadReport.named_metrics) under which a unit reports its engine's
+# slots: the requests it runs at once (``Engine.slots``).
+ENGINE_SLOTS = "engine_slots"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +116,16 @@ class Engine(abc.ABC):
         """Every model name a request may give: ``model_name`` first, then what else
         the engine serves (LoRA adapters, an upstream's other models)."""
         return (self.model_name,)
+
+    def takes_priority(self) -> bool:
+        """Whether the engine schedules by ``EngineRequest.priority`` (and, with its own
+        OpenAI layer, a body's ``priority``); false: it is not passed."""
+        return False
+
+    def slots(self) -> int | None:
+        """Requests the engine runs at once, its batch (the simulator's and vLLM's
+        max_num_seqs): more wait in its own queue. None: not known (yet)."""
+        return None
 
     @abc.abstractmethod
     async def start(self) -> None: ...

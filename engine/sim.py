@@ -1,17 +1,26 @@
 """A continuous-batching simulator of an LLM engine: tests, demos, benchmarks, capacity planning.
 
 It models what a router can see of a vLLM-like engine: ``max_num_seqs`` batch slots, a
-FIFO waiting queue, a prefill cost per prompt token, and a decode step whose time grows
-with the batch; every running sequence gets one token per step. The text is common
-English words, each one token of the simulator's tokenizer (``engine.tokens``, which
-counts like a real BPE tokenizer): token k is a function of the engine seed, the
+waiting queue in order of priority (``EngineRequest.priority``, lower first, as vLLM's
+priority scheduling) then arrival, a prefill cost per prompt token, and a decode step
+whose time grows with the batch; every running sequence gets one token per step. The
+text is common English words, each one token of the simulator's tokenizer
+(``engine.tokens``, which counts like a real BPE tokenizer): token k is a function of the engine seed, the
 request's seed and the whole context before it (prompt or chat template, then the
 output so far), so the same request gives the same text in any process, and a
 request resumed with its output so far appended continues exactly as it would have.
 A prefix cache (``engine.prefix_cache``: KV blocks, LRU) makes prefill cost only the
 prompt tokens not already cached, shared across requests; its hit rate is in
-``stats()``. Fault knobs make every request fail after N tokens (error), the
-scheduler stop stepping (hang) or the whole engine die (crash).
+``stats()``. As vLLM under ``--scheduling-policy priority``, a waiting request of a
+higher priority takes the slot of the running request of the lowest priority (the
+latest of them) when every slot is taken: that one goes back to the head of its class
+in the waiting queue, its stream paused, and resumes where it was once a slot frees
+(re-prefilling its prompt and output, less what the prefix cache holds); it never
+fails. Requests of one priority never preempt each other. The scheduling and the step
+times are ``engine.sim_model.StepModel``'s, the capacity planner's model too; this
+class drives it on the event loop and makes the text. Fault knobs make every request
+fail after N tokens (error), the scheduler stop stepping (hang) or the whole engine
+die (crash).
 
 The hang and crash knobs count requests admitted since ``start()`` (``generate()``
 calls that began); a knob of N trips as the N-th begins, and 0 trips at ``start()``.
@@ -182,6 +191,9 @@ class _Seq:
     stop: _StopFilter | None
     blocks: list[int]  # the prompt's KV blocks (chained hashes), for the prefix cache
     pooling: bool = False  # prefill only: done, with no output, once the prompt is in
+    priority: int = 1  # lower goes first (EngineRequest.priority)
+    arrival: int = 0  # its order of arrival in the engine (set by StepModel.add)
+    preempted: int = 0  # times it gave its slot to a request of a higher priority
     state: State = "waiting"
     prefill_left: int = 0  # running: prompt tokens still to prefill (0: decoding)
     completion_tokens: int = 0
@@ -241,6 +253,11 @@ class SimEngine(Engine):
     def has_work(self) -> bool:
         return self._model.has_work
 
+    @property
+    def preemptions(self) -> int:
+        """Running sequences that gave their slot to a request of a higher priority."""
+        return self._model.preemptions
+
     async def start(self) -> None:
         if self._task is not None:
             return
@@ -275,6 +292,12 @@ class SimEngine(Engine):
         # A hung engine passes on purpose: only a progress watchdog can tell.
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+
+    def slots(self) -> int:
+        return self._settings.max_num_seqs
+
+    def takes_priority(self) -> bool:
+        return True
 
     def stats(self) -> EngineStats:
         model = self._model
@@ -342,6 +365,7 @@ class SimEngine(Engine):
             stop=_StopFilter(stops) if stops else None,
             blocks=self._blocks(request, text),
             pooling=request.pooling,
+            priority=request.priority,
         )
 
     def _blocks(self, request: EngineRequest, text: str) -> list[int]:

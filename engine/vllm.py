@@ -439,6 +439,27 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise EngineDeadError(f"vLLM engine is dead: {one_line(exc)}") from exc
 
+    def takes_priority(self) -> bool:
+        """Under vLLM's priority scheduling only (engine_args scheduling_policy
+        "priority"): its default FCFS policy refuses a request with a priority."""
+        if self._vllm is None:
+            return False
+        config: Any = getattr(self._vllm.engine, "vllm_config", None)
+        policy = getattr(getattr(config, "scheduler_config", None), "policy", None)
+        return str(policy) == "priority" or getattr(policy, "value", None) == "priority"
+
+    def slots(self) -> int | None:
+        """max_num_seqs of each engine core (vLLM's default for the device when not
+        given) times the data-parallel engines, from the built engine's config."""
+        if self._vllm is None:
+            return None
+        config: Any = getattr(self._vllm.engine, "vllm_config", None)
+        try:
+            seqs = int(config.scheduler_config.max_num_seqs)
+            return seqs * max(1, int(config.parallel_config.data_parallel_size))
+        except (AttributeError, TypeError, ValueError):
+            return None
+
     def stats(self) -> EngineStats:
         if self._vllm is None:
             return EngineStats(kv_cache_usage=-1.0)
@@ -470,7 +491,12 @@ class VllmEngine(Engine):
         self._in_flight.add(request_id)
         progress, final = _Progress(), None
         try:
-            async with aclosing(built.engine.generate(prompt, params, request_id)) as outputs:
+            # The request's class (lower first, as vLLM's own priority) where the operator
+            # turned on vLLM's priority scheduling (engine_args scheduling_policy
+            # "priority"); vLLM refuses a priority under its default FCFS policy.
+            priority = {"priority": request.priority} if self.takes_priority() else {}
+            generating = built.engine.generate(prompt, params, request_id, **priority)
+            async with aclosing(generating) as outputs:
                 async for output in outputs:
                     delta = progress.delta(output)
                     if output.finished:

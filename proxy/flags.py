@@ -131,6 +131,8 @@ GATEWAY = (
     Flag("--stale-after", "gateway.stale_after_s", "SECONDS"),
     Flag("--queue-size", "gateway.queue_size", "N"),
     Flag("--queue-timeout", "gateway.queue_timeout_s", "SECONDS"),
+    Flag("--queue-class-size", "gateway.queue_class_size", "CLASS=N,..."),
+    Flag("--queue-class-timeout", "gateway.queue_class_timeout_s", "CLASS=SECONDS,..."),
     Flag("--eject-after", "gateway.eject_after", "N"),
     Flag("--eject-time", "gateway.eject_s", "SECONDS"),
     Flag("--max-eject-time", "gateway.max_eject_s", "SECONDS"),

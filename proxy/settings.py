@@ -8,6 +8,7 @@ below. Every field says its default and unit.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,6 +17,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
+    NonNegativeInt,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -33,6 +36,7 @@ from engine.settings import EngineSettings
 from proxy import registry
 
 Role = Literal["sidecar", "follower", "gateway", "up"]
+PriorityClass = Literal["interactive", "standard", "batch"]
 
 # The registered policies' names (proxy/registry.py): the setting takes exactly
 # those, and so does its flag. (To mypy a str: it cannot read a Literal built here.)
@@ -233,10 +237,10 @@ class SidecarSettings(_Section):
     unit_id: str = Field(
         "unit-0", min_length=1, max_length=64, description="This unit's id. Default unit-0."
     )
-    capacity: int = Field(
-        64,
+    capacity: int | None = Field(
+        None,
         gt=0,
-        description="Most requests admitted at once (outstanding); more get 429. Default 64.",
+        description="Most requests admitted at once (outstanding); more get 429. Gateways send a unit at most this many at once and hold the rest in their fair queue. Default: the engine's slots, the requests it runs at once (engine_slots in the load report: the simulator's and vLLM's max_num_seqs), so that nothing waits in the engine's own FIFO; 64 where the engine does not say (engine openai).",
     )
     report_interval_s: float = Field(
         1.0,
@@ -415,6 +419,14 @@ class GatewaySettings(_Section):
     queue_timeout_s: float = Field(
         10.0, ge=0, description="Longest wait in that queue before 429, in s. Default 10."
     )
+    queue_class_size: dict[PriorityClass, NonNegativeInt] = Field(
+        default_factory=dict,
+        description="Most requests of one priority class that may wait, by class (interactive, standard, batch), within queue_size: a table in TOML ({batch = 256}), CLASS=N,CLASS=N on the command line. A class not named may fill queue_size. Default none.",
+    )
+    queue_class_timeout_s: dict[PriorityClass, NonNegativeFloat] = Field(
+        default_factory=dict,
+        description="Longest wait in the queue by priority class before 429, in s: a table in TOML ({batch = 60}), CLASS=S,CLASS=S on the command line. A class not named waits queue_timeout_s. Default none.",
+    )
     eject_after: int = Field(
         3,
         ge=1,
@@ -564,6 +576,11 @@ class GatewaySettings(_Section):
                 )
         return self
 
+    @field_validator("queue_class_size", "queue_class_timeout_s", mode="before")
+    @classmethod
+    def _parse_by_class(cls, value: Any) -> Any:
+        return _by_class(value)
+
     @field_validator("units", mode="before")
     @classmethod
     def _parse_units(cls, value: Any) -> Any:
@@ -577,6 +594,22 @@ class GatewaySettings(_Section):
                 raise ValueError(f"unit ids must be unique: {', '.join(map(str, duplicates))}")
             return parsed
         return value
+
+
+def _by_class(value: Any) -> Any:
+    """CLASS=VALUE,CLASS=VALUE (a flag) or a JSON object as a dict; else as given."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("{"):
+        return json.loads(text)
+    parsed: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, number = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not CLASS=VALUE (interactive, standard or batch)")
+        parsed[name.strip()] = number.strip()
+    return parsed
 
 
 class FollowerSettings(_Section):

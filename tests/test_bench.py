@@ -50,7 +50,8 @@ def test_every_bench_has_a_smoke_run() -> None:
     finally:
         sys.path.remove(str(ROOT))
     needs_vllm = {"vllm_side_by_side"}  # its own venv; run with `bench/all.py --quick`
-    own_test = {"ingress"}  # tests/test_bench_ingress.py runs it and checks its goals
+    # tests/test_bench_ingress.py and test_bench_tenants.py run these and check them
+    own_test = {"ingress", "tenants"}
     assert {b.name for b in BENCHES} - needs_vllm - own_test == set(SMOKE)
 
 

@@ -28,6 +28,7 @@ import pytest
 import pytest_asyncio
 
 from engine import EngineUnavailable, create_engine
+from engine.base import ENGINE_SLOTS
 from engine.vllm import SchedulerView, VllmEngine, _render_chat, engine_kwargs
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
@@ -281,6 +282,13 @@ async def test_watchdog_and_leader_health_see_a_live_engine(sidecar: Sidecar) ->
     async with aiohttp.ClientSession() as http, http.get(f"{sidecar.http_url}/ready") as resp:
         assert resp.status == 200
     await until_idle(sidecar)
+
+
+@with_vllm
+async def test_vllms_max_num_seqs_are_the_units_slots_and_capacity(sidecar: Sidecar) -> None:
+    assert engine_of(sidecar).slots() == 8  # the fixture's max_num_seqs, one engine
+    assert sidecar.core.report().named_metrics[ENGINE_SLOTS] == 8.0
+    assert sidecar.core.capacity == 8  # none configured: the slots
 
 
 @with_vllm

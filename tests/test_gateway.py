@@ -386,7 +386,7 @@ async def test_gateway_endpoints(
     async with http.get(f"{gw.http_url}/units") as resp:
         unit = (await resp.json())["units"][0]
     assert unit["id"] == "a" and unit["state"] == "SERVING" and unit["routed"] == 2
-    assert unit["capacity"] == 64 and unit["report_age_s"] < 5
+    assert unit["capacity"] == 32 and unit["report_age_s"] < 5  # the sim's slots
     async with http.get(f"{gw.http_url}/metrics") as resp:
         text = await resp.text()
     for name in ("unitproxy_routed_requests_total", "unitproxy_retries_total", "unitproxy_no_unit_available_total",

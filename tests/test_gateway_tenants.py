@@ -409,3 +409,139 @@ async def test_a_grpc_call_its_client_cancels_is_charged_what_it_got(
         await wait_until(lambda: in_flight(gw, "beta") == 0, what="the slot freed")
     used = tpm(gw, "beta")
     assert got + 2 <= used < 1000, "the prompt and what was sent, not the 5,000 reserved"
+
+
+PRIORITY_TENANTS = """
+[[tenant]]
+name = "bulk"
+keys = ["sk-bulk"]
+priority = "batch"
+
+[[tenant]]
+name = "chat"
+keys = ["sk-chat"]
+priority = "interactive"
+"""
+
+
+async def one_slot(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, **kw: Any
+) -> Gateway:
+    """A gateway with PRIORITY_TENANTS in front of one unit that takes one request at once."""
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS)
+    sidecar = await start_sidecar(sim=SLOW_SIM, sidecar={"capacity": 1})
+    return await start_gateway([sidecar], tenants_file=str(path), **kw)
+
+
+async def test_a_waiting_batch_request_is_shed_for_an_interactive_one(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    gw = await one_slot(start_sidecar, start_gateway, tmp_path, queue_size=1)
+    bulk, chat = client(gw, "sk-bulk"), client(gw, "sk-chat")
+    unit = next(iter(gw.router.units.values()))
+    running = asyncio.create_task(
+        bulk.completions.create(model="unitproxy-sim", prompt="a long one", max_tokens=40)
+    )
+    await wait_until(lambda: unit.inflight == 1, what="the unit busy")
+    waiting = asyncio.create_task(
+        bulk.completions.create(model="unitproxy-sim", prompt="next", max_tokens=2)
+    )
+    await wait_until(lambda: gw.router.waiting == 1, what="a batch request waiting")
+    answer = await chat.completions.create(model="unitproxy-sim", prompt="hi", max_tokens=2)
+    assert answer.usage is not None and answer.usage.completion_tokens == 2
+    with pytest.raises(openai.RateLimitError) as shed:
+        await waiting
+    assert shed.value.code == "shed"
+    finished = await running  # the request the unit had first is never cut
+    assert finished.usage is not None and finished.usage.completion_tokens == 40
+    assert gw.router.waiting == 0
+
+
+async def test_grpc_and_http_requests_wait_in_their_tenants_class(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    gw = await one_slot(start_sidecar, start_gateway, tmp_path)
+    unit = next(iter(gw.router.units.values()))
+    done: list[str] = []
+
+    async def http(key: str, name: str, max_tokens: int, lower: str | None = None) -> None:
+        headers = {"x-unitproxy-priority": lower} if lower else {}
+        await client(gw, key).completions.create(
+            model="unitproxy-sim", prompt=name, max_tokens=max_tokens, extra_headers=headers
+        )
+        done.append(name)
+
+    async def grpc_call(key: str, name: str) -> None:
+        request = inference_pb2.GenerateRequest(
+            model="unitproxy-sim", prompt=name, sampling=inference_pb2.SamplingParams(max_tokens=2)
+        )
+        async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            _ = [c async for c in stub.Generate(request, metadata=(("authorization", key),))]
+        done.append(name)
+
+    first = asyncio.create_task(http("sk-bulk", "first", 40))
+    await wait_until(lambda: unit.inflight == 1, what="the unit busy")
+    later = [asyncio.create_task(http("sk-bulk", "bulk", 2))]
+    await wait_until(lambda: gw.router.waiting == 1, what="bulk waiting")
+    later.append(asyncio.create_task(http("sk-chat", "chat lowered", 2, lower="batch")))
+    await wait_until(lambda: gw.router.waiting == 2, what="the lowered one waiting")
+    later.append(asyncio.create_task(grpc_call("Bearer sk-chat", "chat grpc")))
+    await wait_until(lambda: gw.router.waiting == 3, what="the gRPC call waiting")
+    await asyncio.gather(first, *later)
+    # interactive first, whatever the wire; the lowered one is batch: after bulk, which
+    # came first and has been served no more than it
+    assert done == ["first", "chat grpc", "bulk", "chat lowered"]
+
+
+async def test_the_class_reaches_the_engine_where_interactive_takes_a_batch_slot(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    # A unit sent more than its engine runs at once (capacity 2 over 1 slot): inside it,
+    # the engine's priority decides, as the gateway's class says.
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS)
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1}, sidecar={"capacity": 2})
+    gw = await start_gateway([sidecar], tenants_file=str(path))
+    engine: Any = sidecar.engine
+    stream = await client(gw, "sk-bulk").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=200, stream=True
+    )
+    text = [(await anext(aiter(stream))).choices[0].text]
+    answer = await client(gw, "sk-chat").completions.create(
+        model="unitproxy-sim", prompt="hi", max_tokens=3
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    assert engine.preemptions == 1, "the batch stream gave its slot to the interactive one"
+    async for chunk in stream:
+        text.append(chunk.choices[0].text if chunk.choices else "")
+    alone = await client(gw, "sk-bulk").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=200
+    )
+    assert "".join(text) == alone.choices[0].text, "paused and resumed, never cut"
+
+
+async def test_a_sidecar_trusts_a_priority_header_only_downwards(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1}, sidecar={"capacity": 2})
+    engine: Any = sidecar.engine
+    url = f"{sidecar.http_url}/v1/completions"
+
+    async def send(priority: str | None, max_tokens: int) -> None:
+        headers = {"x-unitproxy-priority": priority} if priority else {}
+        body = {"model": "unitproxy-sim", "prompt": "p", "max_tokens": max_tokens}
+        async with http.post(url, json=body, headers=headers) as resp:
+            assert resp.status == 200
+
+    standard = asyncio.create_task(send(None, 30))
+    await wait_until(lambda: engine.stats().running == 1, what="the standard one running")
+    await send("interactive", 2)  # a client's claim: no more than standard, so it waits
+    assert engine.preemptions == 0
+    await standard
+    batch = asyncio.create_task(send("batch", 30))
+    await wait_until(lambda: engine.stats().running == 1, what="the batch one running")
+    await send(None, 2)
+    assert engine.preemptions == 1, "standard goes before a request that said batch"
+    await batch

@@ -18,7 +18,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from engine.base import EngineStats
+from engine.base import ENGINE_SLOTS, EngineStats
 from proxy.gateway.server import Gateway
 from proxy.load import (
     MAX_METRIC_NAME,
@@ -85,7 +85,8 @@ async def test_a_named_metric_set_by_the_sidecar_reaches_the_gateway(
         await wait_until(lambda: unit.metric("queue_wait_s") == 1.5, what="its change")
         async with http.get(f"{gw.http_url}/units") as resp:
             (shown,) = (await resp.json())["units"]
-        assert shown["named_metrics"] == {"queue_wait_s": 1.5}
+        # beside it, the engine's slots every sidecar reports (the simulator's 32)
+        assert shown["named_metrics"] == {"queue_wait_s": 1.5, ENGINE_SLOTS: 32.0}
 
 
 def test_the_engines_named_metrics_join_the_sidecars() -> None:

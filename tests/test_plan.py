@@ -15,6 +15,7 @@ import pytest
 from engine.base import EngineRequest, SamplingParams
 from engine.settings import SimSettings
 from engine.sim import SimEngine
+from engine.sim_model import State, StepModel
 from proxy import cli
 from proxy.plan.fleet import FleetSim
 from proxy.plan.planner import Objectives, percentile, plan, simulate
@@ -35,6 +36,58 @@ def shape(**knobs: Any) -> SimSettings:
     base: dict[str, Any] = {"decode_step_ms": 10.0, "decode_ms_per_seq": 0.0,
                             "prefill_ms_per_token": 1.0, "max_num_batched_tokens": 0}  # fmt: skip
     return SimSettings(**(base | knobs))
+
+
+# -- the step model's priority ------------------------------------------------------------
+
+
+class _Seq:
+    """A sequence as ``StepModel`` sees it, with its output counted by the test."""
+
+    def __init__(self, prompt_tokens: int, priority: int) -> None:
+        self.prompt_tokens, self.priority = prompt_tokens, priority
+        self.completion_tokens = self.arrival = self.preempted = self.prefill_left = 0
+        self.blocks: list[int] = []
+        self.state: State = "waiting"
+
+
+def test_a_higher_priority_preempts_the_latest_lowest_which_prefills_its_output_again() -> None:
+    model: StepModel[_Seq] = StepModel(shape(max_num_seqs=2))
+    early, late = _Seq(10, priority=2), _Seq(10, priority=2)
+    model.add(early)
+    model.add(late)
+    assert model.plan_step() == pytest.approx(0.030)  # both prompts, one step
+    for _ in range(3):
+        assert model.plan_step() == pytest.approx(0.010)
+        for seq in model.decoding:
+            seq.completion_tokens += 1
+    urgent = _Seq(5, priority=0)
+    model.add(urgent)
+    assert not model.steady(), "a slot is there for the taking"
+    # the latest of the lowest class gives its slot; the urgent one prefills 5 tokens
+    assert model.plan_step() == pytest.approx(0.015)
+    assert model.preemptions == 1 and late.preempted == 1 and early.preempted == 0
+    assert late.state == "waiting" and list(model.waiting) == [late]
+    assert model.steady(), "nothing waiting outranks what runs"
+    model.discard(urgent)
+    # back in a slot, it prefills its prompt and its 3 tokens of output again
+    assert model.plan_step() == pytest.approx(0.023)
+    assert late.state == "running" and late in model.started
+
+
+def test_the_queue_is_by_priority_then_arrival_and_one_priority_never_preempts() -> None:
+    model: StepModel[_Seq] = StepModel(shape(max_num_seqs=1))
+    first, second, third = _Seq(4, 1), _Seq(4, 1), _Seq(4, 0)
+    for seq in (first, second):
+        model.add(seq)
+    model.plan_step()
+    assert model.steady() and list(model.waiting) == [second]
+    model.plan_step()
+    assert model.preemptions == 0 and list(model.waiting) == [second]
+    model.add(third)  # a higher priority jumps the queue and preempts
+    model.plan_step()
+    assert model.preemptions == 1 and [*model.prefilling, *model.decoding] == [third]
+    assert list(model.waiting) == [first, second], "the preempted one heads its class"
 
 
 # -- lengths ----------------------------------------------------------------------------
@@ -183,6 +236,20 @@ def test_plan_json_prints_one_object_with_units(capsys: pytest.CaptureFixture[st
     rows = {t["units"]: t for t in data["trials"]}
     assert rows[data["units"]]["meets"] and not rows[data["units"] - 1]["meets"]
     assert data["objectives"] == {"ttft_p99_s": 0.5, "tpot_p99_s": 0.05}
+
+
+def test_plan_without_a_capacity_takes_the_sims_slots_as_a_unit_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--rate", "20", "--duration", "60", "--slo-ttft-p99", "0.5",
+            "--sim-max-num-seqs", "4", "--json"]  # fmt: skip
+    outputs = []
+    for extra in ([], ["--capacity", "4"], ["--capacity", "64"]):
+        assert cli.main([*argv, *extra]) == 0
+        data = json.loads(capsys.readouterr().out)
+        outputs.append([(t["units"], t["ttft_p99_s"]) for t in data["trials"]])
+    assert outputs[0] == outputs[1], "no capacity: the engine's 4 slots"
+    assert outputs[0] != outputs[2]
 
 
 def test_plan_prints_the_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

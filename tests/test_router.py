@@ -15,11 +15,13 @@ import pytest
 from proxy.errors import NotFound, Overloaded
 from proxy.gateway.policies.lor import least_outstanding
 from proxy.gateway.policies.p2c import power_of_two
+from proxy.gateway.request import Want
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit
 from proxy.load import LoadReport, UnitState
 from proxy.registry import POLICIES
 from proxy.settings import GatewaySettings, UnitTarget
+from proxy.tenants import RANK
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -172,6 +174,121 @@ async def test_with_no_unit_serving_a_request_gets_no_unit_at_once() -> None:
         await r.acquire()
     assert excluded.value.code == none_serving.value.code == "no_unit_available"
     assert r.waiting == 0
+
+
+def want(tenant: str, priority: str = "standard", cost: int = 0) -> Want:
+    return Want(tenant=tenant, rank=RANK[priority], cost=cost)
+
+
+async def served_in_order(r: Router, tasks: list[asyncio.Task[typing.Any]]) -> list[int]:
+    """Free unit a once per waiter; the order (indexes into ``tasks``) they get it in."""
+    order: list[int] = []
+    for _ in tasks:
+        r.release(r.units["a"], Outcome.OK)
+        await settle()
+        done = [i for i, t in enumerate(tasks) if t.done() and i not in order]
+        assert len(done) == 1, "one freed slot goes to exactly one waiter"
+        order += done
+    return order
+
+
+async def test_the_queue_serves_interactive_then_standard_then_batch() -> None:
+    r = router("a")
+    await r.acquire()
+    tasks = [asyncio.create_task(r.acquire(want=want("t", p)))
+             for p in ("batch", "standard", "interactive", "standard", "batch")]  # fmt: skip
+    await settle()
+    assert r.waiting == 5
+    assert await served_in_order(r, tasks) == [2, 1, 3, 0, 4]
+
+
+async def test_within_a_class_the_tenant_served_fewest_tokens_goes_first() -> None:
+    r = router("a")
+    await r.acquire()
+    heavy = [asyncio.create_task(r.acquire(want=want("heavy", cost=1000))) for _ in range(2)]
+    light = [asyncio.create_task(r.acquire(want=want("light", cost=10))) for _ in range(2)]
+    await settle()
+    # heavy first (it came first, both served nothing); then light, served less, twice
+    assert await served_in_order(r, heavy + light) == [0, 2, 3, 1]
+
+
+async def test_a_unit_taking_a_request_charges_its_tenant_once_and_the_end_settles() -> None:
+    r = router("a", capacity=3)
+    first = await r.acquire(want=want("t", cost=300))
+    assert r.queue.served("t") == 300
+    r.release(first, Outcome.FAILED)
+    await r.acquire(exclude={"b"}, want=want("t", cost=300))  # a retry: charged once already
+    assert r.queue.served("t") == 300
+    r.charge("t", 120 - 300)  # it ended having used 120
+    assert r.queue.served("t") == 120
+    await r.acquire(want=want("", cost=0))  # no tenants: nothing counted
+    assert r.queue.served("") == 0
+
+
+async def test_an_interactive_request_sheds_a_waiting_batch_one_when_the_queue_is_full() -> None:
+    r = router("a", queue_size=2)
+    await r.acquire()
+    batch = [asyncio.create_task(r.acquire(want=want("b", "batch"))) for _ in range(2)]
+    await settle()
+    with pytest.raises(Overloaded) as full:  # standard does not shed
+        await r.acquire(want=want("s", "standard"))
+    assert full.value.code == "queue_full"
+    interactive = asyncio.create_task(r.acquire(want=want("i", "interactive")))
+    await settle()
+    shed = batch[1].exception()
+    assert isinstance(shed, Overloaded) and shed.code == "shed" and shed.http_status == 429
+    assert not batch[0].done() and r.waiting == 2
+    r.release(r.units["a"], Outcome.OK)
+    await settle()
+    assert interactive.done() and interactive.result().id == "a" and not batch[0].done()
+    batch[0].cancel()
+    await settle()
+    assert r.waiting == 0
+
+
+async def test_each_class_has_its_bound_on_waiters() -> None:
+    r = router("a", queue_size=10, queue_class_size={"batch": 1})
+    await r.acquire()
+    first = asyncio.create_task(r.acquire(want=want("b", "batch")))
+    await settle()
+    with pytest.raises(Overloaded) as full:
+        await r.acquire(want=want("b", "batch"))
+    assert full.value.code == "queue_full" and "batch" in str(full.value)
+    standard = asyncio.create_task(r.acquire(want=want("s")))  # its class has room
+    await settle()
+    assert not standard.done() and r.waiting == 2
+    for task in (first, standard):
+        task.cancel()
+    await settle()
+    assert r.waiting == 0
+
+
+async def test_each_class_has_its_bound_on_waiting() -> None:
+    r = router("a", queue_timeout_s=5, queue_class_timeout_s={"interactive": 0})
+    await r.acquire()
+    batch = asyncio.create_task(r.acquire(want=want("b", "batch")))
+    with pytest.raises(Overloaded) as timed_out:  # a wait of at most 0 s ends at once
+        await asyncio.wait_for(r.acquire(want=want("i", "interactive")), 1)
+    assert timed_out.value.code == "queue_timeout"
+    await settle()
+    assert not batch.done() and r.waiting == 1, "batch waits its own 5 s"
+    batch.cancel()
+    await settle()
+    assert r.waiting == 0
+
+
+async def test_a_new_request_waits_behind_a_higher_class_that_may_take_the_free_unit() -> None:
+    r = router("a", "b")
+    await r.acquire()
+    await r.acquire()
+    retried = asyncio.create_task(r.acquire(exclude={"a"}, want=want("i", "interactive")))
+    await settle()
+    r.release(r.units["a"], Outcome.OK)  # free, but the waiter may not take a
+    await settle()
+    assert (await asyncio.wait_for(r.acquire(want=want("b", "batch")), 1)).id == "a"
+    r.release(r.units["b"], Outcome.OK)
+    await settle()
+    assert retried.done() and retried.result().id == "b"
 
 
 # -- staleness ---------------------------------------------------------------------

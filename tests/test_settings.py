@@ -56,7 +56,7 @@ def _one_problem(problems: list[str], key: str) -> str:
 
 def test_defaults() -> None:
     s = config.load({})
-    assert s.sidecar.capacity == 64
+    assert s.sidecar.capacity is None  # the engine's slots
     assert s.sidecar.unit_id == "unit-0"
     assert s.engine.kind == "sim"
     assert s.engine.sim.max_num_seqs == 32
@@ -247,6 +247,7 @@ def test_cli_sidecar_help_lists_the_contract_flags() -> None:
 def test_flags_with_a_literal_setting_take_exactly_its_values() -> None:
     # The flag tables name no values: each comes from its setting's Literal, so a policy
     # or engine kind added to the settings is a valid flag value with nothing else edited.
+    import types
     import typing
 
     from proxy.flags import COMMON, ENGINE, GATEWAY, SIDECAR, choices_of, field_of
@@ -257,7 +258,10 @@ def test_flags_with_a_literal_setting_take_exactly_its_values() -> None:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if typing.get_origin(annotation) is typing.Literal:
             assert choices_of(flag) == typing.get_args(annotation), flag.flag
-        elif args and typing.get_origin(args[0]) is typing.Literal:  # Literal[...] | None
+        elif (
+            typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            and typing.get_origin(args[0]) is typing.Literal
+        ):  # Literal[...] | None (not a dict keyed by one)
             assert choices_of(flag) == typing.get_args(args[0]), flag.flag
     by_flag = {f.flag: f for f in GATEWAY + ENGINE}
     assert choices_of(by_flag["--policy"]) == tuple(POLICIES)  # the registered policies
@@ -352,3 +356,20 @@ def test_a_port_or_pid_of_unicode_digits_is_refused_by_name(parse: Any, spec: st
         parse(spec)
     assert "invalid literal" not in str(refused.value)
     assert spec in str(refused.value)
+
+
+def test_queue_bounds_by_priority_class_from_a_flag_a_table_or_json() -> None:
+    argv = ["--queue-class-size", "batch=256, interactive=64", "--queue-class-timeout", "batch=60"]
+    args = build_parser().parse_args(["gateway", *argv])
+    g = config.load(cli_values(args)).gateway
+    assert g.queue_class_size == {"batch": 256, "interactive": 64}
+    assert g.queue_class_timeout_s == {"batch": 60.0}
+    assert config.load(
+        {"gateway": {"queue_class_size": {"standard": 8}}}
+    ).gateway.queue_class_size == {"standard": 8}
+    assert config.GatewaySettings(
+        queue_class_timeout_s='{"interactive": 1.5}'
+    ).queue_class_timeout_s == {"interactive": 1.5}
+    for bad in ("bulk=3", "batch=-1", "batch"):
+        with pytest.raises(config.ValidationError):
+            config.GatewaySettings(queue_class_size=bad)

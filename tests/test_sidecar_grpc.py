@@ -185,7 +185,7 @@ async def test_watch_load_reports_every_change(
     load = load_pb2_grpc.LoadReportingStub(channel)
     first = LoadReport.from_pb(await load.GetLoad(load_pb2.GetLoadRequest(), timeout=5))
     assert first.unit_id == "unit-w" and first.state is UnitState.SERVING
-    assert first.capacity == 64 and first.nodes[0].healthy
+    assert first.capacity == 32 and first.nodes[0].healthy  # the sim's slots
 
     watch = load.WatchLoad(load_pb2.WatchLoadRequest(), timeout=15)
     initial = LoadReport.from_pb(await asyncio.wait_for(watch.read(), 5))

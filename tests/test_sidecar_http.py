@@ -89,7 +89,7 @@ async def test_headers_models_and_readiness(
     async with http.get(f"{sidecar.http_url}/load") as resp:
         load = await resp.json()
         assert load["unit_id"] == "unit-a" and load["outstanding"] == 0
-        assert load["capacity"] == 64 and load["http_url"] == sidecar.http_url
+        assert load["capacity"] == 32 and load["http_url"] == sidecar.http_url  # sim slots
 
 
 BAD_BODIES = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import subprocess
@@ -649,3 +650,53 @@ def test_a_tokenizer_with_too_few_words_names_its_setting(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("unitproxy: invalid configuration: engine.sim.tokenizer: "), err
     assert "the simulator needs 100" in err
+
+
+# -- priority --------------------------------------------------------------------------
+
+
+async def test_a_higher_priority_takes_a_lower_ones_slot_which_pauses_and_resumes(
+    make_engine: Factory,
+) -> None:
+    engine = await make_engine(max_num_seqs=1)
+    alone = text_of(await collect(engine, req("a long batch job", "alone", max_tokens=200)))
+    batch_request = dataclasses.replace(req("a long batch job", "b", max_tokens=200), priority=2)
+    batch = engine.generate(batch_request)
+    got = [await first_delta(batch)]
+    while len(got) < 5:
+        got.append(await first_delta(batch))
+    urgent = asyncio.create_task(
+        collect(engine, dataclasses.replace(req("now", "i", max_tokens=5), priority=0))
+    )
+    done = await urgent  # runs to its end while the batch request holds no slot
+    assert done[-1].finish_reason == "length" and done[-1].completion_tokens == 5
+    assert engine.preemptions == 1
+    stats = engine.stats()
+    assert stats.running + stats.waiting == 1, "the batch request is still there, paused"
+    async for delta in batch:
+        got.append(delta)
+    # the batch request never failed: all its tokens, the same text as when it ran alone
+    assert got[-1].finish_reason == "length" and got[-1].completion_tokens == 200
+    assert text_of(got) == alone
+    assert engine.preemptions == 1
+
+
+async def test_one_priority_never_preempts_and_the_queue_orders_by_priority(
+    make_engine: Factory,
+) -> None:
+    engine = await make_engine(max_num_seqs=1)
+    running = engine.generate(dataclasses.replace(req("x", "r", max_tokens=20), priority=1))
+    await first_delta(running)
+    order: list[str] = []
+
+    async def run(rid: str, priority: int) -> None:
+        await collect(engine, dataclasses.replace(req(rid, rid, max_tokens=2), priority=priority))
+        order.append(rid)
+
+    tasks = [asyncio.create_task(run(rid, p)) for rid, p in (("b1", 2), ("s1", 1), ("b2", 2))]
+    await wait_until(lambda: engine.stats().waiting == 3)
+    assert engine.preemptions == 0, "none waits above the running standard request"
+    async for _ in running:
+        pass
+    await asyncio.wait_for(asyncio.gather(*tasks), LIMIT_S)
+    assert order == ["s1", "b1", "b2"] and engine.preemptions == 0

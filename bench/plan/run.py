@@ -86,7 +86,7 @@ class Case:
         return fleet.UnitSpec(
             id=f"u{i}",
             slots=self.slots,
-            capacity=64,  # the sidecar's default, as the planner is given
+            capacity=64,  # set, not the engine's slots: the planner is given the same
             slowdown=1.0,
             decode_step_ms=self.decode_step_ms,
             decode_ms_per_seq=self.decode_ms_per_seq,

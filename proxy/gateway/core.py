@@ -33,8 +33,9 @@ from enum import Enum
 from typing import Any, Protocol
 
 from proxy.errors import DeadlineExceeded, NotFound, Unavailable, UnitProxyError
-from proxy.gateway.request import Want, grpc_want, json_want
+from proxy.gateway.request import Want, for_tenant, grpc_want, json_want, pinned
 from proxy.gateway.router import NO_WANT, NoUnit, Outcome, Router
+from proxy.gateway.tenancy import Admission
 from proxy.gateway.units import Unit
 from proxy.httputil import DEADLINE_HEADER, timeout_header
 from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics, LoopCount, LoopCounter
@@ -212,15 +213,16 @@ class GatewayCore:
     def active(self) -> int:
         return len(self._active)
 
-    def json_want(self, body: bytes) -> Want:
+    def json_want(self, body: bytes, admission: Admission | None = None) -> Want:
         """What choosing a unit needs of an HTTP request body, when it needs anything
-        (a policy that reads prompts; units serving different models); raises NotFound
-        for a model that no unit serves."""
-        return self._want(json_want, body)
+        (a policy that reads prompts; units serving different models; with tenants, the
+        request's tenant and priority class); raises NotFound for a model that no unit
+        serves."""
+        return self._want(json_want, body, admission)
 
-    def grpc_want(self, request: bytes) -> Want:
+    def grpc_want(self, request: bytes, admission: Admission | None = None) -> Want:
         """The same for a serialized GenerateRequest."""
-        return self._want(grpc_want, request)
+        return self._want(grpc_want, request, admission)
 
     def pin(self, want: Want, response_id: str, param: str | None) -> Want:
         """``want``, sent to the unit that stores the response ``response_id`` (its id
@@ -246,15 +248,17 @@ class GatewayCore:
                 param=param,
                 code="not_found",
             )
-        return Want(want.model, want.blocks, want.chars, known)
+        return pinned(want, known)
 
-    def _want(self, parse: Any, raw: bytes) -> Want:
+    def _want(self, parse: Any, raw: bytes, admission: Admission | None) -> Want:
         router = self._router
-        if not router.reads_requests:
-            return NO_WANT
-        policy = router.policy
-        want: Want = parse(raw, policy.prompt_blocks if policy.reads_prompt else None)
-        router.check_model(want.model)
+        want = NO_WANT
+        if router.reads_requests:
+            policy = router.policy
+            want = parse(raw, policy.prompt_blocks if policy.reads_prompt else None)
+            router.check_model(want.model)
+        if admission is not None:
+            want = for_tenant(want, admission.tenant.name, admission.priority, admission.cost)
         return want
 
     async def run(self, job: Job, want: Want = NO_WANT) -> None:

@@ -1,30 +1,35 @@
-"""A fair wait queue for requests that no unit can take yet (not wired in yet).
+"""The gateway's wait queue: requests that no unit can take yet, in fair order.
 
 Order: priority class first (interactive, standard, batch); within a class the tenant
 that was served the fewest tokens recently goes first (a virtual token counter, VTC);
 within a tenant, arrival order. So a tenant that floods its class waits behind the
 light ones of that class, and no class waits behind a lower one.
 
-The counter of a tenant grows by the tokens it is served (the estimate when its
-request leaves the queue, corrected with ``charge`` when the request ends) and halves
-every ``half_life_s``: "recently" is that. A tenant that starts waiting after being idle
-is lifted to the least counter among the tenants already waiting in its class, so
-idleness banks no credit to spend in a burst later (VTC's rule).
+The counter of a tenant grows by the tokens it is served (``charge``: the router
+charges a request's estimate when a unit takes it, corrected when the request ends to
+what it used) and halves every ``half_life_s``: "recently" is that. A tenant that starts
+waiting after being idle is lifted to the least counter among the tenants already
+waiting in its class, so idleness banks no credit to spend in a burst later (VTC's rule).
 
-Bounds: each class has its most waiters and its longest wait. A new request over its
-class's bound is refused (``QueueFull``); with the whole queue at ``max_total``, an
-interactive one takes the place of the batch waiter that came last (``push`` returns
-it, to be answered 429 ``shed``), else it is refused. ``expire`` takes out the waiters
-past their class's longest wait. Choosing the next waiter looks at each waiting tenant
-of the top class once: O(tenants waiting in that class).
+Bounds: each class has its most waiters (and its longest wait, which the router keeps
+with ``max_wait_s``). A new request over its class's bound is refused (``QueueFull``);
+with the whole queue at ``max_total``, an interactive one takes the place of the batch
+waiter that came last (``push`` returns it, to be answered 429 ``shed``), else it is
+refused. A retry or migration (a request a unit took before) is never shed.
+
+``first`` finds the next waiter in that order that a caller's test accepts (the router's:
+may it take one of the free units), looking at each waiting tenant of a class once:
+O(tenants waiting in that class), and with one tenant (no tenants configured) the head
+of one line, as a FIFO.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Sequence
 
-from engine.errors import Overloaded
+from proxy.errors import Overloaded
 from proxy.tenants import PRIORITIES, RANK
 
 INTERACTIVE, BATCH = RANK["interactive"], RANK["batch"]
@@ -38,44 +43,70 @@ class QueueFull(Overloaded):
 
 
 class Waiter:
-    """One request waiting. (A plain class: one per waiting request.)"""
+    """One request waiting, and the units it must not be given. (A plain class: one per
+    waiting request.)"""
 
-    __slots__ = ("arrived", "cost", "rank", "seq", "tenant")
+    __slots__ = ("arrived", "cost", "exclude", "future", "model", "queued", "rank", "seq",
+                 "shed", "sheddable", "tenant")  # fmt: skip
 
-    def __init__(self, tenant: str, priority: str, cost: int, arrived: float, seq: int):
+    def __init__(
+        self,
+        tenant: str,
+        rank: int,
+        cost: int,
+        future: asyncio.Future[None] | None = None,
+        exclude: Collection[str] = (),
+        model: str | None = None,
+    ):
         self.tenant = tenant
-        self.rank = RANK[priority]
-        self.cost = cost  # estimated tokens: charged to the tenant when it leaves
-        self.arrived = arrived
-        self.seq = seq
+        self.rank = rank
+        self.cost = cost  # estimated tokens
+        self.future = future  # resolved when it may try for a unit (or is shed)
+        self.exclude = exclude
+        self.model = model
+        # Only a request no unit took yet may be shed: a retry or migration never is.
+        self.sheddable = not exclude
+        self.arrived = 0.0
+        self.seq = 0  # its place in line, given by push
+        self.queued = False  # in the queue now
+        self.shed = False  # taken out to make room for an interactive request
 
     def __repr__(self) -> str:
         return f"Waiter({self.tenant!r}, {PRIORITIES[self.rank]}, #{self.seq})"
+
+    def again(self, future: asyncio.Future[None]) -> Waiter:
+        """The same request waiting again in its old place (``requeue``)."""
+        waiter = Waiter(self.tenant, self.rank, self.cost, future, self.exclude, self.model)
+        waiter.sheddable = self.sheddable
+        waiter.arrived = self.arrived
+        waiter.seq = self.seq
+        return waiter
 
 
 class FairQueue:
     def __init__(
         self,
-        max_waiters: Mapping[str, int],  # by class
-        max_wait_s: Mapping[str, float],  # by class
+        max_waiters: Sequence[int],  # by class rank
+        max_wait_s: Sequence[float],  # by class rank
         max_total: int,
         half_life_s: float = 60.0,
         clock: Callable[[], float] = lambda: 0.0,
     ):
-        self._max_waiters = [max_waiters[p] for p in PRIORITIES]
-        self._max_wait_s = [max_wait_s[p] for p in PRIORITIES]
-        self._max_total = max_total
+        self.max_waiters = list(max_waiters)
+        self.max_wait_s = list(max_wait_s)
+        self.max_total = max_total
         self._half_life_s = half_life_s
         self._clock = clock
         # per class: tenant -> its waiters in arrival order
         self._classes: list[dict[str, deque[Waiter]]] = [{} for _ in PRIORITIES]
         self._counts = [0 for _ in PRIORITIES]
+        self.total = 0  # waiters in every class
         self._served: dict[str, float] = {}  # tenant -> decayed tokens served
         self._served_at: dict[str, float] = {}  # when its counter was last decayed
         self._seq = 0
 
     def __len__(self) -> int:
-        return sum(self._counts)
+        return self.total
 
     def waiting(self, priority: str) -> int:
         return self._counts[RANK[priority]]
@@ -84,90 +115,140 @@ class FairQueue:
 
     def served(self, tenant: str) -> float:
         """Tokens served to ``tenant`` recently (decayed to now)."""
-        now = self._clock()
         value = self._served.get(tenant, 0.0)
-        if value:
-            age = now - self._served_at.get(tenant, now)
+        if not value:
+            return 0.0
+        now = self._clock()
+        age = now - self._served_at.get(tenant, now)
+        if age:
             value *= 0.5 ** (age / self._half_life_s)
-        self._served[tenant] = value
-        self._served_at[tenant] = now
+            self._served[tenant] = value
+            self._served_at[tenant] = now
         return value
 
     def charge(self, tenant: str, tokens: float) -> None:
         """Count ``tokens`` (negative: a correction) as served to ``tenant``."""
-        self._served[tenant] = max(0.0, self.served(tenant) + tokens)
+        value = max(0.0, self.served(tenant) + tokens)
+        if value < 1e-3:  # forgotten: a tenant served long ago costs nothing to keep
+            self._served.pop(tenant, None)
+            self._served_at.pop(tenant, None)
+            return
+        self._served[tenant] = value
+        self._served_at[tenant] = self._clock()
 
     # -- waiting -----------------------------------------------------------------------
 
-    def push(self, tenant: str, priority: str, cost: int) -> tuple[Waiter, Waiter | None]:
-        """Queue a request; returns its waiter and a batch waiter shed to make room (to be
-        answered 429 ``shed``), if one was. Raises QueueFull when there is no room."""
-        rank = RANK[priority]
-        if self._counts[rank] >= self._max_waiters[rank]:
-            raise QueueFull(f"the wait queue holds its most {priority} requests")
+    def push(self, waiter: Waiter) -> Waiter | None:
+        """Queue a request; returns a batch waiter shed to make room for it (already out
+        of the queue, its ``shed`` set: to be answered 429 ``shed``), if one was. Raises
+        QueueFull when there is no room."""
+        rank = waiter.rank
+        if self._counts[rank] >= self.max_waiters[rank]:
+            raise QueueFull(f"the wait queue holds its most {PRIORITIES[rank]} requests "
+                            f"({self.max_waiters[rank]})")  # fmt: skip
         shed = None
-        if len(self) >= self._max_total:
-            if rank != INTERACTIVE or not self._counts[BATCH]:
-                raise QueueFull("the wait queue is full")
-            shed = self._last_batch()
+        if self.total >= self.max_total:
+            shed = self._last_batch() if rank == INTERACTIVE else None
+            if shed is None:
+                raise QueueFull(f"every unit is full and {self.total} requests already wait")
             self.remove(shed)
+            shed.shed = True
         waiters = self._classes[rank]
-        if tenant not in waiters:
-            self._lift(tenant, waiters)
+        queue = waiters.get(waiter.tenant)
+        if queue is None:
+            if waiters:
+                self._lift(waiter.tenant, waiters)
+            queue = waiters[waiter.tenant] = deque()
         self._seq += 1
-        waiter = Waiter(tenant, priority, cost, self._clock(), self._seq)
-        waiters.setdefault(tenant, deque()).append(waiter)
+        waiter.seq = self._seq
+        waiter.arrived = self._clock()
+        queue.append(waiter)
+        waiter.queued = True
         self._counts[rank] += 1
-        return waiter, shed
+        self.total += 1
+        return shed
+
+    def requeue(self, waiter: Waiter) -> None:
+        """Put back a waiter that was handed a unit it could not get (another request
+        took it first), in its old place and whatever the bounds: it was counted in them."""
+        waiters = self._classes[waiter.rank]
+        queue = waiters.get(waiter.tenant)
+        if queue is None:
+            queue = waiters[waiter.tenant] = deque()
+        at = next((i for i, w in enumerate(queue) if w.seq > waiter.seq), len(queue))
+        queue.insert(at, waiter)
+        waiter.queued = True
+        self._counts[waiter.rank] += 1
+        self.total += 1
 
     def _lift(self, tenant: str, waiters: dict[str, deque[Waiter]]) -> None:
-        if waiters:
-            floor = min(self.served(t) for t in waiters)
-            if self.served(tenant) < floor:
-                self._served[tenant] = floor
+        floor = min(self.served(t) for t in waiters)
+        if self.served(tenant) < floor:
+            self._served[tenant] = floor
+            self._served_at[tenant] = self._clock()
 
-    def _last_batch(self) -> Waiter:
-        return max((q[-1] for q in self._classes[BATCH].values()), key=lambda w: w.seq)
+    def _last_batch(self) -> Waiter | None:
+        last: Waiter | None = None
+        for queue in self._classes[BATCH].values():
+            for waiter in reversed(queue):
+                if waiter.sheddable:
+                    if last is None or waiter.seq > last.seq:
+                        last = waiter
+                    break
+        return last
 
-    def pop(self) -> Waiter | None:
-        """The next waiter to serve, taken out and its cost charged; None if none."""
+    def order(self, rank: int) -> list[str]:
+        """The tenants waiting in class ``rank``, the one to serve first first."""
+        waiters = self._classes[rank]
+        if len(waiters) < 2:
+            return list(waiters)
+        return sorted(waiters, key=lambda t: (self.served(t), waiters[t][0].seq))
+
+    def first(self, accept: Callable[[Waiter], bool] | None = None) -> Waiter | None:
+        """The next waiter in fair order (that ``accept``s, when given); None if none.
+        It stays queued until ``remove``d."""
         for rank, waiters in enumerate(self._classes):
             if not waiters:
                 continue
-            tenant = min(waiters, key=lambda t: (self.served(t), waiters[t][0].seq))
-            waiter = self._take(rank, tenant)
-            self.charge(tenant, waiter.cost)
-            return waiter
+            for tenant in self.order(rank):
+                for waiter in waiters[tenant]:
+                    if accept is None or accept(waiter):
+                        return waiter
         return None
 
-    def _take(self, rank: int, tenant: str) -> Waiter:
-        queue = self._classes[rank][tenant]
-        waiter = queue.popleft()
-        if not queue:
-            del self._classes[rank][tenant]
-        self._counts[rank] -= 1
+    def pop(self) -> Waiter | None:
+        """The next waiter in fair order, taken out; None if none."""
+        waiter = self.first()
+        if waiter is not None:
+            self.remove(waiter)
         return waiter
 
-    def remove(self, waiter: Waiter) -> bool:
-        """Take out a waiter that leaves (its client went away, or shed); False if it
-        was not waiting."""
-        queue = self._classes[waiter.rank].get(waiter.tenant)
-        if queue is None or waiter not in queue:
-            return False
-        queue.remove(waiter)
-        if not queue:
-            del self._classes[waiter.rank][waiter.tenant]
-        self._counts[waiter.rank] -= 1
-        return True
+    def __iter__(self) -> Iterator[Waiter]:
+        """Every waiter, in no particular order."""
+        for waiters in self._classes:
+            for queue in waiters.values():
+                yield from queue
 
-    def expire(self) -> list[Waiter]:
-        """Take out and return the waiters past their class's longest wait."""
-        now = self._clock()
-        gone: list[Waiter] = []
-        for rank, waiters in enumerate(self._classes):
-            limit = self._max_wait_s[rank]
-            for queue in list(waiters.values()):
-                while queue and now - queue[0].arrived > limit:
-                    gone.append(queue[0])
-                    self.remove(queue[0])
-        return gone
+    def ahead(self, rank: int) -> Iterator[Waiter]:
+        """The waiters of class ``rank`` and the classes above it."""
+        for waiters in self._classes[: rank + 1]:
+            for queue in waiters.values():
+                yield from queue
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take out a waiter (handed a unit, shed, or its client went away); False if
+        it was not waiting."""
+        if not waiter.queued:
+            return False
+        waiter.queued = False
+        waiters = self._classes[waiter.rank]
+        queue = waiters[waiter.tenant]
+        if queue[0] is waiter:
+            queue.popleft()
+        else:
+            queue.remove(waiter)
+        if not queue:
+            del waiters[waiter.tenant]
+        self._counts[waiter.rank] -= 1
+        self.total -= 1
+        return True

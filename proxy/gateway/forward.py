@@ -60,6 +60,7 @@ from proxy.httputil import (
 from proxy.metrics import GatewayMetrics, LoopBuckets
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
+from proxy.tenants import PRIORITY_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class Forwarder:
 
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
-        want = self.core.json_want(req.body)
+        want = self.core.json_want(req.body, req.admission)
         if req.stored is not None:
             want = self.core.pin(want, req.stored, None)
         elif req.route == "responses":
@@ -197,6 +198,8 @@ class Forwarder:
         authorization = self._unit_auth or req.authorization
         if authorization:
             headers["Authorization"] = authorization
+        if req.admission is not None:  # the unit passes the class to its engine
+            headers[PRIORITY_HEADER] = req.admission.priority
         return headers
 
 

@@ -72,6 +72,7 @@ from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.ratelimit import RateLimited
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
+from proxy.tenants import PRIORITY_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class GenerateProxy:
         error: UnitProxyError | None = None
         try:
             try:
-                await self.core.run(job, self.core.grpc_want(request))
+                await self.core.run(job, self.core.grpc_want(request, admission))
                 await job.finish()
             except UnitProxyError as exc:
                 error = exc
@@ -223,6 +224,10 @@ class GrpcJob:
         metadata = [(k, v) for k, v in context.invocation_metadata() or ()]
         self._migrate = all(not (k == MIGRATE_HEADER and v == "0") for k, v in metadata)
         self._auth = _authorization(metadata, proxy.unit_auth)
+        # The unit passes the class to its engine (with tenants; the client's own header
+        # never goes to the unit).
+        if admission is not None:
+            self._auth = (*self._auth, (PRIORITY_HEADER, admission.priority))
         remaining = context.time_remaining()
         if remaining is None:
             remaining = proxy.settings.request_timeout_s
@@ -369,8 +374,8 @@ class GrpcJob:
             "Content-Type": grpcweb.CONTENT_TYPE,
             grpcweb.INTERVAL_HEADER: self._proxy.interval(),
         }
-        for _, value in self._auth:
-            headers["Authorization"] = value
+        for key, value in self._auth:
+            headers["Authorization" if key == "authorization" else key] = value
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._asked_at = self._loop.time()

@@ -2,8 +2,10 @@
 by the wire that received it (``json_want``, ``grpc_want``) and handed to the policy
 at each choice (a retry or a wait chooses again with the same one).
 
-One object, so that what a policy may read of a request (later: its tenant, its
-priority, hints) is a field here rather than one more argument through every layer.
+One object, so that what a policy may read of a request (its tenant, its priority
+class; later: hints) is a field here rather than one more argument through every layer.
+With tenants configured, the wire's admission adds the tenant's fields (``for_tenant``);
+without, every request is the same tenant ("") of class standard.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.pb.unitproxy.v1 import inference_pb2
+from proxy.tenants import PRIORITIES, RANK
+
+STANDARD = RANK["standard"]
 
 # What a policy that reads prompts makes of one (``Policy.prompt_blocks``): the chained
 # hashes of its blocks.
@@ -24,13 +29,31 @@ Blocks = Callable[[str], list[int]]
 class Want:
     """What the router needs of a request: its model (None: any unit), the blocks of
     its prompt (a policy that reads prompts, such as prefix; empty otherwise), and the
-    unit it must go to, if one."""
+    unit it must go to, if one; its tenant, priority class and estimated tokens, which
+    order the gateway's wait queue."""
 
     model: str | None = None
     blocks: list[int] = field(default_factory=list)
     chars: int = 0  # the prompt's length in characters (with blocks)
     # The one unit it may go to (a stored response lives there); None: any unit.
     unit: str | None = None
+    tenant: str = ""  # "": no tenants configured
+    rank: int = STANDARD  # its priority class's rank in PRIORITIES (lower goes first)
+    cost: int = 0  # tokens it is estimated to take (prompt + max_tokens); 0 without tenants
+
+    @property
+    def priority(self) -> str:
+        return PRIORITIES[self.rank]
+
+
+def for_tenant(want: Want, tenant: str, priority: str, cost: int) -> Want:
+    """``want`` of a request admitted for ``tenant`` in class ``priority``."""
+    return Want(want.model, want.blocks, want.chars, want.unit, tenant, RANK[priority], cost)
+
+
+def pinned(want: Want, unit: str) -> Want:
+    """``want``, to go only to ``unit``."""
+    return Want(want.model, want.blocks, want.chars, unit, want.tenant, want.rank, want.cost)
 
 
 def json_want(body: bytes, blocks: Blocks | None) -> Want:

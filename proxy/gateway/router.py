@@ -1,7 +1,7 @@
 """The gateway's routing state: units, their load, passive health, and the wait queue.
 
-``acquire`` picks a unit for one attempt (or waits in a bounded FIFO queue while every
-SERVING unit is full) and counts the request as started there; ``release`` counts it
+``acquire`` picks a unit for one attempt (or waits in the fair queue, ``fairqueue``,
+while every SERVING unit it may take is full) and counts the request as started there; ``release`` counts it
 finished and records the outcome for passive health. Reports from the load source
 arrive through ``apply_report``.
 
@@ -13,24 +13,25 @@ tells it of every unit added, report applied and load moved. It names no policy.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import random
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from enum import Enum
 
 from prometheus_client import CollectorRegistry
 
 from proxy.errors import NotFound, Overloaded, Unavailable
+from proxy.gateway.fairqueue import FairQueue, Waiter
 from proxy.gateway.policies.base import Candidates, Policy, Shared, create
 from proxy.gateway.request import Want
 from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit, reason
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import GatewayMetrics, UnitView
 from proxy.settings import GatewaySettings, UnitTarget
+from proxy.tenants import PRIORITIES
 
 log = logging.getLogger(__name__)
 
@@ -49,28 +50,6 @@ class NoUnit(Unavailable):
 
 
 NO_WANT = Want()
-
-
-class _Waiter:
-    """A request in the wait queue, and the units it must not be given."""
-
-    __slots__ = ("exclude", "future", "model", "queued", "seq")
-
-    def __init__(
-        self,
-        future: asyncio.Future[None],
-        exclude: Collection[str],
-        seq: int,
-        model: str | None = None,
-    ):
-        self.future = future
-        self.exclude = exclude
-        self.seq = seq  # its place in line
-        self.model = model
-        self.queued = False  # in the router's line (a cancelled future may still be)
-
-    def may_take(self, unit: Unit) -> bool:
-        return unit.id not in self.exclude and unit.serves(self.model)
 
 
 class Router:
@@ -93,8 +72,15 @@ class Router:
         self._rng = rng or random.Random()
         self._clock = clock
         self._started = clock()  # a unit not reporting yet is wrong only after a grace
-        self._waiters: deque[_Waiter] = deque()
-        self._arrivals = itertools.count()
+        # The wait queue, in fair order; each class bounded as the settings say.
+        sizes = {str(c): n for c, n in settings.queue_class_size.items()}
+        waits = {str(c): s for c, s in settings.queue_class_timeout_s.items()}
+        self.queue = FairQueue(
+            [sizes.get(p, settings.queue_size) for p in PRIORITIES],
+            [waits.get(p, settings.queue_timeout_s) for p in PRIORITIES],
+            settings.queue_size,
+            clock=clock,
+        )
         self._on_change = on_change
         self._aging_paused_at: float | None = None
         # How many units list each model, and how many list none (serve any): the
@@ -227,98 +213,109 @@ class Router:
         """A unit for one attempt; waits while every SERVING unit it may take is full.
 
         Raises NoUnit when no SERVING unit (serving the request's model) is left to try,
-        Overloaded past the queue's bounds.
+        Overloaded past the queue's bounds (or shed for an interactive request).
         """
-        if not self._waiters or not self._may_pass(exclude, want.model):
+        if not self.queue.total or self._may_pass(exclude, want):
             unit = self.pick(exclude, want)
             if unit is not None:
+                if want.cost and not exclude:  # a retry or migration was charged already
+                    self.queue.charge(want.tenant, want.cost)
                 return unit
         if not self.serving(exclude, want.model):
             raise NoUnit(_none_serving(want.model), code="no_unit_available")
-        if len(self._waiters) >= self.settings.queue_size:
-            raise Overloaded(
-                f"every unit is full and {len(self._waiters)} requests already wait",
-                code="queue_full",
-            )
         return await self._wait(exclude, want)
 
-    def _may_pass(self, exclude: Collection[str], model: str | None) -> bool:
-        """False if a waiter ahead could take a unit this request could take too."""
-        free = self.candidates(exclude, model)
-        return not any(waiter.may_take(u) for waiter in self._waiters for u in free)
+    def _may_pass(self, exclude: Collection[str], want: Want) -> bool:
+        """False if a waiter of its class or above could take a unit it could take too
+        (a unit is free while waiters wait when they may not take it: a retry excludes
+        the units it tried, a model another serves)."""
+        free = self.candidates(exclude, want.model)
+        if not free:
+            return False  # nothing to take: it waits
+        for waiter in self.queue.ahead(want.rank):
+            for unit in free:
+                if _may_take(waiter, unit):
+                    return False
+        return True
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """Count ``tokens`` more (negative: fewer) as served to ``tenant``: a request's
+        use, settled when it ends, against the estimate charged when a unit took it."""
+        self.queue.charge(tenant, tokens)
 
     async def _wait(self, exclude: Collection[str], want: Want) -> Unit:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), exclude, next(self._arrivals), want.model)
-        waiter.queued = True
-        self._waiters.append(waiter)
+        queue = self.queue
+        waiter = Waiter(want.tenant, want.rank, want.cost, loop.create_future(), exclude,
+                        want.model)  # fmt: skip
+        shed = queue.push(waiter)  # raises QueueFull
+        if shed is not None and shed.future is not None and not shed.future.done():
+            shed.future.set_result(None)  # it raises its 429 shed
         self.wake()
+        wait_s = queue.max_wait_s[want.rank]
         try:
-            async with asyncio.timeout(self.settings.queue_timeout_s):
+            async with asyncio.timeout(wait_s):
                 while True:
-                    await waiter.future
+                    future = waiter.future
+                    assert future is not None
+                    await future
+                    if waiter.shed:
+                        raise Overloaded(
+                            "every unit is full and this batch request gave its place in "
+                            "the wait queue to an interactive one",
+                            code="shed",
+                        )
                     unit = self.pick(exclude, want)
                     if unit is not None:
+                        if want.cost and not exclude:
+                            queue.charge(want.tenant, want.cost)
                         return unit
                     if not self.serving(exclude, want.model):
                         raise NoUnit(_none_serving(want.model), code="no_unit_available")
-                    waiter = _Waiter(loop.create_future(), exclude, waiter.seq, want.model)
-                    self._insert(waiter)  # keep its place in line
+                    waiter = waiter.again(loop.create_future())
+                    queue.requeue(waiter)  # keep its place in line
         except TimeoutError:
             raise Overloaded(
-                f"every unit stayed full for {self.settings.queue_timeout_s:g} s",
-                code="queue_timeout",
+                f"every unit stayed full for {wait_s:g} s", code="queue_timeout"
             ) from None
         finally:
             # Still in line unless a unit (or NoUnit) was handed to it: a client that
             # left or timed out has a cancelled future, and must not count in ``waiting``.
-            if waiter.queued:
-                self._dequeue(waiter)
+            queue.remove(waiter)
             self.wake()  # the next in line may find room too
 
-    def _dequeue(self, waiter: _Waiter) -> None:
-        waiter.queued = False
-        self._waiters.remove(waiter)
-
-    def _insert(self, waiter: _Waiter) -> None:
-        waiter.queued = True
-        at = next((i for i, w in enumerate(self._waiters) if w.seq > waiter.seq), None)
-        if at is None:
-            self._waiters.append(waiter)
-        else:
-            self._waiters.insert(at, waiter)
-
     def wake(self) -> None:
-        """Hand a unit that can take a request to the first waiter that may take it (a
-        retried request excludes the units it tried; those behind it need not wait)."""
-        while self._waiters and self._waiters[0].future.done():
-            self._waiters.popleft().queued = False
-        if not self._waiters:
+        """Hand a unit that can take a request to the first waiter in fair order that may
+        take it (a retried request excludes the units it tried; those behind it need not
+        wait)."""
+        queue = self.queue
+        if not queue.total:
             return
         free = self.candidates()
         if not free:
             return
-        for waiter in self._waiters:
-            if not waiter.future.done() and any(waiter.may_take(u) for u in free):
-                self._dequeue(waiter)
-                waiter.future.set_result(None)
-                return
+        waiter = queue.first(lambda w: _ready(w) and any(_may_take(w, u) for u in free))
+        if waiter is not None and waiter.future is not None:
+            queue.remove(waiter)
+            waiter.future.set_result(None)
 
     def release_stranded(self) -> None:
         """Wake the waiters that no SERVING unit is left for (the last one stopped, went
         stale or lost its reports): they raise NoUnit at once, a 503 rather than a
         queue_timeout after waiting for a unit that cannot come."""
-        if not self._waiters:
+        queue = self.queue
+        if not queue.total:
             return
         serving = self.serving()
-        for waiter in list(self._waiters):
-            if not waiter.future.done() and not any(waiter.may_take(u) for u in serving):
-                self._dequeue(waiter)
-                waiter.future.set_result(None)
+        for waiter in list(queue):
+            if _ready(waiter) and not any(_may_take(waiter, u) for u in serving):
+                queue.remove(waiter)
+                if waiter.future is not None:
+                    waiter.future.set_result(None)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self.queue.total
 
     # --- outcomes and reports -----------------------------------------------------
 
@@ -504,6 +501,16 @@ class Router:
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:
             self._on_change(unit)
+
+
+def _may_take(waiter: Waiter, unit: Unit) -> bool:
+    return unit.id not in waiter.exclude and unit.serves(waiter.model)
+
+
+def _ready(waiter: Waiter) -> bool:
+    """Still waiting for a unit: not handed one, nor gone (a cancelled future)."""
+    future = waiter.future
+    return future is not None and not future.done()
 
 
 def _none_serving(model: str | None) -> str:

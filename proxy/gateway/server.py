@@ -219,7 +219,8 @@ class Gateway(Service):
             log.info("gateway: tenant limits counted by this gateway alone (no Redis)")
         self._tasks.append(asyncio.create_task(source.run(), name="tenants"))
         self._tasks.append(asyncio.create_task(limiter.run(), name="tenant limits"))
-        return TenantGate(source, limiter, metrics, s.gateway.tenant_estimate_max_tokens)
+        return TenantGate(source, limiter, metrics, s.gateway.tenant_estimate_max_tokens,
+                          served=self.router.charge)  # fmt: skip
 
     # --- drain ----------------------------------------------------------------------
 

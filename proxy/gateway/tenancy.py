@@ -114,7 +114,7 @@ class Usage:
 class Admission:
     """One admitted request of a tenant."""
 
-    __slots__ = ("_gate", "finished", "headers", "label", "model", "priority", "prompt",
+    __slots__ = ("_gate", "cost", "finished", "headers", "label", "model", "priority", "prompt",
                  "reservation", "started", "tenant", "usage")  # fmt: skip
 
     def __init__(
@@ -124,6 +124,7 @@ class Admission:
         model: str,
         priority: str,
         prompt: int,
+        cost: int,
         reservation: Any,
         started: float,
     ):
@@ -133,6 +134,7 @@ class Admission:
         self.model = model
         self.priority = priority
         self.prompt = prompt  # estimated prompt tokens
+        self.cost = cost  # estimated tokens in all (prompt and completion)
         self.reservation = reservation
         self.headers: dict[str, str] = reservation.headers
         self.started = started
@@ -151,7 +153,11 @@ class Admission:
             # that reached the client.
             worked = status in WORKED or u.completion > 0
             u.prompt = self.prompt if u.attempted and worked else 0
-        self.reservation.settle(u.prompt + u.completion)
+        used = u.prompt + u.completion
+        self.reservation.settle(used)
+        served = self._gate.served
+        if served is not None and u.attempted:  # charged its cost when a unit took it
+            served(self.tenant.name, used - self.cost)
         self._gate.account(self, status)
 
 
@@ -165,12 +171,16 @@ class TenantGate:
         metrics: TenantMetrics,
         estimate_max_tokens: int,
         clock: Callable[[], float] = time.monotonic,
+        served: Callable[[str, int], None] | None = None,
     ):
         self.source = source
         self.limiter = limiter
         self.metrics = metrics
         self.estimate_max_tokens = estimate_max_tokens
         self._clock = clock
+        # Told what a request used against its estimate, once it ends: the wait queue's
+        # count of tokens served per tenant (Router.charge).
+        self.served = served
 
     def authorize(self, authorization: str | None) -> None:
         """From the request's head alone: raises Unauthenticated for an unknown key."""
@@ -237,7 +247,7 @@ class TenantGate:
                             "completion_tokens=0 ttft_s=- duration_s=0 limit=%s",
                             tenant.name, _field(model), limited.limit)  # fmt: skip
             raise
-        return Admission(self, tenant, model, priority, prompt, reservation, started)
+        return Admission(self, tenant, model, priority, prompt, estimate, reservation, started)
 
     def account(self, a: Admission, status: str) -> None:
         m, u = self.metrics, a.usage

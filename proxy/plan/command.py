@@ -44,9 +44,12 @@ def run_plan(settings: Settings, out: TextIO | None = None) -> int:
             verdict = "meets" if trial.meets else "misses"
             print(f"  {trial.units} units: {verdict} ({trial.wall_s:.1f} s)", file=sys.stderr)
 
+    capacity = settings.sidecar.capacity
+    if capacity is None:  # a simulator unit's own default: its engine's slots
+        capacity = settings.engine.sim.max_num_seqs
     result = plan(
         settings.engine.sim,
-        settings.sidecar.capacity,
+        capacity,
         requests,
         objectives,
         span,

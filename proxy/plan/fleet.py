@@ -1,6 +1,6 @@
 """A fleet of simulated units on a virtual clock, routed by least outstanding requests.
 
-Each unit is the simulator's own model (``engine.sim_model.StepModel``: slots, FIFO
+Each unit is the simulator's own model (``engine.sim_model.StepModel``: slots, waiting
 queue, chunked prefill, prefix cache, step time), stepped as ``SimEngine`` steps it,
 but the step's time is added to a virtual clock instead of slept. A request is routed
 when it arrives to the unit with the fewest outstanding requests (ties at random), as
@@ -34,12 +34,19 @@ _UNIQUE = 1 << 40  # block ids of a request's own (never shared) prompt blocks s
 class _Seq:
     """One request inside a unit, as the step model sees it."""
 
-    __slots__ = ("blocks", "finish_step", "first_s", "prefill_left", "prompt_tokens", "req",
+    __slots__ = ("arrival", "blocks", "completion_tokens", "finish_step", "first_s",
+                 "preempted", "prefill_left", "priority", "prompt_tokens", "req",
                  "state")  # fmt: skip
 
     def __init__(self, req: Request, blocks: list[int]) -> None:
         self.req = req
         self.prompt_tokens = req.prompt_tokens
+        # The planner's traffic is one priority class: the model never preempts here,
+        # so a sequence's output is never prefilled again.
+        self.priority = 1
+        self.completion_tokens = 0
+        self.arrival = 0  # set by the model
+        self.preempted = 0
         self.blocks = blocks
         self.prefill_left = 0
         self.state: State = "waiting"

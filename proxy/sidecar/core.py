@@ -15,13 +15,14 @@ a drain lets requests finish instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import TypeVar
 
-from engine.base import Engine, EngineRequest, TokenDelta
+from engine.base import ENGINE_SLOTS, PRIORITY_RANK, Engine, EngineRequest, TokenDelta
 from proxy.broadcast import Broadcast
 from proxy.errors import (
     DeadlineExceeded,
@@ -47,6 +48,27 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 # How often a request awaiting a whole answer looks at the engine's step count.
 _PROGRESS_POLL_S = 1.0
+# A unit's capacity when none is configured and its engine does not say its slots.
+DEFAULT_CAPACITY = 64
+
+
+def engine_priority(asked: str | bytes | None) -> int:
+    """The engine priority (``EngineRequest.priority``) of a request whose
+    ``x-unitproxy-priority`` names its class: a gateway with tenants sends its tenant's
+    class there. A sidecar has no tenants and no credential tells a gateway from a
+    client that reaches it directly, so the header is a hint trusted downwards only:
+    ``batch`` is batch, anything else (``interactive`` included) is standard, the top
+    of what a sidecar grants. Inside the engine interactive and standard are one class;
+    the gateways' queues still put interactive first."""
+    if asked == "batch" or asked == b"batch":
+        return PRIORITY_RANK["batch"]
+    return PRIORITY_RANK["standard"]
+
+
+def with_priority(request: EngineRequest, priority: int) -> EngineRequest:
+    if priority == request.priority:
+        return request
+    return dataclasses.replace(request, priority=priority)
 
 
 class Lease:
@@ -75,7 +97,7 @@ class SidecarCore:
         health: UnitHealth,
         metrics: ServingMetrics,
         changes: Broadcast,
-        capacity: int,
+        capacity: int | None,  # None: the engine's slots (DEFAULT_CAPACITY if unknown)
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
         resume_key: HintKey | None = None,
@@ -84,7 +106,7 @@ class SidecarCore:
         self.resume_key = resume_key  # what resume hints must be signed with; None: none taken
         self.engine = engine
         self.health = health
-        self.capacity = capacity
+        self._capacity = capacity
         self.outstanding = 0
         self.http_url = ""
         self.grpc_target = ""
@@ -100,13 +122,23 @@ class SidecarCore:
         # Requests inside run(), each with the scope that bounds it (its deadline).
         self._running: dict[Lease, asyncio.Timeout] = {}
 
+    @property
+    def capacity(self) -> int:
+        """Most requests admitted at once: as configured, else the engine's slots (so
+        what its engine cannot run at once waits in the gateways, where it can be put
+        in order), else DEFAULT_CAPACITY."""
+        if self._capacity is not None:
+            return self._capacity
+        return self.engine.slots() or DEFAULT_CAPACITY
+
     def admit(self) -> Lease:
         state = self.health.state
         if state is not UnitState.SERVING:
             raise Unavailable(f"unit {self.unit_id} is {state}", code=state.lower())
-        if self.outstanding >= self.capacity:
+        capacity = self.capacity
+        if self.outstanding >= capacity:
             raise Overloaded(
-                f"unit {self.unit_id} is at capacity ({self.capacity} outstanding requests)",
+                f"unit {self.unit_id} is at capacity ({capacity} outstanding requests)",
                 retry_after_s=self._retry_after_s,
                 code="unit_at_capacity",
             )
@@ -337,6 +369,10 @@ class SidecarCore:
     def report(self) -> LoadReport:
         self._seq += 1
         stats = self.engine.stats()
+        named = joined_metrics(stats.named_metrics, self._named)
+        slots = self.engine.slots()
+        if slots is not None and ENGINE_SLOTS not in named and len(named) < MAX_NAMED_METRICS:
+            named[ENGINE_SLOTS] = float(slots)
         return LoadReport(
             unit_id=self.unit_id,
             state=self.health.state,
@@ -355,7 +391,7 @@ class SidecarCore:
             timestamp_ms=int(time.time() * 1000),
             http_url=self.http_url,
             grpc_target=self.grpc_target,
-            named_metrics=joined_metrics(stats.named_metrics, self._named),
+            named_metrics=named,
         )
 
 

@@ -28,8 +28,9 @@ from proxy.errors import GRPC_CODE_KEY, InvalidRequest, UnitProxyError, write_ti
 from proxy.httputil import RESUME_HEADER
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
-from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.core import SidecarCore, engine_priority, with_priority
 from proxy.sidecar.watch import ReportWatch
+from proxy.tenants import PRIORITY_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         code = "OK"
         try:
             self._api_keys.check_metadata(metadata)
-            await self._generate(request, resume_hint, time_remaining, write, interval_s)
+            asked = next((v for k, v in metadata or () if k == PRIORITY_HEADER), None)
+            priority = engine_priority(asked)
+            await self._generate(request, resume_hint, time_remaining, write, interval_s, priority)
         except UnitProxyError as exc:
             code = exc.grpc_code.name
             raise
@@ -134,6 +137,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         remaining: float | None,
         write_chunk: Callable[[inference_pb2.GenerateChunk], Awaitable[object]],
         interval_s: float,
+        priority: int,
     ) -> None:
         core = self._core
         request_id = request.request_id or uuid.uuid4().hex
@@ -178,7 +182,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
         try:
             try:
-                await core.run(lease, parsed.engine_request, ROUTE, send, deadline, delivered)
+                engine_request = with_priority(parsed.engine_request, priority)
+                await core.run(lease, engine_request, ROUTE, send, deadline, delivered)
             except UnitProxyError:
                 await out.close()  # what was generated before the error, then the status
                 raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,9 +36,10 @@ from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.sidecar import frontend_http, grpc_api
-from proxy.sidecar.core import SidecarCore
+from proxy.sidecar.core import SidecarCore, engine_priority, with_priority
 from proxy.sidecar.frontend_http import OUTCOME
 from proxy.sidecar.watch import ReportWatch
+from proxy.tenants import PRIORITY_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +160,10 @@ async def _serve(
         request_id=request_id,
         served_model=core.engine.served_models(),
         max_prompt_chars=request.app[MAX_PROMPT_CHARS],
+    )
+    priority = engine_priority(request.headers.get(PRIORITY_HEADER))
+    parsed = dataclasses.replace(
+        parsed, engine_request=with_priority(parsed.engine_request, priority)
     )
     hint = resume.parse_hint(request.headers.get(RESUME_HEADER))
     if hint is not None:
