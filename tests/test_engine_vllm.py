@@ -28,7 +28,14 @@ import pytest
 import pytest_asyncio
 
 from engine import EngineUnavailable, create_engine
-from engine.vllm import SchedulerView, VllmEngine, _render_chat, engine_kwargs
+from engine.errors import InvalidRequest
+from engine.vllm import (
+    SchedulerView,
+    VllmEngine,
+    _render_chat,
+    engine_kwargs,
+    request_error,
+)
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.settings import load
@@ -477,3 +484,18 @@ def test_chat_template_continues_a_final_message_or_opens_a_turn() -> None:
         {"tokenize": False, "add_generation_prompt": True},
         {"tokenize": False, "add_generation_prompt": False},
     ]
+
+
+def test_a_request_vllm_refuses_is_answered_with_vllms_message_and_field() -> None:
+    # vLLM's server answers a refused request with the message as it is and names the
+    # field a VLLMValidationError carries (the gRPC path, where no serving layer answers)
+    class VLLMValidationError(ValueError):
+        def __init__(self, message: str, parameter: str) -> None:
+            super().__init__(message)
+            self.parameter = parameter
+
+    error = request_error(VLLMValidationError("max_tokens must be at least 1", "max_tokens"))
+    assert isinstance(error, InvalidRequest)
+    assert (error.message, error.param) == ("max_tokens must be at least 1", "max_tokens")
+    plain = request_error(ValueError("prompt is too long"))
+    assert (plain.message, plain.param) == ("prompt is too long", None)
