@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from engine.errors import UnitProxyError
+from engine.errors import InvalidRequest, UnitProxyError
 from engine.frontend import (
     FrontendReply,
     FrontendRequest,
@@ -134,6 +134,13 @@ _PATHS = {
     "score": "/score",
     "rerank": "/rerank",
 }
+
+
+def _find_optional(what: str) -> Any:
+    try:
+        return _find(what)
+    except FrontendUnavailable:
+        return None
 
 
 def _find(what: str) -> Any:
@@ -251,8 +258,9 @@ class VllmFrontend(OpenAIFrontend):
         self._view = view  # engine.vllm.SchedulerView: its step count
         self._engine = engine  # the AsyncLLM itself, for aborts
         self._request_error = request_error
-        self._error_response = _find("error_response")
-        self._validation_error = _find("validation_error")
+        # vLLM's own error bodies (0.32); where they are not found, the sidecar's errors
+        self._error_response = _find_optional("error_response")
+        self._validation_error = _find_optional("validation_error")
         self._schemas: dict[FrontendRoute, TypeAdapter[Any]] = {}
         self._handlers: dict[FrontendRoute, Any] = {}
         for route, (attrs, method) in _HANDLERS.items():
@@ -326,7 +334,7 @@ class VllmFrontend(OpenAIFrontend):
             raise
         except Exception as exc:
             await self._abort(context)
-            if _is_dead(exc):  # the unit fails: the sidecar lets it go
+            if _is_dead(exc) or self._error_response is None:  # dead: the unit lets go
                 raise self._request_error(exc) from exc
             return self._reply_error(self._error_response(exc))  # as vLLM's handlers answer
         except BaseException:
@@ -368,6 +376,8 @@ class VllmFrontend(OpenAIFrontend):
 
     async def _invalid(self, exc: ValidationError) -> FrontendReply:
         """A body the request's model refuses: vLLM's 400, as its validation handler makes it."""
+        if self._validation_error is None:
+            raise _invalid(exc) from exc
         from fastapi.exceptions import RequestValidationError  # type: ignore[import-not-found,unused-ignore]
 
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
@@ -416,6 +426,15 @@ def _raw_request(request: FrontendRequest) -> Any:
 _APP_REQUEST = SimpleNamespace(
     app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False)))
 )
+
+
+def _invalid(exc: ValidationError) -> InvalidRequest:
+    """A refused body as the sidecar's 400, where vLLM's validation handler is not found."""
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "Tokenize"))]
+    name = ".".join(loc)
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return InvalidRequest(f"{name}: {msg}" if name else msg, param=name or None)
 
 
 def _json_bytes(content: Any) -> bytes:

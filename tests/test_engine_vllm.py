@@ -499,3 +499,18 @@ def test_a_request_vllm_refuses_is_answered_with_vllms_message_and_field() -> No
     assert (error.message, error.param) == ("max_tokens must be at least 1", "max_tokens")
     plain = request_error(ValueError("prompt is too long"))
     assert (plain.message, plain.param) == ("prompt is too long", None)
+
+
+def test_a_vllm_without_its_error_handlers_answers_the_sidecars_400_naming_the_field() -> None:
+    # vLLM before 0.32 has no validation handler to borrow: the field named all the same
+    from pydantic import BaseModel, ValidationError
+
+    from engine.vllm_frontend import _invalid
+
+    class Body(BaseModel):
+        max_tokens: int
+
+    with pytest.raises(ValidationError) as refused:
+        Body.model_validate({"max_tokens": "many"})
+    error = _invalid(refused.value)
+    assert error.param == "max_tokens" and error.message.startswith("max_tokens: ")
