@@ -55,6 +55,10 @@ class OpenAIFrontend(abc.ABC):
 
     #: the routes ``serve`` takes; /tokenize and /detokenize only where the engine has them
     routes: frozenset[FrontendRoute] = frozenset({"completions", "chat"})
+    #: whether chat and completions, when not in ``routes``, go through the sidecar's own
+    #: parser to the engine's ``generate`` (the simulator); False where the model cannot
+    #: generate (a vLLM pooling model: 404, as vLLM's server answers)
+    generates: bool = True
 
     @abc.abstractmethod
     async def serve(self, request: FrontendRequest) -> FrontendReply:

@@ -257,7 +257,8 @@ def request_error(exc: Exception) -> EngineError | InvalidRequest | Overloaded:
     if _is_vllm_error(exc, "GracefulHTTPError"):
         return Overloaded(f"vLLM: {getattr(exc, 'message', exc)}")
     if isinstance(exc, ValueError | TypeError) or _is_vllm_error(exc, "VLLMClientError"):
-        return InvalidRequest(f"vLLM rejected the request: {exc}")
+        # vLLM's server answers the message as it is, naming the field where vLLM does
+        return InvalidRequest(str(exc), param=getattr(exc, "parameter", None))
     cause = exc.__cause__ if _is_vllm_error(exc, "EngineGenerateError") else exc
     return EngineError(f"vLLM failed the request: {one_line(cause or exc)}")
 

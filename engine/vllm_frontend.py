@@ -3,14 +3,17 @@
 The serving objects are built the way ``vllm serve`` builds them: vLLM's own argument
 parser reads the OpenAI-layer flags (``--chat-template``, ``--enable-auto-tool-choice``,
 ``--tool-call-parser``, ``--reasoning-parser``, ...) and vLLM's own ``init_app_state``
-makes OpenAIServingChat, OpenAIServingCompletion, OpenAIServingModels and the
-tokenization handler on the AsyncLLM that this process already runs. So every field
-vLLM's server accepts works, with its semantics and its chunk bytes: tools and
-``tool_choice``, ``response_format`` and structured outputs, logprobs, ``n``, ``echo``,
-``continuous_usage_stats``, /tokenize and /detokenize.
+makes the serving objects of the model's tasks (chat, completions and the Responses API
+for a generation model; embeddings, pooling, classify and scores for a pooling model;
+models and tokenization for both) on the AsyncLLM that this process already runs. So
+every route and field vLLM's server has works, with its semantics, its bytes and its
+error bodies: tools and ``tool_choice``, ``response_format`` and structured outputs,
+logprobs, ``n``, ``echo``, ``continuous_usage_stats``, stored responses, /tokenize and
+/detokenize. A route whose serving object vLLM did not build for the model is not served
+(the sidecar answers 404, as vLLM's server has no such route then).
 
 The engine client the serving layer sees is the AsyncLLM behind a thin wrapper whose
-``generate`` counts each request's tokens (metrics), its requests in flight (load) and
+``generate`` (and ``encode``, a pooling request) counts each request's tokens (metrics), its requests in flight (load) and
 the ids it started (so a stream closed early is aborted in vLLM at once, not when its
 generators are collected).
 
@@ -30,19 +33,19 @@ import json
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from engine.errors import (
-    EngineError,
-    InvalidRequest,
-    NotFound,
-    Overloaded,
-    Unavailable,
-    UnitProxyError,
+from engine.errors import InvalidRequest, UnitProxyError
+from engine.frontend import (
+    FrontendReply,
+    FrontendRequest,
+    FrontendRoute,
+    OpenAIFrontend,
+    Tokens,
 )
-from engine.frontend import FrontendReply, FrontendRequest, OpenAIFrontend, Tokens
 
 logger = logging.getLogger(__name__)
 
@@ -81,20 +84,63 @@ _PLACES: dict[str, tuple[str, ...]] = {
         "vllm.entrypoints.serve.tokenize.protocol:DetokenizeRequest",
         "vllm.entrypoints.openai.protocol:DetokenizeRequest",
     ),
+    "responses": ("vllm.entrypoints.openai.responses.protocol:ResponsesRequest",),
+    "embeddings": ("vllm.entrypoints.pooling.embed.protocol:EmbeddingRequest",),
+    "pooling": ("vllm.entrypoints.pooling.pooling.protocol:PoolingRequest",),
+    "classify": ("vllm.entrypoints.pooling.classify.protocol:ClassificationRequest",),
+    "score": ("vllm.entrypoints.pooling.scoring.protocol:ScoreRequest",),
+    "rerank": ("vllm.entrypoints.pooling.scoring.protocol:RerankRequest",),
+    "error_response": (
+        "vllm.entrypoints.serve.exception_handling.error_response:create_error_response",
+    ),
+    "validation_error": (
+        "vllm.entrypoints.serve.exception_handling.handlers.validation:"
+        "validation_exception_handler",
+    ),
 }
-# The serving object and its method per route, by the state attribute names of each version.
-_HANDLERS: dict[str, tuple[tuple[str, ...], str]] = {
+# The serving object and its method per route, by the state attribute names of each
+# version; None: the object itself is called (the pooling routes, which answer a
+# starlette Response). vLLM builds only the objects the model's tasks allow: a route
+# whose object is missing is not served, as vLLM's server does not serve it.
+_HANDLERS: dict[FrontendRoute, tuple[tuple[str, ...], str | None]] = {
     "chat": (("openai_serving_chat",), "create_chat_completion"),
     "completions": (("openai_serving_completion",), "create_completion"),
     "tokenize": (("serving_tokenization", "openai_serving_tokenization"), "create_tokenize"),
     "detokenize": (("serving_tokenization", "openai_serving_tokenization"), "create_detokenize"),
+    "responses": (("openai_serving_responses",), "create_responses"),
+    "responses_retrieve": (("openai_serving_responses",), "retrieve_responses"),
+    "responses_cancel": (("openai_serving_responses",), "cancel_responses"),
+    "embeddings": (("serving_embedding",), None),
+    "pooling": (("serving_pooling",), None),
+    "classify": (("serving_classification",), None),
+    "score": (("serving_scores",), None),
+    "rerank": (("serving_scores",), None),
 }
+# Routes that take the response id from the path, not a body.
+_BY_ID: frozenset[FrontendRoute] = frozenset({"responses_retrieve", "responses_cancel"})
+# Routes whose bodies vLLM's server dumps by alias in JSON mode (the Responses API).
+_BY_ALIAS: frozenset[FrontendRoute] = frozenset({"responses", *_BY_ID})
 _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
+    "responses": "/v1/responses",
+    "responses_retrieve": "/v1/responses",
+    "responses_cancel": "/v1/responses",
+    "embeddings": "/v1/embeddings",
+    "pooling": "/pooling",
+    "classify": "/classify",
+    "score": "/score",
+    "rerank": "/rerank",
 }
+
+
+def _find_optional(what: str) -> Any:
+    try:
+        return _find(what)
+    except FrontendUnavailable:
+        return None
 
 
 def _find(what: str) -> Any:
@@ -159,10 +205,18 @@ class CountingClient:
     def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         # The request is taken now: the generator's body runs at its first iteration,
         # after the serving call that made it has returned (a stream).
-        return self._generate(_CURRENT.get(), args, kwargs)
+        return self._track(self._engine.generate, _CURRENT.get(), args, kwargs)
 
-    async def _generate(
-        self, request: _Request | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        """A pooling request (embeddings, score, ...): in flight and aborted as generate's."""
+        return self._track(self._engine.encode, _CURRENT.get(), args, kwargs)
+
+    async def _track(
+        self,
+        call: Callable[..., AsyncGenerator[Any, None]],
+        request: _Request | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> AsyncGenerator[Any, None]:
         request_id = str(kwargs.get("request_id", args[2] if len(args) > 2 else ""))
         self._seq += 1
@@ -171,10 +225,10 @@ class CountingClient:
         if request is not None:
             request.started.append(request_id)
         try:
-            async for output in self._engine.generate(*args, **kwargs):
+            async for output in call(*args, **kwargs):
                 if request is not None:
                     request.tokens.completion_tokens += sum(
-                        len(o.token_ids) for o in output.outputs
+                        len(getattr(o, "token_ids", ())) for o in _outputs(output)
                     )
                     if output.finished:
                         request.finished.add(request_id)
@@ -183,12 +237,16 @@ class CountingClient:
             self._in_flight.discard(key)
 
 
+def _outputs(output: Any) -> list[Any]:
+    # A generation's RequestOutput has a list of completions; a pooling output one result.
+    outputs = getattr(output, "outputs", None)
+    return outputs if isinstance(outputs, list) else []
+
+
 # -- the frontend ---------------------------------------------------------------------------
 
 
 class VllmFrontend(OpenAIFrontend):
-    routes = frozenset({"completions", "chat", "tokenize", "detokenize"})
-
     def __init__(
         self,
         state: Any,
@@ -200,13 +258,26 @@ class VllmFrontend(OpenAIFrontend):
         self._view = view  # engine.vllm.SchedulerView: its step count
         self._engine = engine  # the AsyncLLM itself, for aborts
         self._request_error = request_error
-        self._schemas = {route: TypeAdapter(_find(route)) for route in _HANDLERS}
-        self._handlers: dict[str, Any] = {}
+        # vLLM's own error bodies (0.32); where they are not found, the sidecar's errors
+        self._error_response = _find_optional("error_response")
+        self._validation_error = _find_optional("validation_error")
+        self._schemas: dict[FrontendRoute, TypeAdapter[Any]] = {}
+        self._handlers: dict[FrontendRoute, Any] = {}
         for route, (attrs, method) in _HANDLERS.items():
             obj = next((getattr(state, a) for a in attrs if getattr(state, a, None)), None)
             if obj is None:
-                raise FrontendUnavailable(f"vLLM built no handler for {route} ({attrs[0]})")
-            self._handlers[route] = getattr(obj, method)
+                continue  # not a task of this model (a pooling model has no chat)
+            if route not in _BY_ID:
+                try:
+                    self._schemas[route] = TypeAdapter(_find(route))
+                except FrontendUnavailable as exc:  # an older vLLM without this route
+                    logger.info("engine vllm: %s is not served: %s", route, exc)
+                    continue
+            self._handlers[route] = obj if method is None else getattr(obj, method)
+        if not self._handlers.keys() & {"chat", "completions", "embeddings", "pooling"}:
+            raise FrontendUnavailable("vLLM built no serving object for generation or pooling")
+        self.routes = frozenset(self._handlers)
+        self.generates = "chat" in self.routes
 
     @classmethod
     async def build(
@@ -246,29 +317,72 @@ class VllmFrontend(OpenAIFrontend):
         return [card.model_dump() for card in listing.data]
 
     async def serve(self, request: FrontendRequest) -> FrontendReply:
-        try:
-            body = self._schemas[request.route].validate_python(request.body)
-        except ValidationError as exc:
-            raise _invalid(exc) from exc
+        route = request.route
+        if route in _BY_ID:
+            call = self._by_id(route, str(request.body.get("response_id", "")))
+        else:
+            try:
+                body = self._schemas[route].validate_python(request.body)
+            except ValidationError as exc:
+                return await self._invalid(exc)
+            call = self._handlers[route](body, _raw_request(request))
         context = _Request()
         token = _CURRENT.set(context)
         try:
-            result = await self._handlers[request.route](body, _raw_request(request))
+            result = await call
         except UnitProxyError:
             raise
         except Exception as exc:
             await self._abort(context)
-            raise self._request_error(exc) from exc
+            if _is_dead(exc) or self._error_response is None:  # dead: the unit lets go
+                raise self._request_error(exc) from exc
+            return self._reply_error(self._error_response(exc))  # as vLLM's handlers answer
         except BaseException:
             await self._abort(context)
             raise
         finally:
             _CURRENT.reset(token)
+        return self._reply(route, result, context)
+
+    def _by_id(self, route: FrontendRoute, response_id: str) -> Any:
+        if route == "responses_retrieve":
+            return self._handlers[route](response_id, starting_after=None, stream=False)
+        return self._handlers[route](response_id)
+
+    def _reply(self, route: FrontendRoute, result: Any, context: _Request) -> FrontendReply:
         if type(result).__name__ == "ErrorResponse":
-            raise _error(result)
-        if hasattr(result, "model_dump_json"):
-            return FrontendReply(200, body=result.model_dump_json().encode(), tokens=context.tokens)
+            return self._reply_error(result)
+        if hasattr(result, "status_code") and hasattr(result, "body"):
+            # a starlette Response (the pooling routes): its status and bytes as they are
+            return FrontendReply(
+                int(result.status_code), body=bytes(result.body), tokens=context.tokens
+            )
+        if hasattr(result, "model_dump"):
+            dumped = (
+                result.model_dump(mode="json", by_alias=True)
+                if route in _BY_ALIAS
+                else result.model_dump()
+            )
+            return FrontendReply(200, body=_json_bytes(dumped), tokens=context.tokens)
+        if route == "responses":  # events, which vLLM's router writes as named SSE events
+            return FrontendReply(
+                200, chunks=self._chunks(_events(result), context), tokens=context.tokens
+            )
         return FrontendReply(200, chunks=self._chunks(result, context), tokens=context.tokens)
+
+    def _reply_error(self, response: Any) -> FrontendReply:
+        """vLLM's error body and status, as its server's handlers write them."""
+        return FrontendReply(int(response.error.code), body=_json_bytes(response.model_dump()))
+
+    async def _invalid(self, exc: ValidationError) -> FrontendReply:
+        """A body the request's model refuses: vLLM's 400, as its validation handler makes it."""
+        if self._validation_error is None:
+            raise _invalid(exc) from exc
+        from fastapi.exceptions import RequestValidationError  # type: ignore[import-not-found,unused-ignore]
+
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        response = await self._validation_error(_APP_REQUEST, RequestValidationError(errors))
+        return FrontendReply(int(response.status_code), body=bytes(response.body))
 
     async def _chunks(self, lines: Any, context: _Request) -> AsyncGenerator[bytes, None]:
         try:
@@ -308,7 +422,14 @@ def _raw_request(request: FrontendRequest) -> Any:
     return Request(scope)
 
 
+# What vLLM's validation handler reads of a request: ``app.state.args.log_error_stack``.
+_APP_REQUEST = SimpleNamespace(
+    app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False)))
+)
+
+
 def _invalid(exc: ValidationError) -> InvalidRequest:
+    """A refused body as the sidecar's 400, where vLLM's validation handler is not found."""
     err = exc.errors(include_url=False)[0]
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "Tokenize"))]
     name = ".".join(loc)
@@ -316,17 +437,23 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{name}: {msg}" if name else msg, param=name or None)
 
 
-def _error(response: Any) -> UnitProxyError:
-    info = getattr(response, "error", response)  # 0.11+: {"error": {...}}; older: flat
-    message = str(getattr(info, "message", info))
-    status = int(getattr(info, "code", 400) or 400)
-    param = getattr(info, "param", None)
-    if status == 404:
-        return NotFound(message, param=param or "model", code="model_not_found")
-    if status == 429:
-        return Overloaded(message)
-    if status == 503:
-        return Unavailable(message)
-    if 400 <= status < 500:
-        return InvalidRequest(message, param=param)
-    return EngineError(message)
+def _json_bytes(content: Any) -> bytes:
+    """A body as starlette's JSONResponse renders it (vLLM's server answers with one)."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+async def _events(events: Any) -> AsyncGenerator[str, None]:
+    """Responses API events as vLLM's router writes them: ``event: TYPE`` then the data."""
+    try:
+        async for event in events:
+            data = event.model_dump_json(indent=None, by_alias=True)
+            yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {data}\n\n"
+    finally:
+        await events.aclose()
+
+
+def _is_dead(exc: Exception) -> bool:
+    # By class name: the classes moved between versions, and the import stays lazy.
+    return any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__)

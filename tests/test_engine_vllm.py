@@ -29,7 +29,14 @@ import pytest_asyncio
 
 from engine import EngineUnavailable, create_engine
 from engine.base import ENGINE_SLOTS
-from engine.vllm import SchedulerView, VllmEngine, _render_chat, engine_kwargs
+from engine.errors import InvalidRequest
+from engine.vllm import (
+    SchedulerView,
+    VllmEngine,
+    _render_chat,
+    engine_kwargs,
+    request_error,
+)
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.settings import load
@@ -485,3 +492,33 @@ def test_chat_template_continues_a_final_message_or_opens_a_turn() -> None:
         {"tokenize": False, "add_generation_prompt": True},
         {"tokenize": False, "add_generation_prompt": False},
     ]
+
+
+def test_a_request_vllm_refuses_is_answered_with_vllms_message_and_field() -> None:
+    # vLLM's server answers a refused request with the message as it is and names the
+    # field a VLLMValidationError carries (the gRPC path, where no serving layer answers)
+    class VLLMValidationError(ValueError):
+        def __init__(self, message: str, parameter: str) -> None:
+            super().__init__(message)
+            self.parameter = parameter
+
+    error = request_error(VLLMValidationError("max_tokens must be at least 1", "max_tokens"))
+    assert isinstance(error, InvalidRequest)
+    assert (error.message, error.param) == ("max_tokens must be at least 1", "max_tokens")
+    plain = request_error(ValueError("prompt is too long"))
+    assert (plain.message, plain.param) == ("prompt is too long", None)
+
+
+def test_a_vllm_without_its_error_handlers_answers_the_sidecars_400_naming_the_field() -> None:
+    # vLLM before 0.32 has no validation handler to borrow: the field named all the same
+    from pydantic import BaseModel, ValidationError
+
+    from engine.vllm_frontend import _invalid
+
+    class Body(BaseModel):
+        max_tokens: int
+
+    with pytest.raises(ValidationError) as refused:
+        Body.model_validate({"max_tokens": "many"})
+    error = _invalid(refused.value)
+    assert error.param == "max_tokens" and error.message.startswith("max_tokens: ")

@@ -78,7 +78,7 @@ async def serve(
                 reply = await frontend.serve(fr)  # returns at once: progress is in the chunks
             else:
                 reply = await core.wait_whole(frontend.serve(fr), frontend.steps)
-            if resumed is not None:
+            if resumed is not None and reply.status == 200:  # an error is answered as it is
                 reply = frontend_resume.wrap(reply, resumed)
     except BaseException:
         core.finish(lease, route)

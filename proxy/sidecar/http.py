@@ -151,7 +151,8 @@ async def _serve(
             return await frontend_http.by_id(request, route, request_id, core, frontend)
         deadline = _deadline(request)
         return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
-    if route not in ("completions", "chat"):
+    if route not in ("completions", "chat") or (frontend is not None and not frontend.generates):
+        # a pooling model has no chat or completions: 404, as vLLM's server answers
         raise NotFound(f"{request.path} is not served by this engine", code="not_found")
     body = await request.read()
     parsed = openai_api.parse(
