@@ -353,6 +353,26 @@ class GatewaySettings(_Section):
         ge=0,
         description="Policy prefix: requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
     )
+    slo_ttft_s: float = Field(
+        0.0,
+        ge=0,
+        description="The time-to-first-token objective, in s (0: none). Policy latency sheds batch requests that no unit is predicted to start within it (429 shed), and unitproxy_fleet_saturation counts each unit's load against the requests it can hold within it. Default 0.",
+    )
+    slo_ttft_interactive_s: float = Field(
+        0.0,
+        ge=0,
+        description="The TTFT objective of interactive requests, in s (0: slo_ttft_s). Default 0.",
+    )
+    slo_ttft_batch_s: float = Field(
+        0.0,
+        ge=0,
+        description="The TTFT objective of batch requests, in s (0: slo_ttft_s): a batch request no unit is predicted to start within it is refused 429 shed (policy latency). Default 0.",
+    )
+    latency_half_life_s: float = Field(
+        60.0,
+        gt=0,
+        description="Policy latency: the half-life of what it learnt of a unit's TTFT, in s (older answers weigh half as much per half-life). Default 60.",
+    )
     prefix_engine_feedback: bool = Field(
         True,
         description="Policy prefix: correct the index from the prefix-cache counters in the units' load reports (a unit that finds far fewer of its prompts cached than the index expected keeps fewer blocks in it; a unit whose cache was emptied is forgotten). Default true.",

@@ -182,6 +182,11 @@ class Job(Protocol):
         """How long the unit of the current attempt has had the request without sending
         a byte of its answer (0 once it sent one)."""
 
+    def first_token_s(self) -> float:
+        """Seconds from the current attempt's start to the first token of the unit's
+        answer (the first stream event or message, or the whole answer); -1 if none
+        came."""
+
     def interrupt(self) -> None:
         """The gateway stops now: end the response with an error as soon as possible."""
 
@@ -212,15 +217,16 @@ class GatewayCore:
     def active(self) -> int:
         return len(self._active)
 
-    def json_want(self, body: bytes) -> Want:
+    def json_want(self, body: bytes, priority: str | None = None) -> Want:
         """What choosing a unit needs of an HTTP request body, when it needs anything
         (a policy that reads prompts; units serving different models); raises NotFound
-        for a model that no unit serves."""
-        return self._want(json_want, body)
+        for a model that no unit serves. ``priority``: the request's class (its
+        tenant's), None when tenants are off (standard)."""
+        return self._want(json_want, body, priority)
 
-    def grpc_want(self, request: bytes) -> Want:
+    def grpc_want(self, request: bytes, priority: str | None = None) -> Want:
         """The same for a serialized GenerateRequest."""
-        return self._want(grpc_want, request)
+        return self._want(grpc_want, request, priority)
 
     def pin(self, want: Want, response_id: str, param: str | None) -> Want:
         """``want``, sent to the unit that stores the response ``response_id`` (its id
@@ -246,15 +252,17 @@ class GatewayCore:
                 param=param,
                 code="not_found",
             )
-        return Want(want.model, want.blocks, want.chars, known)
+        return Want(want.model, want.blocks, want.chars, known, want.priority)
 
-    def _want(self, parse: Any, raw: bytes) -> Want:
+    def _want(self, parse: Any, raw: bytes, priority: str | None) -> Want:
         router = self._router
         if not router.reads_requests:
             return NO_WANT
         policy = router.policy
         want: Want = parse(raw, policy.prompt_blocks if policy.reads_prompt else None)
         router.check_model(want.model)
+        if priority is not None and priority != want.priority:
+            want = Want(want.model, want.blocks, want.chars, want.unit, priority)
         return want
 
     async def run(self, job: Job, want: Want = NO_WANT) -> None:
@@ -272,6 +280,8 @@ class GatewayCore:
         exclude: Collection[str] = tried if want.unit is None else Pinned(want.unit, tried)
         retries = migrations = 0
         last: Tried | None = None
+        router = self._router
+        learns = router.learns  # policy latency: each answer's TTFT goes to it
         while True:
             try:
                 unit = await self._router.acquire(exclude, want)
@@ -297,6 +307,7 @@ class GatewayCore:
             if last is not None:  # a retry or migration happens once a unit takes it
                 self._counted(last, unit)
             self._count(self._routed, self._metrics.routed, unit.id)
+            ahead = router.ahead(unit) if learns else 0
             health = Outcome.CANCELLED  # unless the attempt says otherwise: the client left
             on_unit = self._on_unit.get(unit.id)
             if on_unit is None:
@@ -312,6 +323,10 @@ class GatewayCore:
                 if health is Outcome.CANCELLED:
                     health = self._gave_up(unit, job)
                 self._router.release(unit, health)
+            if learns and health is Outcome.OK:
+                ttft_s = job.first_token_s()
+                if ttft_s > 0.0:
+                    router.answered(unit, want, ahead, ttft_s)
             if result.next is Next.DONE:
                 if result.error is not None:
                     await job.give_up(result)  # the attempt ended the request with an error

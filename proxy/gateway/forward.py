@@ -170,7 +170,9 @@ class Forwarder:
 
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
-        want = self.core.json_want(req.body)
+        want = self.core.json_want(
+            req.body, None if req.admission is None else req.admission.priority
+        )
         if req.stored is not None:
             want = self.core.pin(want, req.stored, None)
         elif req.route == "responses":
@@ -220,6 +222,7 @@ class HttpJob:
         self._idle = False
         self._stopping = False
         self._asked_at = 0.0  # when the current attempt was sent (loop time)
+        self._first_s = -1.0  # from then to its first token (s; -1: none yet)
         self._answered = False  # its unit's response head came
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the attempt's deadline, while it runs
@@ -233,6 +236,9 @@ class HttpJob:
 
     def unanswered_s(self) -> float:
         return 0.0 if self._answered else self._loop.time() - self._asked_at
+
+    def first_token_s(self) -> float:
+        return self._first_s
 
     def abandon(self, why: str) -> bool:
         if self._lost is not None or self._stopping:
@@ -327,6 +333,7 @@ class HttpJob:
     def _begin(self) -> float:
         """A new attempt starts now (returned, in loop time)."""
         self._asked_at = now = self._loop.time()
+        self._first_s = -1.0
         self._answered = False
         self._lost = None
         return now
@@ -347,6 +354,7 @@ class HttpJob:
         if admission is not None:
             admission.usage.read_body(data)
             admission.usage.first_byte = time.monotonic()
+        self._first_s = self._loop.time() - self._asked_at
         self._down.respond(status, self._headers(conn, unit), data)
         return Tried(Next.DONE, health)
 
@@ -487,6 +495,8 @@ class HttpJob:
             self._failed_at = None
         transcript.add(events)
         self._last_byte = self._loop.time()
+        if self._first_s < 0.0:
+            self._first_s = self._last_byte - self._asked_at
 
     async def _broken(self, unit: Unit, exc: Broken) -> Tried:
         transcript = self._transcript

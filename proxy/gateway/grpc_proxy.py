@@ -154,7 +154,8 @@ class GenerateProxy:
         job = GrpcJob(self, request, context, started, admission)
         self.streams += 1
         try:
-            await self.core.run(job, self.core.grpc_want(request))
+            priority = None if admission is None else admission.priority
+            await self.core.run(job, self.core.grpc_want(request, priority))
             await job.finish()
         except UnitProxyError as exc:
             code = exc.grpc_code.name
@@ -210,6 +211,7 @@ class GrpcJob:
         self._putting = False
         self._received = False  # a message of this attempt's unit came
         self._asked_at = 0.0  # when this attempt was sent (loop time)
+        self._first_s = -1.0  # from then to its first message (s; -1: none yet)
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the HTTP attempt's deadline, while it runs
         self._watch: Timer | None = None
@@ -224,6 +226,9 @@ class GrpcJob:
 
     def unanswered_s(self) -> float:
         return 0.0 if self._received else self._loop.time() - self._asked_at
+
+    def first_token_s(self) -> float:
+        return self._first_s
 
     def abandon(self, why: str) -> bool:
         if self._lost is not None or self._stopping:
@@ -301,6 +306,7 @@ class GrpcJob:
         call = self._call = self._proxy.call_for(unit)(request, timeout=timeout, metadata=metadata)
         received = self._received = False
         self._asked_at = self._loop.time()
+        self._first_s = -1.0
         self._idle = False
         self._watch_idle(self._proxy.settings.response_timeout_s)
         try:
@@ -337,6 +343,7 @@ class GrpcJob:
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._asked_at = self._loop.time()
+        self._first_s = -1.0
         try:
             left = send_deadline(headers, self._deadline)
         except DeadlineExceeded as late:
@@ -440,6 +447,8 @@ class GrpcJob:
         return sink
 
     def _delivered(self, message: bytes) -> None:
+        if self._first_s < 0.0:
+            self._first_s = self._loop.time() - self._asked_at
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)
@@ -453,6 +462,8 @@ class GrpcJob:
         self._transcript.add(message)
 
     async def _deliver(self, message: bytes) -> None:
+        if self._first_s < 0.0:
+            self._first_s = self._loop.time() - self._asked_at
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)

@@ -31,6 +31,8 @@ class Want:
     chars: int = 0  # the prompt's length in characters (with blocks)
     # The one unit it may go to (a stored response lives there); None: any unit.
     unit: str | None = None
+    # Its priority class (its tenant's, or lowered by x-unitproxy-priority).
+    priority: str = "standard"
 
 
 def json_want(body: bytes, blocks: Blocks | None) -> Want:
