@@ -165,7 +165,7 @@ def test_a_cached_prefix_counts_for_the_prefill_it_saves() -> None:
 
 
 def test_batch_is_shed_when_no_unit_meets_its_objective_and_the_others_are_not() -> None:
-    router, _clock, _ = fleet(slo_ttft_s=0.5, slo_ttft_batch_s=0.25)
+    router, _, _ = fleet(slo_ttft_s=0.5, slo_ttft_batch_s=0.25)
     learn(router)
     # Idle fast units: 0.05 s predicted; every class goes.
     assert router.pick((), Want(chars=1000, priority="batch")) is not None
@@ -180,7 +180,7 @@ def test_batch_is_shed_when_no_unit_meets_its_objective_and_the_others_are_not()
 
 
 async def test_a_shed_batch_request_leaves_the_router_as_429_shed() -> None:
-    router, _clock, _ = fleet(slo_ttft_s=0.1)
+    router, _, _ = fleet(slo_ttft_s=0.1)
     learn(router)
     for u in SPEEDS:
         router.apply_report(u, LoadReport(u, UnitState.SERVING, 6, 30, seq=5))
@@ -211,14 +211,14 @@ def test_the_prediction_error_is_a_metric() -> None:
 
 
 def test_fleet_saturation_is_load_over_what_meets_the_objective() -> None:
-    router, clock, metrics = fleet()  # no objective: outstanding / capacity
+    router, _, metrics = fleet()  # no objective: outstanding / capacity
     for u, n in (("fast1", 4), ("fast2", 2), ("slow", 2)):
         router.apply_report(u, LoadReport(u, UnitState.SERVING, n, 8, seq=2))
     assert router.saturation() == pytest.approx(8 / 24)
     gauge = next(iter(metrics.fleet_saturation.collect())).samples[0]
     assert gauge.name == "unitproxy_fleet_saturation" and gauge.value == pytest.approx(8 / 24)
 
-    router, _clock, metrics = fleet(slo_ttft_s=0.2)
+    router, _, metrics = fleet(slo_ttft_s=0.2)
     learn(router)
     # Within 0.2 s a fast unit holds those ahead, (0.2 - 0.03 - 0.02 x the mean prompt's
     # kchars) / 0.02, and the one arriving; the slow one none (0.2 alone is its fixed cost).
