@@ -125,6 +125,7 @@ GATEWAY = (
     Flag("--prefix-max-blocks", "gateway.prefix_max_blocks", "N"),
     Flag("--prefix-ttl", "gateway.prefix_ttl_s", "SECONDS"),
     Flag("--slo-ttft", "gateway.slo_ttft_s", "SECONDS"),
+    Flag("--slo-tpot", "gateway.slo_tpot_s", "SECONDS"),
     Flag("--slo-ttft-interactive", "gateway.slo_ttft_interactive_s", "SECONDS"),
     Flag("--slo-ttft-batch", "gateway.slo_ttft_batch_s", "SECONDS"),
     Flag("--latency-half-life", "gateway.latency_half_life_s", "SECONDS"),

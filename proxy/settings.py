@@ -358,6 +358,11 @@ class GatewaySettings(_Section):
         ge=0,
         description="The time-to-first-token objective, in s (0: none). Policy latency sheds batch requests that no unit is predicted to start within it (429 shed), and unitproxy_fleet_saturation counts each unit's load against the requests it can hold within it. Default 0.",
     )
+    slo_tpot_s: float = Field(
+        0.0,
+        ge=0,
+        description="The time-per-output-token objective, in s (0: none). Policy latency prefers the units predicted to stream within it with this request in their batch, sheds batch requests when none is, and unitproxy_fleet_saturation counts each unit's load against the batch it can hold within it. Default 0.",
+    )
     slo_ttft_interactive_s: float = Field(
         0.0,
         ge=0,

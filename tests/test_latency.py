@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.errors import Overloaded
+from proxy.gateway.core import MIN_TOKENS, per_token
 from proxy.gateway.latency import WARM, Latencies, Regression
 from proxy.gateway.policies.latency import LeastPredictedTtft
 from proxy.gateway.request import Want
@@ -73,6 +74,29 @@ def test_the_covariance_does_not_wind_up_without_excitation() -> None:
         r.update(0.0, 0.0, 0.1, float(i))
     assert sum(r.p[i * 4] for i in range(3)) <= 1e6 + 1
     assert r.predict(0.0, 0.0) == pytest.approx(0.1)
+
+
+def test_time_per_token_is_learnt_against_the_batch() -> None:
+    clock, rng = Clock(), random.Random(7)
+    fit = Latencies(clock, half_life_s=60)
+    assert fit.predict_tpot("u", 3) == -1.0  # nothing learnt
+    for _ in range(100):
+        clock.now += 0.1
+        ahead = rng.randrange(16)
+        fit.observe_tpot("u", ahead, 0.01 + 0.002 * (ahead + 1))
+    assert fit.predict_tpot("u", 9) == pytest.approx(0.01 + 0.002 * 10, rel=0.01)
+    # Within 0.03 s per token the unit's batch may be (0.03 - 0.01) / 0.002 = 10.
+    assert fit.holds("u", 0.0, 0.03, 64) == pytest.approx(10, rel=0.01)
+    assert fit.holds("u", 0.0, 0.03, 8) == 8  # never above its capacity
+    assert fit.holds("u", 0.0, 0.005, 8) == 0  # its fixed cost alone misses it
+    assert fit.holds("u", 0.0, 0.0, 8) == 8  # no objective
+
+
+def test_a_streams_time_per_token_is_taken_after_its_first() -> None:
+    # First event 0.2 s after the request was sent, the last of 11 at 0.7 s: 0.05 s each.
+    assert per_token(0.2, 0.7, 11) == pytest.approx(0.05)
+    assert per_token(0.2, 0.7, MIN_TOKENS - 1) == -1.0  # too few to tell
+    assert per_token(-1.0, 0.7, 11) == -1.0  # no first token
 
 
 # -- the policy in a fleet ------------------------------------------------------------------
@@ -190,6 +214,34 @@ async def test_a_shed_batch_request_leaves_the_router_as_429_shed() -> None:
     assert (await router.acquire((), Want(chars=1000))).id != "slow"
 
 
+def test_units_within_the_tpot_objective_come_first_and_batch_is_shed_without_one() -> None:
+    router, _, _ = fleet(slo_tpot_s=0.03)
+    learn(router)
+    for u, (d, e) in {
+        "fast1": (0.01, 0.004),
+        "fast2": (0.01, 0.004),
+        "slow": (0.02, 0.0005),
+    }.items():
+        for ahead in range(12):
+            router.answered(router.units[u], Want(chars=1000), ahead, 0.1, d + e * (ahead + 1))
+    # Idle: every unit streams within 0.03 s; the fast ones start sooner.
+    assert router.pick((), Want(chars=1000)).id != "slow"  # type: ignore[union-attr]
+    # With 6 ahead a fast unit's batch of 7 streams at 0.038 s, the slow one's at 0.024 s:
+    # the slow unit, though it starts later.
+    for u in SPEEDS:
+        router.apply_report(u, LoadReport(u, UnitState.SERVING, 6, 30, seq=5))
+    assert router.pick((), Want(chars=1000)).id == "slow"  # type: ignore[union-attr]
+    router.apply_report("slow", LoadReport("slow", UnitState.SERVING, 25, 30, seq=6))
+    assert router.pick((), Want(chars=1000)).id != "slow"  # type: ignore[union-attr]
+    with pytest.raises(Overloaded) as shed:  # none streams within 0.03 s
+        router.pick((), Want(chars=1000, priority="batch"))
+    assert shed.value.code == "shed" and "per token" in shed.value.message
+    # The saturation counts what each holds within both objectives: fast (0.03 - 0.01) /
+    # 0.004 = 5, slow (0.03 - 0.02) / 0.0005 = 20, under TTFT's no objective: capacity.
+    assert router.policy.limit(router.units["fast1"]) == pytest.approx(5, rel=0.02)
+    assert router.policy.limit(router.units["slow"]) == pytest.approx(20, rel=0.02)
+
+
 def test_the_prediction_error_is_a_metric() -> None:
     router, clock, metrics = fleet()
     rng, held = random.Random(3), []
@@ -259,7 +311,7 @@ async def test_real_attempts_feed_the_model_and_the_fast_unit_is_chosen(
     url = f"{gw.http_url}/v1/completions"
     units = []
     for i in range(2 * WARM + 10):
-        body = {"prompt": f"{i} " + "word " * 300, "max_tokens": 2, "stream": True}
+        body = {"prompt": f"{i} " + "word " * 300, "max_tokens": 6, "stream": True}
         async with http.post(url, json=body) as resp:
             assert resp.status == 200
             await resp.read()
@@ -268,5 +320,7 @@ async def test_real_attempts_feed_the_model_and_the_fast_unit_is_chosen(
     fits = policy.latencies.units
     assert fits["fast"].n + fits["slow"].n == len(units)  # one observation per attempt
     assert fits["fast"].warm and fits["slow"].warm
+    tpot = policy.latencies.tpot  # each stream's time per token too
+    assert tpot["fast"].n + tpot["slow"].n == len(units)
     assert units[2 * WARM :] == ["fast"] * 10
     assert policy.latencies.predict("slow", 0, 1500) > policy.latencies.predict("fast", 0, 1500)

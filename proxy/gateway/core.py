@@ -50,6 +50,18 @@ NOT_TAKING_WORK = frozenset({"starting", "not_serving", "draining"})
 UNIT_FAILED = frozenset({"unit_failed", "engine_dead"})
 
 
+MIN_TOKENS = 4  # events of a stream before its time per token is taken
+
+
+def per_token(first_s: float, last_s: float, tokens: int) -> float:
+    """Seconds per token after the first, of a stream whose first of ``tokens`` events
+    came ``first_s`` and its last ``last_s`` after it was sent; -1 with fewer than
+    MIN_TOKENS (or none)."""
+    if first_s < 0.0 or tokens < MIN_TOKENS or last_s <= first_s:
+        return -1.0
+    return (last_s - first_s) / (tokens - 1)
+
+
 class UnitTimeout(DeadlineExceeded):
     """The unit took longer than the gateway allows to start answering."""
 
@@ -187,6 +199,10 @@ class Job(Protocol):
         answer (the first stream event or message, or the whole answer); -1 if none
         came."""
 
+    def per_token_s(self) -> float:
+        """Seconds per output token of the current attempt's stream after its first
+        (counted only with a policy that ``learns``); -1 if too few came to tell."""
+
     def interrupt(self) -> None:
         """The gateway stops now: end the response with an error as soon as possible."""
 
@@ -205,6 +221,8 @@ class GatewayCore:
         settings: GatewaySettings,
     ):
         self._router = router
+        # Whether the policy learns from answers: the wires then count stream events.
+        self.learns = router.learns
         self._metrics = metrics
         self._settings = settings
         self._active: set[Job] = set()
@@ -326,7 +344,7 @@ class GatewayCore:
             if learns and health is Outcome.OK:
                 ttft_s = job.first_token_s()
                 if ttft_s > 0.0:
-                    router.answered(unit, want, ahead, ttft_s)
+                    router.answered(unit, want, ahead, ttft_s, job.per_token_s())
             if result.next is Next.DONE:
                 if result.error is not None:
                     await job.give_up(result)  # the attempt ended the request with an error

@@ -40,6 +40,7 @@ from proxy.gateway.core import (
     UnitTimeout,
     deadline_passed,
     error_code,
+    per_token,
     send_deadline,
     shutting_down,
     unit_error,
@@ -223,6 +224,9 @@ class HttpJob:
         self._stopping = False
         self._asked_at = 0.0  # when the current attempt was sent (loop time)
         self._first_s = -1.0  # from then to its first token (s; -1: none yet)
+        # Policy latency: the attempt's stream events are counted (time per token).
+        self._learns = fw.core.learns
+        self._events = 0
         self._answered = False  # its unit's response head came
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the attempt's deadline, while it runs
@@ -239,6 +243,9 @@ class HttpJob:
 
     def first_token_s(self) -> float:
         return self._first_s
+
+    def per_token_s(self) -> float:
+        return per_token(self._first_s, self._last_byte - self._asked_at, self._events)
 
     def abandon(self, why: str) -> bool:
         if self._lost is not None or self._stopping:
@@ -334,6 +341,7 @@ class HttpJob:
         """A new attempt starts now (returned, in loop time)."""
         self._asked_at = now = self._loop.time()
         self._first_s = -1.0
+        self._events = 0
         self._answered = False
         self._lost = None
         return now
@@ -497,6 +505,8 @@ class HttpJob:
         self._last_byte = self._loop.time()
         if self._first_s < 0.0:
             self._first_s = self._last_byte - self._asked_at
+        if self._learns:
+            self._events += events.count(b"data:")
 
     async def _broken(self, unit: Unit, exc: Broken) -> Tried:
         transcript = self._transcript

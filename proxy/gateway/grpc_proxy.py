@@ -42,6 +42,7 @@ from proxy.gateway.core import (
     UnitTimeout,
     deadline_passed,
     error_code,
+    per_token,
     send_deadline,
     shutting_down,
     unit_error,
@@ -212,6 +213,10 @@ class GrpcJob:
         self._received = False  # a message of this attempt's unit came
         self._asked_at = 0.0  # when this attempt was sent (loop time)
         self._first_s = -1.0  # from then to its first message (s; -1: none yet)
+        # Policy latency: the attempt's messages are counted (time per token).
+        self._learns = proxy.core.learns
+        self._messages = 0
+        self._last_message = 0.0  # when the last came (loop time)
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the HTTP attempt's deadline, while it runs
         self._watch: Timer | None = None
@@ -229,6 +234,10 @@ class GrpcJob:
 
     def first_token_s(self) -> float:
         return self._first_s
+
+    def per_token_s(self) -> float:
+        last = self._last_message - self._asked_at
+        return per_token(self._first_s, last, self._messages)
 
     def abandon(self, why: str) -> bool:
         if self._lost is not None or self._stopping:
@@ -307,6 +316,7 @@ class GrpcJob:
         received = self._received = False
         self._asked_at = self._loop.time()
         self._first_s = -1.0
+        self._messages = 0
         self._idle = False
         self._watch_idle(self._proxy.settings.response_timeout_s)
         try:
@@ -344,6 +354,7 @@ class GrpcJob:
             headers[RESUME_HEADER] = hint
         now = self._asked_at = self._loop.time()
         self._first_s = -1.0
+        self._messages = 0
         try:
             left = send_deadline(headers, self._deadline)
         except DeadlineExceeded as late:
@@ -449,6 +460,9 @@ class GrpcJob:
     def _delivered(self, message: bytes) -> None:
         if self._first_s < 0.0:
             self._first_s = self._loop.time() - self._asked_at
+        if self._learns:
+            self._messages += 1
+            self._last_message = self._loop.time()
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)
@@ -464,6 +478,9 @@ class GrpcJob:
     async def _deliver(self, message: bytes) -> None:
         if self._first_s < 0.0:
             self._first_s = self._loop.time() - self._asked_at
+        if self._learns:
+            self._messages += 1
+            self._last_message = self._loop.time()
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)

@@ -11,7 +11,11 @@ part of the prompt the unit must prefill, in thousands of characters (the part i
 cache is not known to hold). ``a`` is the unit's fixed cost (network, scheduling, a
 short prefill), ``b`` what each request ahead adds, ``c`` its prefill speed.
 
-``Regression`` fits (a, b, c) by recursive least squares with forgetting: each
+Its time per output token (TPOT) after the first, linear in the batch it decodes in:
+
+    tpot = d + e * (ahead + 1)
+
+``Regression`` fits (a, b, c), and (d, e), by recursive least squares with forgetting: each
 observation costs a few dozen multiplications, there is nothing to store but a 3x3
 matrix, and old observations fade with time (``half_life_s`` on the injected clock),
 so a unit that slows down (or is replaced) is learnt again in a few half-lives. A unit
@@ -90,12 +94,13 @@ class Latencies:
     and the prompt length the fleet sees (for the load a unit can hold within an
     objective)."""
 
-    __slots__ = ("_clock", "half_life_s", "mean_kchars", "on_error", "units")
+    __slots__ = ("_clock", "half_life_s", "mean_kchars", "on_error", "tpot", "units")
 
     def __init__(self, clock: Callable[[], float], half_life_s: float):
         self._clock = clock
         self.half_life_s = half_life_s
-        self.units: dict[str, Regression] = {}
+        self.units: dict[str, Regression] = {}  # TTFT
+        self.tpot: dict[str, Regression] = {}
         self.mean_kchars = 0.0  # a moving mean of the prompts' uncached part
         # Called with |predicted - actual| / actual for each observation of a warm unit.
         self.on_error: Callable[[float], None] | None = None
@@ -128,17 +133,44 @@ class Latencies:
         fit.update(ahead, kchars, ttft_s, self._clock())
         self.mean_kchars += 0.05 * (kchars - self.mean_kchars)
 
-    def holds(self, unit_id: str, slo_s: float, capacity: int) -> float:
+    def observe_tpot(self, unit_id: str, ahead: float, per_token_s: float) -> None:
+        """The attempt's stream came ``per_token_s`` per token after its first, in a
+        batch of ``ahead`` + 1."""
+        fit = self.tpot.get(unit_id)
+        if fit is None:
+            fit = self.tpot[unit_id] = Regression(self.half_life_s)
+        fit.update(ahead + 1.0, 0.0, per_token_s, self._clock())
+
+    def predict_tpot(self, unit_id: str, ahead: float) -> float:
+        """The unit's predicted time per output token for a request sent with ``ahead``
+        there (-1 when not warm)."""
+        fit = self.tpot.get(unit_id)
+        if fit is None or not fit.warm:
+            return -1.0
+        return max(0.0, fit.predict(ahead + 1.0, 0.0))
+
+    def holds(self, unit_id: str, slo_ttft_s: float, slo_tpot_s: float, capacity: int) -> float:
         """How many requests the unit can hold with a request of the fleet's mean prompt
-        still predicted to start within ``slo_s``: at most ``capacity``; ``capacity``
-        itself when the unit is not warm (nothing learnt says otherwise)."""
+        still predicted to start within ``slo_ttft_s`` and to stream within
+        ``slo_tpot_s`` (0: no such objective): at most ``capacity``, and ``capacity``
+        by an objective whose fit is not warm (nothing learnt says otherwise)."""
+        most = float(capacity)
         fit = self.units.get(unit_id)
-        if fit is None or not fit.warm or slo_s <= 0.0:
-            return float(capacity)
-        a, b, c = fit.theta
-        spare = slo_s - a - c * self.mean_kchars
-        if spare < 0.0:
-            return 0.0
-        if b <= 0.0:
-            return float(capacity)
-        return min(float(capacity), spare / b + 1.0)  # those ahead, and the one arriving
+        if fit is not None and fit.warm and slo_ttft_s > 0.0:
+            a, b, c = fit.theta
+            # ahead + 1: those ahead, and the one arriving
+            most = min(most, _most(slo_ttft_s - a - c * self.mean_kchars, b, 1.0))
+        fit = self.tpot.get(unit_id)
+        if fit is not None and fit.warm and slo_tpot_s > 0.0:
+            d, e, _ = fit.theta
+            most = min(most, _most(slo_tpot_s - d, e, 0.0))  # batch = what it holds
+        return most
+
+
+def _most(spare: float, per_request: float, plus: float) -> float:
+    """The requests that fit in ``spare`` s at ``per_request`` s each, plus ``plus``."""
+    if spare < 0.0:
+        return 0.0
+    if per_request <= 0.0:
+        return float("inf")
+    return spare / per_request + plus

@@ -345,10 +345,13 @@ class Router:
         """The requests ``unit`` holds besides one just started there (``pick``)."""
         return max(0, self.view.estimate(unit) - 1)
 
-    def answered(self, unit: Unit, want: Want, ahead: int, ttft_s: float) -> None:
+    def answered(
+        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float = -1.0
+    ) -> None:
         """An attempt on ``unit`` (sent with ``ahead`` requests there) got its first
-        token after ``ttft_s``: for a policy that ``learns``."""
-        self.policy.answered(unit, want, ahead, ttft_s)
+        token after ``ttft_s`` and the next ones ``per_token_s`` apart (-1: not
+        known): for a policy that ``learns``."""
+        self.policy.answered(unit, want, ahead, ttft_s, per_token_s)
 
     def saturation(self) -> float:
         """The fleet's load against what it can hold within the latency objective:

@@ -130,9 +130,12 @@ class Policy:
         """The unit's estimated load changed: a request started or finished there, or a
         report applied."""
 
-    def answered(self, unit: Unit, want: Want, ahead: int, ttft_s: float) -> None:
+    def answered(
+        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float
+    ) -> None:
         """(With ``learns``.) An attempt on ``unit`` got its first token ``ttft_s``
-        after it was sent, when the unit held ``ahead`` other requests."""
+        after it was sent, when the unit held ``ahead`` other requests, and the next
+        ones ``per_token_s`` apart (-1: not known)."""
 
     def limit(self, unit: Unit) -> float:
         """The requests ``unit`` can hold within the latency objective (the fleet's

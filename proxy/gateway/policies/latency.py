@@ -19,7 +19,9 @@ before predictions choose; nothing is shed meanwhile.
 Objectives (``gateway.slo_ttft_s``, per class): a ``batch`` request whose best
 prediction misses its class's objective is refused (``Overloaded``, 429 code ``shed``)
 rather than sent to slow everyone down; ``standard`` and ``interactive`` requests are
-never shed for a prediction, they take the fastest unit. The units' load against the
+never shed for a prediction, they take the fastest unit. With ``gateway.slo_tpot_s``
+the units predicted to stream within it (time per output token, learnt against the
+batch a request joins) come first, and a batch request is shed when none is. The units' load against the
 load they can hold within the objective is ``limit`` (``unitproxy_fleet_saturation``).
 """
 
@@ -83,14 +85,26 @@ class LeastPredictedTtft(Policy):
         cold = [u for u in listed if not latencies.warm(u.id)]
         if cold:  # learn every unit first: the least loaded of those not learnt yet
             return least_outstanding(cold, shared.rng, 0, shared.view)
+        slo_tpot = shared.settings.slo_tpot_s
         best: Unit | None = None
         best_s = math.inf
         best_load = 0.0
+        best_streams = False
         for unit in listed:
-            seconds = latencies.predict(unit.id, float(estimate(unit)), self.uncached(unit, want))
+            ahead = float(estimate(unit))
+            seconds = latencies.predict(unit.id, ahead, self.uncached(unit, want))
+            # Within the TPOT objective with this request in its batch (or not learnt).
+            streams = slo_tpot <= 0 or latencies.predict_tpot(unit.id, ahead) <= slo_tpot
             load = shared.view.load(unit)
-            if seconds < best_s or (seconds == best_s and load < best_load):
-                best, best_s, best_load = unit, seconds, load
+            if (
+                best is None
+                or (streams and not best_streams)
+                or (
+                    streams == best_streams
+                    and (seconds < best_s or (seconds == best_s and load < best_load))
+                )
+            ):
+                best, best_s, best_load, best_streams = unit, seconds, load, streams
         if want.priority == SHED:
             slo = objective(shared.settings, SHED)
             if 0 < slo < best_s:
@@ -99,16 +113,27 @@ class LeastPredictedTtft(Policy):
                     f"{slo:g} s objective (the fastest: {best_s:.3g} s)",
                     code="shed",
                 )
+            if not best_streams:
+                raise Overloaded(
+                    f"no unit is predicted to stream a batch request within the "
+                    f"{slo_tpot:g} s per token objective",
+                    code="shed",
+                )
         self.predicted = best_s
         return best
 
-    def answered(self, unit: Unit, want: Want, ahead: int, ttft_s: float) -> None:
+    def answered(
+        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float
+    ) -> None:
         self.latencies.observe(unit.id, float(ahead), self.uncached(unit, want), ttft_s)
+        if per_token_s > 0.0:
+            self.latencies.observe_tpot(unit.id, float(ahead), per_token_s)
         if want.blocks:
             self.index.record(unit.id, want.blocks, self.shared.clock())
 
     def limit(self, unit: Unit) -> float:
-        return self.latencies.holds(unit.id, self.shared.settings.slo_ttft_s, unit.capacity)
+        s = self.shared.settings
+        return self.latencies.holds(unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity)
 
     def count_to(self, metrics: GatewayMetrics) -> None:
         self.latencies.on_error = metrics.prediction_error.observe
