@@ -324,3 +324,37 @@ async def test_real_attempts_feed_the_model_and_the_fast_unit_is_chosen(
     assert tpot["fast"].n + tpot["slow"].n == len(units)
     assert units[2 * WARM :] == ["fast"] * 10
     assert policy.latencies.predict("slow", 0, 1500) > policy.latencies.predict("fast", 0, 1500)
+
+
+async def test_a_batch_tenants_request_is_shed_429_when_no_unit_meets_its_objective(
+    start_sidecar: Any, start_gateway: Any, http: aiohttp.ClientSession, tmp_path: Any
+) -> None:
+    """The priority class comes from the tenant (or the request lowering its own): once
+    the units are learnt, a batch request that no unit is predicted to start within its
+    objective (1 microsecond here: none can) is 429 shed; a standard one is served."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        '[[tenant]]\nname = "online"\nkeys = ["sk-online"]\n\n'
+        '[[tenant]]\nname = "nightly"\nkeys = ["sk-nightly"]\npriority = "batch"\n'
+    )
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway(
+        [a, b], policy="latency", slo_ttft_batch_s=1e-6, tenants_file=str(tenants)
+    )
+    url = f"{gw.http_url}/v1/completions"
+
+    async def post(key: str, **headers: str) -> tuple[int, Any]:
+        body = {"prompt": "hello there", "max_tokens": 4, "stream": True}
+        auth = {"Authorization": f"Bearer {key}", **headers}
+        async with http.post(url, json=body, headers=auth) as resp:
+            return resp.status, await resp.read()
+
+    for _ in range(2 * WARM):  # both units learnt
+        status, _ = await post("sk-online")
+        assert status == 200
+    status, body = await post("sk-nightly")
+    assert status == 429 and b'"shed"' in body
+    status, body = await post("sk-online", **{"x-unitproxy-priority": "batch"})
+    assert status == 429 and b'"shed"' in body
+    assert (await post("sk-online"))[0] == 200
