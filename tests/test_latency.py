@@ -358,3 +358,22 @@ async def test_a_batch_tenants_request_is_shed_429_when_no_unit_meets_its_object
     status, body = await post("sk-online", **{"x-unitproxy-priority": "batch"})
     assert status == 429 and b'"shed"' in body
     assert (await post("sk-online"))[0] == 200
+
+
+def test_the_model_learns_the_wait_for_a_slot_past_the_engines_slots() -> None:
+    """An engine of 4 slots: below them a request ahead costs 10 ms a step, past them
+    each waits 200 ms for a slot; the fit predicts both sides."""
+    clock, rng = Clock(), random.Random(8)
+    fit = Latencies(clock, half_life_s=60)
+
+    def ttft(ahead: int) -> float:
+        return 0.05 + 0.01 * ahead + 0.2 * max(0, ahead + 1 - 4)
+
+    for _ in range(300):
+        clock.now += 0.05
+        ahead = rng.randrange(12)
+        fit.observe("u", ahead, 0, ttft(ahead), slots=4)
+    for ahead in (0, 2, 3, 6, 11):
+        assert fit.predict("u", ahead, 0, slots=4) == pytest.approx(ttft(ahead), rel=0.02)
+    # Within 0.5 s: 3 ahead (0.08 s) fits, 5 ahead (0.1 + 0.4 s) just does, 6 not.
+    assert fit.holds("u", 0.5, 0.0, 64, slots=4) == pytest.approx(6, rel=0.02)

@@ -14,7 +14,11 @@ slots, so queues form inside the engines and TTFT grows instead of 429s), then:
    at one load), every request waited for (up to ``--drain`` s), the gateway stopped,
    and every unit's /load waited on until it shows 0 outstanding.
 
-Policies: lor, p2c, round_robin, random, and lor-delayed (lor with every load report
+With ``--burst-period S`` each load alternates every S s between 40/110 of it and
+it (``--loads 110 --burst-period 20``: 40 % and 110 % of capacity, every 20 s).
+
+Policies: lor, p2c, round_robin, random, latency (the least predicted TTFT, its gateway
+given ``--slo-ttft``; each run reports its median prediction error), and lor-delayed (lor with every load report
 applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
 on stale load) and lor-delayed-corrected (the same delay, correction on); lor-unbudgeted
 (every unit reports at its own rate: no report budget, no report_min_interval_s) and

@@ -37,6 +37,7 @@ from proxy.gateway.policies.lor import least_outstanding
 from proxy.gateway.prefix import PrefixIndex
 from proxy.gateway.request import Want
 from proxy.gateway.units import Unit
+from proxy.load import LoadReport
 from proxy.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class LeastPredictedTtft(Policy):
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.chunk = s.prefix_chunk_chars
         self.predicted = -1.0  # the last choice's prediction (s; -1: none)
+        # The most requests each unit's reports showed running: its engine's slots.
+        self.slots: dict[str, int] = {}
 
     def prompt_blocks(self, text: str) -> list[int]:
         return self.index.hashes(text)
@@ -92,7 +95,9 @@ class LeastPredictedTtft(Policy):
         best_streams = False
         for unit in listed:
             ahead = float(estimate(unit))
-            seconds = latencies.predict(unit.id, ahead, self.uncached(unit, want))
+            seconds = latencies.predict(
+                unit.id, ahead, self.uncached(unit, want), self.slots.get(unit.id, 0)
+            )
             # Within the TPOT objective with this request in its batch (or not learnt).
             streams = slo_tpot <= 0 or latencies.predict_tpot(unit.id, ahead) <= slo_tpot
             load = shared.view.load(unit)
@@ -125,7 +130,8 @@ class LeastPredictedTtft(Policy):
     def answered(
         self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float
     ) -> None:
-        self.latencies.observe(unit.id, float(ahead), self.uncached(unit, want), ttft_s)
+        slots = self.slots.get(unit.id, 0)
+        self.latencies.observe(unit.id, float(ahead), self.uncached(unit, want), ttft_s, slots)
         if per_token_s > 0.0:
             self.latencies.observe_tpot(unit.id, float(ahead), per_token_s)
         if want.blocks:
@@ -133,7 +139,12 @@ class LeastPredictedTtft(Policy):
 
     def limit(self, unit: Unit) -> float:
         s = self.shared.settings
-        return self.latencies.holds(unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity)
+        slots = self.slots.get(unit.id, 0)
+        return self.latencies.holds(unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity, slots)
+
+    def reported(self, unit: Unit, report: LoadReport) -> None:
+        if report.running > self.slots.get(unit.id, 0):
+            self.slots[unit.id] = report.running
 
     def count_to(self, metrics: GatewayMetrics) -> None:
         self.latencies.on_error = metrics.prediction_error.observe
