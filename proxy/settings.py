@@ -346,12 +346,12 @@ class GatewaySettings(_Section):
     prefix_balance: float = Field(
         0.1,
         ge=0,
-        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Policy latency bounds the units it predicts for the same way. Default 0.1.",
     )
     prefix_slack: int = Field(
         1,
         ge=0,
-        description="Policy prefix: requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
+        description="Policy prefix (and latency): requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
     )
     slo_ttft_s: float = Field(
         0.0,

@@ -12,6 +12,11 @@ long prompt is predicted to prefill the other half. So a cached prefix counts fo
 it saves (c x the characters it spares), against what the unit's queue costs (b x its
 requests ahead), in seconds on both sides: there is no separate bound on load.
 
+Bounded load (``gateway.prefix_balance``, ``gateway.prefix_slack``, as policy
+``prefix``): a unit whose load would pass (1 + balance) x the fleet's mean plus slack
+requests is not a candidate, however fast it is predicted; the fit learns a mistake
+only a TTFT after the choice, and a burst must not herd onto one unit meanwhile.
+
 A unit not learnt yet (fewer than ``latency.WARM`` answers: a new unit, or every unit
 at start) is chosen first, the least loaded of them (as lor), so that each is learnt
 before predictions choose; nothing is shed meanwhile.
@@ -88,13 +93,27 @@ class LeastPredictedTtft(Policy):
         cold = [u for u in listed if not latencies.warm(u.id)]
         if cold:  # learn every unit first: the least loaded of those not learnt yet
             return least_outstanding(cold, shared.rng, 0, shared.view)
-        slo_tpot = shared.settings.slo_tpot_s
+        s = shared.settings
+        slo_tpot = s.slo_tpot_s
+        # Bounded load, as policy prefix's: a unit whose load, this request counted, is
+        # past (1 + prefix_balance) x the fleet's mean plus prefix_slack requests is not
+        # taken, whatever its prediction (an answer comes a TTFT after the choice: a
+        # fit that is wrong must not herd a burst onto one unit before it learns).
+        outstanding, capacity = 1, 0
+        for unit in listed:
+            outstanding += estimate(unit)
+            capacity += unit.capacity
+        ceiling = (1.0 + s.prefix_balance) * outstanding / max(capacity, 1)
+        slack = s.prefix_slack
         best: Unit | None = None
         best_s = math.inf
         best_load = 0.0
         best_streams = False
         for unit in listed:
-            ahead = float(estimate(unit))
+            held = estimate(unit)
+            if held + 1 > ceiling * unit.capacity + slack:
+                continue
+            ahead = float(held)
             seconds = latencies.predict(
                 unit.id, ahead, self.uncached(unit, want), self.slots.get(unit.id, 0)
             )
@@ -110,6 +129,8 @@ class LeastPredictedTtft(Policy):
                 )
             ):
                 best, best_s, best_load, best_streams = unit, seconds, load, streams
+        if best is None:  # every unit past the bound: the least loaded
+            return least_outstanding(listed, shared.rng, 0, shared.view)
         if want.priority == SHED:
             slo = objective(shared.settings, SHED)
             if 0 < slo < best_s:
