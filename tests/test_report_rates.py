@@ -170,9 +170,7 @@ def test_what_the_gateway_shows_ages_reports_by_the_bound_it_routes_by() -> None
     def shown() -> tuple[str, str, str]:
         state = gw._unit_json(unit, now[0])["state"]
         ready = "SERVING" if gw._ready_body()["units"].get("SERVING") else "-"
-        scraped = {
-            uid: state for uid, state, _, _ in gw.router.unit_views()
-        }  # the unit_state series
+        scraped = {uid: state for uid, state, _, _ in gw.router.unit_views()}  # the unit_state series
         return state, ready, scraped["u0"]
 
     now[0] += 8.0  # past the configured bound, within the stretched one
@@ -195,9 +193,7 @@ def test_while_the_load_source_is_down_units_show_as_they_are_routed() -> None:
 
     def shown() -> tuple[str, float, int, str]:
         shown = gw._unit_json(u0, now[0])
-        scraped = {
-            uid: state for uid, state, _, _ in gw.router.unit_views()
-        }  # the unit_state series
+        scraped = {uid: state for uid, state, _, _ in gw.router.unit_views()}  # the unit_state series
         serving = gw._ready_body()["units"].get("SERVING", 0)
         return shown["state"], shown["report_age_s"], serving, scraped["u0"]
 

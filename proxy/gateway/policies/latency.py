@@ -69,7 +69,6 @@ class LeastPredictedTtft(Policy):
         self.latencies = Latencies(shared.clock, s.latency_half_life_s)
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.chunk = s.prefix_chunk_chars
-        self.predicted = -1.0  # the last choice's prediction (s; -1: none)
         # The most requests each unit's reports showed running: its engine's slots.
         self.slots: dict[str, int] = {}
 
@@ -86,7 +85,6 @@ class LeastPredictedTtft(Policy):
     def choose(self, want: Want, candidates: Candidates) -> Unit | None:
         shared = self.shared
         listed = candidates.listed()
-        self.predicted = -1.0
         if not listed:
             return None
         latencies, estimate = self.latencies, shared.view.estimate
@@ -145,7 +143,6 @@ class LeastPredictedTtft(Policy):
                     f"{slo_tpot:g} s per token objective",
                     code="shed",
                 )
-        self.predicted = best_s
         return best
 
     def answered(
