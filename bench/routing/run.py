@@ -406,7 +406,11 @@ async def prediction_error(session: aiohttp.ClientSession, urls: list[str]) -> f
                 text = await resp.text() if resp.status == 200 else ""
         except aiohttp.ClientError:
             continue
-        for family in text_string_to_metric_families(text):
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:  # a peer router's page that is not Prometheus' text format
+            continue
+        for family in families:
             if family.name != "unitproxy_latency_prediction_error_ratio":
                 continue
             for sample in family.samples:
