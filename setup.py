@@ -32,8 +32,10 @@ COMPILED = [
     "proxy/gateway/forward.py",
     "proxy/gateway/grpc_proxy.py",
     "proxy/gateway/index.py",
+    "proxy/gateway/latency.py",
     "proxy/gateway/loadsource.py",
     "proxy/gateway/policies/base.py",  # not __init__.py: the registry, read by the settings
+    "proxy/gateway/policies/latency.py",
     "proxy/gateway/policies/lor.py",
     "proxy/gateway/policies/p2c.py",
     "proxy/gateway/policies/prefix.py",

@@ -28,6 +28,8 @@ LATENCY_BUCKETS = (
 TOKEN_GAP_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
+# A prediction's relative error: 1 % to 10x.
+PREDICTION_ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
 PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 UNIT_STATES = ("STARTING", "SERVING", "NOT_SERVING", "DRAINING")
@@ -520,6 +522,19 @@ class GatewayMetrics:
         )
         self._prefix_corrections = _PrefixCorrections()
         registry.register(self._prefix_corrections)
+        self.fleet_saturation = Gauge(
+            "fleet_saturation",
+            "The fleet's load against what it can hold within the latency objective: (estimated outstanding on the SERVING units + requests waiting) / the requests those units can hold (each its capacity, or fewer where policy latency learnt that more would miss gateway.slo_ttft_s). 0 idle, 1 full, above 1 past it.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.prediction_error = Histogram(
+            "latency_prediction_error_ratio",
+            "Policy latency: |predicted - actual| / actual time to first token of each answered attempt on a unit it had learnt.",
+            buckets=PREDICTION_ERROR_BUCKETS,
+            namespace=PREFIX,
+            registry=registry,
+        )
 
     def count_prefix_corrections(self, read: Callable[[], dict[str, int]]) -> None:
         """Export unitproxy_prefix_index_corrections_total from ``read``, the count of
@@ -533,6 +548,10 @@ class GatewayMetrics:
         """Where the per-unit series and the queue's length are read from at scrape time."""
         self._units.views = views
         self.queue_waiting.set_function(waiting)
+
+    def watch_saturation(self, saturation: Callable[[], float]) -> None:
+        """Where unitproxy_fleet_saturation is read from at scrape time."""
+        self.fleet_saturation.set_function(saturation)
 
     def add_unit(self, unit: str) -> None:
         self.routed.labels(unit)

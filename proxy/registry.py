@@ -29,6 +29,11 @@ POLICIES: dict[str, Registered] = {
         "the unit most likely to hold the prompt's prefix in its KV cache, "
         "within a bound on its load, else lor",
     ),
+    "latency": Registered(
+        "proxy.gateway.policies.latency",
+        "the least predicted time to first token, learnt per unit from the TTFTs it "
+        "gave against its load and the prompt's uncached length",
+    ),
     "p2c": Registered("proxy.gateway.policies.p2c", "power of two choices"),
     "round_robin": Registered("proxy.gateway.policies.round_robin", ""),
     "random": Registered("proxy.gateway.policies.random", ""),

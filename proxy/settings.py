@@ -360,12 +360,37 @@ class GatewaySettings(_Section):
     prefix_balance: float = Field(
         0.1,
         ge=0,
-        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Policy latency bounds the units it predicts for the same way. Default 0.1.",
     )
     prefix_slack: int = Field(
         1,
         ge=0,
-        description="Policy prefix: requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
+        description="Policy prefix (and latency): requests a unit holding the prefix may have above (1 + prefix_balance) x the mean (so a nearly idle fleet keeps affinity). Default 1.",
+    )
+    slo_ttft_s: float = Field(
+        0.0,
+        ge=0,
+        description="The time-to-first-token objective, in s (0: none). Policy latency sheds batch requests that no unit is predicted to start within it (429 shed), and unitproxy_fleet_saturation counts each unit's load against the requests it can hold within it. Default 0.",
+    )
+    slo_tpot_s: float = Field(
+        0.0,
+        ge=0,
+        description="The time-per-output-token objective, in s (0: none). Policy latency prefers the units predicted to stream within it with this request in their batch, sheds batch requests when none is, and unitproxy_fleet_saturation counts each unit's load against the batch it can hold within it. Default 0.",
+    )
+    slo_ttft_interactive_s: float = Field(
+        0.0,
+        ge=0,
+        description="The TTFT objective of interactive requests, in s (0: slo_ttft_s). Default 0.",
+    )
+    slo_ttft_batch_s: float = Field(
+        0.0,
+        ge=0,
+        description="The TTFT objective of batch requests, in s (0: slo_ttft_s): a batch request no unit is predicted to start within it is refused 429 shed (policy latency). Default 0.",
+    )
+    latency_half_life_s: float = Field(
+        60.0,
+        gt=0,
+        description="Policy latency: the half-life of what it learnt of a unit's TTFT, in s (older answers weigh half as much per half-life). Default 60.",
     )
     prefix_engine_feedback: bool = Field(
         True,

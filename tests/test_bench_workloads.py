@@ -151,3 +151,25 @@ def test_the_deep_fleet_finishes_as_much_with_more_requests_outstanding() -> Non
         step_a = a.decode_step_ms + a.decode_ms_per_seq * a.slots
         step_b = b.decode_step_ms + b.decode_ms_per_seq * b.slots
         assert step_b == pytest.approx(fleet.DEEP * step_a)
+
+
+def test_bursty_arrivals_alternate_between_40_and_110_percent_of_capacity() -> None:
+    # Capacity 20 r/s: --loads 110 --burst-period 10 over 40 s: 8 r/s, 22 r/s, 8, 22.
+    arrivals = workload.poisson_arrivals(
+        workload.WORKLOADS["plain"], 22.0, 40.0, 1, 10_000, burst_period_s=10.0
+    )
+    per_phase = Counter(int(a.at_s // 10) for a in arrivals)
+    assert [per_phase[i] for i in range(4)] == [80, 220, 80, 220]
+    assert [a.at_s for a in arrivals] == sorted(a.at_s for a in arrivals)
+    steady = workload.poisson_arrivals(workload.WORKLOADS["plain"], 22.0, 40.0, 1, 10_000)
+    assert len(steady) == 880
+
+
+def test_the_median_prediction_error_is_read_as_prometheus_reads_a_histogram() -> None:
+    from bench.routing.run import bucket_quantile
+
+    # 10 observations: 4 up to 0.05, 8 up to 0.1, all up to +Inf.
+    buckets = {0.05: 4.0, 0.1: 8.0, math.inf: 10.0}
+    assert bucket_quantile(0.5, buckets) == pytest.approx(0.05 + 0.05 * (5 - 4) / (8 - 4))
+    assert bucket_quantile(0.5, {}) is None
+    assert bucket_quantile(0.5, {0.1: 0.0, math.inf: 0.0}) is None

@@ -65,6 +65,8 @@ class RunMetrics:
     arrivals_over_mean_p99: float | None = None  # at the instants a request reached a unit
     load_changes: int = 0  # busy intervals (changes of outstanding) the figures are over
     load_busy_s: float = 0.0  # their total duration
+    # policy latency: median |predicted - actual| / actual TTFT (the gateway's histogram)
+    prediction_error_p50: float | None = None
 
     @property
     def error_count(self) -> int:

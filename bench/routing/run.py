@@ -14,7 +14,11 @@ slots, so queues form inside the engines and TTFT grows instead of 429s), then:
    at one load), every request waited for (up to ``--drain`` s), the gateway stopped,
    and every unit's /load waited on until it shows 0 outstanding.
 
-Policies: lor, p2c, round_robin, random, and lor-delayed (lor with every load report
+With ``--burst-period S`` each load alternates every S s between 40/110 of it and
+it (``--loads 110 --burst-period 20``: 40 % and 110 % of capacity, every 20 s).
+
+Policies: lor, p2c, round_robin, random, latency (the least predicted TTFT, its gateway
+given ``--slo-ttft``; each run reports its median prediction error), and lor-delayed (lor with every load report
 applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
 on stale load) and lor-delayed-corrected (the same delay, correction on); lor-unbudgeted
 (every unit reports at its own rate: no report budget, no report_min_interval_s) and
@@ -59,6 +63,7 @@ if __package__ in (None, ""):  # run as a file: make the bench.routing package i
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import (
     Interrupted,
@@ -77,7 +82,7 @@ DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
-                "lor-as-at-1000", "lor-2gw", "prefix-2gw")  # fmt: skip
+                "lor-as-at-1000", "lor-2gw", "prefix-2gw", "latency")  # fmt: skip
 REPLICAS = 2  # gateways of the -2gw policies, each with its own index
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 # policy prefix with its bound set: prefix-b0.3 (--prefix-balance 0.3), prefix-b0.3-s0
@@ -116,6 +121,8 @@ class BenchSettings:
     out: Path
     workload: str = "plain"
     load_reference: str = "lor"  # the loads are % of the saturation through this policy
+    burst_period_s: float = 0.0  # > 0: each load alternates with 40/110 of it (workload)
+    slo_ttft_s: float = 1.0  # policy latency's objective (--slo-ttft), as goodput@1s
 
     @property
     def png(self) -> Path:
@@ -157,6 +164,7 @@ class BenchSettings:
                 "0",
             ],
             "lor-as-at-1000": ["--policy", "lor", "--report-budget", f"{self.units / 4:g}"],
+            "latency": ["--policy", "latency", "--slo-ttft", f"{self.slo_ttft_s:g}"],
         }.get(policy, ["--policy", policy])
 
 
@@ -341,7 +349,9 @@ async def policy_run(
     session: aiohttp.ClientSession,
 ) -> report.RunMetrics:
     limit = int(RUN_LIMIT_FACTOR * rate * s.duration_s) + 100
-    arrivals = workload.poisson_arrivals(s.mix, rate, s.duration_s, s.seed * 1000 + load_pct, limit)
+    arrivals = workload.poisson_arrivals(
+        s.mix, rate, s.duration_s, s.seed * 1000 + load_pct, limit, s.burst_period_s
+    )
     name = policy.replace(":", "-") if policy in peers.PEER_POLICIES else f"gateway-{policy}"
     log = s.log_dir / f"{name}-{load_pct}.log"
     started = time.perf_counter()
@@ -357,9 +367,11 @@ async def policy_run(
             cache_warm.cancel()
         after = CpuSample.take(gateway, units)
         cache_after = await units.prefix_cache(session)
+        error = await prediction_error(session, router_urls(gateway))
     metrics = report.run_metrics(policy, load_pct, rate, run, s.warmup_s, s.duration_s)
     queries, hits = (a - b for a, b in zip(cache_after, cache_before, strict=True))
     metrics.prefix_hit_rate = hits / queries if queries else None
+    metrics.prediction_error_p50 = error
     if s.mix.shares_prefixes:  # after the run: nothing is being timed
         metrics.ideal_hit_rate = await asyncio.to_thread(
             workload.ideal_hit_rate, arrivals, from_s=s.warmup_s
@@ -381,6 +393,48 @@ async def policy_run(
     metrics.outstanding_after = await units.wait_idle(session)
     metrics.timing_s["idle_wait"] = round(time.perf_counter() - idle_from, 2)
     return metrics
+
+
+async def prediction_error(session: aiohttp.ClientSession, urls: list[str]) -> float | None:
+    """The median of policy latency's |predicted - actual| / actual TTFT over the run,
+    from the gateways' unitproxy_latency_prediction_error_ratio (interpolated within its
+    bucket); None where no gateway predicted (another policy, a peer router)."""
+    buckets: dict[float, float] = {}
+    for url in urls:
+        try:
+            async with session.get(f"{url}/metrics") as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except aiohttp.ClientError:
+            continue
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:  # a peer router's page that is not Prometheus' text format
+            continue
+        for family in families:
+            if family.name != "unitproxy_latency_prediction_error_ratio":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+    return bucket_quantile(0.5, buckets)
+
+
+def bucket_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative ``buckets`` (bound -> count)."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if not total:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
 
 
 async def _later(delay_s: float, what: Callable[[], Awaitable[T]]) -> T:
@@ -527,7 +581,8 @@ def progress(line: str) -> None:
 def _progress_line(m: report.RunMetrics) -> str:
     return (
         f"{m.policy} @ {m.load_pct} %: {m.sent} sent, good@1s {m.goodput['1s']:.1f} r/s, "
-        f"TTFT p99 {m.ttft_p99_ms} ms, {m.error_count} errors, {m.unfinished} unfinished; "
+        f"TTFT p50 {m.ttft_p50_ms} p99 {m.ttft_p99_ms} ms, {m.error_count} errors, "
+        f"{m.unfinished} unfinished, prediction error p50 {m.prediction_error_p50}; "
         f"timing {m.timing_s}"
     )
 
@@ -600,6 +655,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--seed", type=int, default=1, help="seed of the workload and the units. Default 1.")
     add(
+        "--burst-period",
+        type=float,
+        default=0.0,
+        help="bursty load: each load alternates every this many s between 40/110 of it "
+        "(first) and it, so --loads 110 gives 40 %% and 110 %% of capacity. Default 0: steady.",
+    )
+    add(
+        "--slo-ttft",
+        type=float,
+        default=1.0,
+        help="policy latency's TTFT objective (--slo-ttft of its gateway), in s. Default 1.",
+    )
+    add(
         "--load-reference",
         choices=("lor", "prefix"),
         default="lor",
@@ -663,6 +731,8 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
         out=args.out or default_out(args.workload, quick),
         workload=args.workload,
         load_reference=args.load_reference,
+        burst_period_s=max(0.0, args.burst_period),
+        slo_ttft_s=args.slo_ttft,
     )
 
 

@@ -118,19 +118,33 @@ class Arrival:
     body: bytes
 
 
+BURST_LOW = 40 / 110  # a bursty run's low phase, as a share of its high one
+
+
 def poisson_arrivals(
     workload: Workload | PrefixWorkload,
     rate_per_s: float,
     duration_s: float,
     seed: int,
     limit: int,
+    burst_period_s: float = 0.0,
 ) -> list[Arrival]:
     """Open-loop arrivals in ``[0, duration_s)``: a Poisson process conditioned on its
     count, ``rate * duration`` (at most ``limit``) uniform times, so every load offers
-    what it says while keeping Poisson's bursts."""
+    what it says while keeping Poisson's bursts. With ``burst_period_s``, the rate
+    alternates every that many seconds between ``BURST_LOW`` x ``rate`` (first) and
+    ``rate``: the same conditioning in each phase."""
     rng = random.Random(seed)
-    count = min(limit, round(rate_per_s * duration_s))
-    times = sorted(rng.uniform(0.0, duration_s) for _ in range(count))
+    times: list[float] = []
+    period = burst_period_s if burst_period_s > 0 else duration_s
+    start, phase = 0.0, 0
+    while start < duration_s:
+        end = min(duration_s, start + period)
+        rate = rate_per_s * (BURST_LOW if burst_period_s > 0 and phase % 2 == 0 else 1.0)
+        count = round(rate * (end - start))
+        times += (rng.uniform(start, end) for _ in range(count))
+        start, phase = end, phase + 1
+    times = sorted(times)[:limit]
     source = workload.source()
     arrivals = []
     for index, at in enumerate(times):

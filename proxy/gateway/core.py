@@ -51,6 +51,18 @@ NOT_TAKING_WORK = frozenset({"starting", "not_serving", "draining"})
 UNIT_FAILED = frozenset({"unit_failed", "engine_dead"})
 
 
+MIN_TOKENS = 4  # events of a stream before its time per token is taken
+
+
+def per_token(first_s: float, last_s: float, tokens: int) -> float:
+    """Seconds per token after the first, of a stream whose first of ``tokens`` events
+    came ``first_s`` and its last ``last_s`` after it was sent; -1 with fewer than
+    MIN_TOKENS (or none)."""
+    if first_s < 0.0 or tokens < MIN_TOKENS or last_s <= first_s:
+        return -1.0
+    return (last_s - first_s) / (tokens - 1)
+
+
 class UnitTimeout(DeadlineExceeded):
     """The unit took longer than the gateway allows to start answering."""
 
@@ -183,6 +195,15 @@ class Job(Protocol):
         """How long the unit of the current attempt has had the request without sending
         a byte of its answer (0 once it sent one)."""
 
+    def first_token_s(self) -> float:
+        """Seconds from the current attempt's start to the first token of the unit's
+        answer (the first stream event or message, or the whole answer); -1 if none
+        came."""
+
+    def per_token_s(self) -> float:
+        """Seconds per output token of the current attempt's stream after its first
+        (counted only with a policy that ``learns``); -1 if too few came to tell."""
+
     def interrupt(self) -> None:
         """The gateway stops now: end the response with an error as soon as possible."""
 
@@ -201,6 +222,8 @@ class GatewayCore:
         settings: GatewaySettings,
     ):
         self._router = router
+        # Whether the policy learns from answers: the wires then count stream events.
+        self.learns = router.learns
         self._metrics = metrics
         self._settings = settings
         self._active: set[Job] = set()
@@ -276,6 +299,8 @@ class GatewayCore:
         exclude: Collection[str] = tried if want.unit is None else Pinned(want.unit, tried)
         retries = migrations = 0
         last: Tried | None = None
+        router = self._router
+        learns = router.learns  # policy latency: each answer's TTFT goes to it
         while True:
             try:
                 unit = await self._router.acquire(exclude, want)
@@ -301,6 +326,7 @@ class GatewayCore:
             if last is not None:  # a retry or migration happens once a unit takes it
                 self._counted(last, unit)
             self._count(self._routed, self._metrics.routed, unit.id)
+            ahead = router.ahead(unit) if learns else 0
             health = Outcome.CANCELLED  # unless the attempt says otherwise: the client left
             on_unit = self._on_unit.get(unit.id)
             if on_unit is None:
@@ -316,6 +342,10 @@ class GatewayCore:
                 if health is Outcome.CANCELLED:
                     health = self._gave_up(unit, job)
                 self._router.release(unit, health)
+            if learns and health is Outcome.OK:
+                ttft_s = job.first_token_s()
+                if ttft_s > 0.0:
+                    router.answered(unit, want, ahead, ttft_s, job.per_token_s())
             if result.next is Next.DONE:
                 if result.error is not None:
                     await job.give_up(result)  # the attempt ended the request with an error

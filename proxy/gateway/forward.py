@@ -40,6 +40,7 @@ from proxy.gateway.core import (
     UnitTimeout,
     deadline_passed,
     error_code,
+    per_token,
     send_deadline,
     shutting_down,
     unit_error,
@@ -226,6 +227,10 @@ class HttpJob:
         self._idle = False
         self._stopping = False
         self._asked_at = 0.0  # when the current attempt was sent (loop time)
+        self._first_s = -1.0  # from then to its first token (s; -1: none yet)
+        # Policy latency: the attempt's stream events are counted (time per token).
+        self._learns = fw.core.learns
+        self._events = 0
         self._answered = False  # its unit's response head came
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the attempt's deadline, while it runs
@@ -239,6 +244,12 @@ class HttpJob:
 
     def unanswered_s(self) -> float:
         return 0.0 if self._answered else self._loop.time() - self._asked_at
+
+    def first_token_s(self) -> float:
+        return self._first_s
+
+    def per_token_s(self) -> float:
+        return per_token(self._first_s, self._last_byte - self._asked_at, self._events)
 
     def abandon(self, why: str) -> bool:
         if self._lost is not None or self._stopping:
@@ -333,6 +344,8 @@ class HttpJob:
     def _begin(self) -> float:
         """A new attempt starts now (returned, in loop time)."""
         self._asked_at = now = self._loop.time()
+        self._first_s = -1.0
+        self._events = 0
         self._answered = False
         self._lost = None
         return now
@@ -353,6 +366,7 @@ class HttpJob:
         if admission is not None:
             admission.usage.read_body(data)
             admission.usage.first_byte = time.monotonic()
+        self._first_s = self._loop.time() - self._asked_at
         self._down.respond(status, self._headers(conn, unit), data)
         return Tried(Next.DONE, health)
 
@@ -493,6 +507,10 @@ class HttpJob:
             self._failed_at = None
         transcript.add(events)
         self._last_byte = self._loop.time()
+        if self._first_s < 0.0:
+            self._first_s = self._last_byte - self._asked_at
+        if self._learns:
+            self._events += events.count(b"data:")
 
     async def _broken(self, unit: Unit, exc: Broken) -> Tried:
         transcript = self._transcript

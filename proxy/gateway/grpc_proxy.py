@@ -57,6 +57,7 @@ from proxy.gateway.core import (
     UnitTimeout,
     deadline_passed,
     error_code,
+    per_token,
     send_deadline,
     shutting_down,
     unit_error,
@@ -244,6 +245,11 @@ class GrpcJob:
         self._putting = False
         self._received = False  # a message of this attempt's unit came
         self._asked_at = 0.0  # when this attempt was sent (loop time)
+        self._first_s = -1.0  # from then to its first message (s; -1: none yet)
+        # Policy latency: the attempt's messages are counted (time per token).
+        self._learns = proxy.core.learns
+        self._messages = 0
+        self._last_message = 0.0  # when the last came (loop time)
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the HTTP attempt's deadline, while it runs
         self._watch: Timer | None = None
@@ -263,6 +269,13 @@ class GrpcJob:
 
     def unanswered_s(self) -> float:
         return 0.0 if self._received else self._loop.time() - self._asked_at
+
+    def first_token_s(self) -> float:
+        return self._first_s
+
+    def per_token_s(self) -> float:
+        last = self._last_message - self._asked_at
+        return per_token(self._first_s, last, self._messages)
 
     def abandon(self, why: str) -> bool:
         if self._lost is not None or self._stopping:
@@ -343,6 +356,8 @@ class GrpcJob:
         call = self._call = self._proxy.call_for(unit)(request, timeout=timeout, metadata=metadata)
         received = self._received = False
         self._asked_at = self._loop.time()
+        self._first_s = -1.0
+        self._messages = 0
         self._idle = False
         self._watch_idle(self._proxy.settings.response_timeout_s)
         try:
@@ -379,6 +394,8 @@ class GrpcJob:
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._asked_at = self._loop.time()
+        self._first_s = -1.0
+        self._messages = 0
         try:
             left = send_deadline(headers, self._deadline)
         except DeadlineExceeded as late:
@@ -482,6 +499,11 @@ class GrpcJob:
         return sink
 
     def _delivered(self, message: bytes) -> None:
+        if self._first_s < 0.0:
+            self._first_s = self._loop.time() - self._asked_at
+        if self._learns:
+            self._messages += 1
+            self._last_message = self._loop.time()
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)
@@ -495,6 +517,11 @@ class GrpcJob:
         self._transcript.add(message)
 
     async def _deliver(self, message: bytes) -> None:
+        if self._first_s < 0.0:
+            self._first_s = self._loop.time() - self._asked_at
+        if self._learns:
+            self._messages += 1
+            self._last_message = self._loop.time()
         if not self._sent:
             self._sent = True
             self._proxy.metrics.ttft.labels(ROUTE).observe(time.monotonic() - self._started)

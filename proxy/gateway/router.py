@@ -97,7 +97,10 @@ class Router:
         self._candidates = Candidates(shared)  # set afresh for each choice
         for target in targets:
             self.add(target)
+        # Whether the policy learns from each answer (policy latency): the core asks.
+        self.learns = self.policy.learns
         self.metrics.watch_units(self.unit_views, lambda: self.waiting)
+        self.metrics.watch_saturation(self.saturation)
         self.policy.count_to(self.metrics)
 
     def add(self, target: UnitTarget) -> Unit:
@@ -334,6 +337,37 @@ class Router:
                 self._held_back.discard(unit.id)
         self.policy.moved(unit)  # after the outcome: an answer ends probation (capacity 1)
         self.wake()  # no _changed: a release changes no state (gauges refresh on a timer)
+
+    def ahead(self, unit: Unit) -> int:
+        """The requests ``unit`` holds besides one just started there (``pick``)."""
+        return max(0, self.view.estimate(unit) - 1)
+
+    def answered(
+        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float = -1.0
+    ) -> None:
+        """An attempt on ``unit`` (sent with ``ahead`` requests there) got its first
+        token after ``ttft_s`` and the next ones ``per_token_s`` apart (-1: not
+        known): for a policy that ``learns``."""
+        self.policy.answered(unit, want, ahead, ttft_s, per_token_s)
+
+    def saturation(self) -> float:
+        """The fleet's load against what it can hold within the latency objective:
+        (estimated outstanding on the SERVING units + requests waiting in the gateway)
+        / the sum of the policy's ``limit`` over those units (each unit's capacity, or
+        fewer where policy latency learnt that more would miss gateway.slo_ttft_s).
+        0 idle, 1 full, above 1 past it; with no unit SERVING, 1 if a request waits,
+        else 0."""
+        now, stale_after_s = self._clock(), self.settings.stale_after_s
+        age_at = self._age_at(now)
+        load, limit = float(self.waiting), 0.0
+        estimate, policy_limit = self.view.estimate, self.policy.limit
+        for unit in self.units.values():
+            if unit.serving(now, stale_after_s, age_at):
+                load += estimate(unit)
+                limit += policy_limit(unit)
+        if limit <= 0.0:
+            return 1.0 if load > 0 else 0.0
+        return load / limit
 
     def _eject(self, unit: Unit) -> None:
         """Eject for eject_s times the ejections in a row, up to max_eject_s (Envoy's

@@ -107,6 +107,9 @@ class Policy:
         # Whether choose reads the request's prompt (Want.blocks, from prompt_blocks):
         # the front then reads every request's body.
         self.reads_prompt = False
+        # Whether it learns from answers (``answered``): the core then reports each
+        # answered attempt's time to first token. False costs the default path nothing.
+        self.learns = False
 
     def choose(self, want: Want, candidates: Candidates) -> Unit | None:
         """The unit for this request, or None when no candidate can take it. The router
@@ -126,6 +129,19 @@ class Policy:
     def moved(self, unit: Unit) -> None:
         """The unit's estimated load changed: a request started or finished there, or a
         report applied."""
+
+    def answered(
+        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float
+    ) -> None:
+        """(With ``learns``.) An attempt on ``unit`` got its first token ``ttft_s``
+        after it was sent, when the unit held ``ahead`` other requests, and the next
+        ones ``per_token_s`` apart (-1: not known)."""
+
+    def limit(self, unit: Unit) -> float:
+        """The requests ``unit`` can hold within the latency objective (the fleet's
+        saturation is its load over the sum): its capacity, unless the policy learnt
+        less."""
+        return float(unit.capacity)
 
     def count_to(self, metrics: GatewayMetrics) -> None:
         """Hand the policy the gateway's metrics, for what it counts itself."""

@@ -1,0 +1,171 @@
+"""Policy ``latency``: the candidate with the least predicted time to first token.
+
+Each unit's TTFT is learnt online (``proxy.gateway.latency``) from the attempts the
+gateway sent there: the router hands each answered attempt's TTFT to ``answered``, with
+the requests the unit held when it was sent and the prompt's length. A choice predicts
+every candidate's TTFT for this request and takes the least (ties: the lower load).
+
+Prefix affinity: the policy keeps the prompt blocks each unit has answered
+(``PrefixIndex``, recorded once a unit answered, when its engine holds them) and
+predicts with the prompt's uncached part only: a unit that holds the first half of a
+long prompt is predicted to prefill the other half. So a cached prefix counts for what
+it saves (c x the characters it spares), against what the unit's queue costs (b x its
+requests ahead), in seconds on both sides: there is no separate bound on load.
+
+Bounded load (``gateway.prefix_balance``, ``gateway.prefix_slack``, as policy
+``prefix``): a unit whose load would pass (1 + balance) x the fleet's mean plus slack
+requests is not a candidate, however fast it is predicted; the fit learns a mistake
+only a TTFT after the choice, and a burst must not herd onto one unit meanwhile.
+
+A unit not learnt yet (fewer than ``latency.WARM`` answers: a new unit, or every unit
+at start) is chosen first, the least loaded of them (as lor), so that each is learnt
+before predictions choose; nothing is shed meanwhile.
+
+Objectives (``gateway.slo_ttft_s``, per class): a ``batch`` request whose best
+prediction misses its class's objective is refused (``Overloaded``, 429 code ``shed``)
+rather than sent to slow everyone down; ``standard`` and ``interactive`` requests are
+never shed for a prediction, they take the fastest unit. With ``gateway.slo_tpot_s``
+the units predicted to stream within it (time per output token, learnt against the
+batch a request joins) come first, and a batch request is shed when none is. The units' load against the
+load they can hold within the objective is ``limit`` (``unitproxy_fleet_saturation``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from proxy.errors import Overloaded
+from proxy.gateway.latency import Latencies
+from proxy.gateway.policies.base import Candidates, Policy, Shared
+from proxy.gateway.policies.lor import least_outstanding
+from proxy.gateway.prefix import PrefixIndex
+from proxy.gateway.request import Want
+from proxy.gateway.units import Unit
+from proxy.load import LoadReport
+from proxy.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from proxy.metrics import GatewayMetrics
+
+SHED = "batch"  # the class refused first (and only) when no unit meets its objective
+
+
+def objective(settings: GatewaySettings, priority: str) -> float:
+    """The TTFT objective of a priority class in s (0: none)."""
+    if priority == "interactive" and settings.slo_ttft_interactive_s > 0:
+        return settings.slo_ttft_interactive_s
+    if priority == "batch" and settings.slo_ttft_batch_s > 0:
+        return settings.slo_ttft_batch_s
+    return settings.slo_ttft_s
+
+
+class LeastPredictedTtft(Policy):
+    def __init__(self, shared: Shared):
+        super().__init__(shared)
+        s = shared.settings
+        self.reads_prompt = True  # the prompt's length and blocks
+        self.learns = True
+        self.latencies = Latencies(shared.clock, s.latency_half_life_s)
+        self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
+        self.chunk = s.prefix_chunk_chars
+        # The most requests each unit's reports showed running: its engine's slots.
+        self.slots: dict[str, int] = {}
+
+    def prompt_blocks(self, text: str) -> list[int]:
+        return self.index.hashes(text)
+
+    def uncached(self, unit: Unit, want: Want) -> float:
+        """The prompt's characters the unit is not known to hold."""
+        if not want.blocks:
+            return float(want.chars)
+        held = self.index.depth(unit.id, want.blocks) * self.chunk
+        return float(max(0, want.chars - held))
+
+    def choose(self, want: Want, candidates: Candidates) -> Unit | None:
+        shared = self.shared
+        listed = candidates.listed()
+        if not listed:
+            return None
+        latencies, estimate = self.latencies, shared.view.estimate
+        cold = [u for u in listed if not latencies.warm(u.id)]
+        if cold:  # learn every unit first: the least loaded of those not learnt yet
+            return least_outstanding(cold, shared.rng, 0, shared.view)
+        s = shared.settings
+        slo_tpot = s.slo_tpot_s
+        # Bounded load, as policy prefix's: a unit whose load, this request counted, is
+        # past (1 + prefix_balance) x the fleet's mean plus prefix_slack requests is not
+        # taken, whatever its prediction (an answer comes a TTFT after the choice: a
+        # fit that is wrong must not herd a burst onto one unit before it learns).
+        outstanding, capacity = 1, 0
+        for unit in listed:
+            outstanding += estimate(unit)
+            capacity += unit.capacity
+        ceiling = (1.0 + s.prefix_balance) * outstanding / max(capacity, 1)
+        slack = s.prefix_slack
+        best: Unit | None = None
+        best_s = math.inf
+        best_load = 0.0
+        best_streams = False
+        for unit in listed:
+            held = estimate(unit)
+            if held + 1 > ceiling * unit.capacity + slack:
+                continue
+            ahead = float(held)
+            seconds = latencies.predict(
+                unit.id, ahead, self.uncached(unit, want), self.slots.get(unit.id, 0)
+            )
+            # Within the TPOT objective with this request in its batch (or not learnt).
+            streams = slo_tpot <= 0 or latencies.predict_tpot(unit.id, ahead) <= slo_tpot
+            load = shared.view.load(unit)
+            if (
+                best is None
+                or (streams and not best_streams)
+                or (
+                    streams == best_streams
+                    and (seconds < best_s or (seconds == best_s and load < best_load))
+                )
+            ):
+                best, best_s, best_load, best_streams = unit, seconds, load, streams
+        if best is None:  # every unit past the bound: the least loaded
+            return least_outstanding(listed, shared.rng, 0, shared.view)
+        if want.priority == SHED:
+            slo = objective(shared.settings, SHED)
+            if 0 < slo < best_s:
+                raise Overloaded(
+                    f"no unit is predicted to start a batch request within its "
+                    f"{slo:g} s objective (the fastest: {best_s:.3g} s)",
+                    code="shed",
+                )
+            if not best_streams:
+                raise Overloaded(
+                    f"no unit is predicted to stream a batch request within the "
+                    f"{slo_tpot:g} s per token objective",
+                    code="shed",
+                )
+        return best
+
+    def answered(
+        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float
+    ) -> None:
+        slots = self.slots.get(unit.id, 0)
+        self.latencies.observe(unit.id, float(ahead), self.uncached(unit, want), ttft_s, slots)
+        if per_token_s > 0.0:
+            self.latencies.observe_tpot(unit.id, float(ahead), per_token_s)
+        if want.blocks:
+            self.index.record(unit.id, want.blocks, self.shared.clock())
+
+    def limit(self, unit: Unit) -> float:
+        s = self.shared.settings
+        slots = self.slots.get(unit.id, 0)
+        return self.latencies.holds(unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity, slots)
+
+    def reported(self, unit: Unit, report: LoadReport) -> None:
+        if report.running > self.slots.get(unit.id, 0):
+            self.slots[unit.id] = report.running
+
+    def count_to(self, metrics: GatewayMetrics) -> None:
+        self.latencies.on_error = metrics.prediction_error.observe
+
+
+POLICY = LeastPredictedTtft
