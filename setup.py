@@ -28,6 +28,7 @@ from setuptools import setup
 COMPILED = [
     "proxy/gateway/core.py",
     "proxy/gateway/discovery.py",
+    "proxy/gateway/held.py",
     "proxy/gateway/forward.py",
     "proxy/gateway/grpc_proxy.py",
     "proxy/gateway/index.py",
@@ -56,6 +57,7 @@ COMPILED = [
     "proxy/ingress.py",
     "proxy/load.py",
     "proxy/metrics.py",
+    "proxy/prefix_chunks.py",
     "proxy/timers.py",
 ]
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     from engine.frontend import OpenAIFrontend
+    from engine.kv_events import KVEvents
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,17 @@ class Engine(abc.ABC):
         """Every model name a request may give: ``model_name`` first, then what else
         the engine serves (LoRA adapters, an upstream's other models)."""
         return (self.model_name,)
+
+    def subscribe_kv_events(self, listener: KVEvents) -> bool:
+        """Tell ``listener`` of every change of the engine's prefix cache, as vLLM's KV
+        cache events (``engine.kv_events``); False when this engine tells none."""
+        return False
+
+    def prompt_blocks(self, request: EngineRequest) -> tuple[str, list[tuple[int, int]]]:
+        """The text the engine prefills for ``request`` and each full KV block of it:
+        the block's hash (as its KV cache events name it) and where in that text it
+        ends. ("", []) when the engine cannot tell (a prompt of token ids, say)."""
+        return "", []
 
     @abc.abstractmethod
     async def start(self) -> None: ...

@@ -30,6 +30,7 @@ from typing import Literal
 from engine import tokens
 from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
 from engine.errors import EngineDeadError, EngineError
+from engine.kv_events import KVEvents
 from engine.prefix_cache import PrefixCache
 from engine.settings import SimSettings
 from engine.sim_api import SimFrontend
@@ -289,7 +290,20 @@ class SimEngine(Engine):
             prefix_cache_hit_rate=-1.0 if cache is None else cache.hit_rate,
             prefix_cache_queries=0 if cache is None else cache.queries,
             prefix_cache_hits=0 if cache is None else cache.hits,
+            prefix_cache_resets=0 if cache is None else cache.resets,
         )
+
+    def subscribe_kv_events(self, listener: KVEvents) -> bool:
+        if self._cache is None:
+            return False
+        self._cache.listener = listener
+        return True
+
+    def prompt_blocks(self, request: EngineRequest) -> tuple[str, list[tuple[int, int]]]:
+        if self._cache is None or request.prompt_token_ids is not None:
+            return "", []
+        text = _context_text(request)
+        return text, self._cache.text_spans(text)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

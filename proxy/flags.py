@@ -100,6 +100,8 @@ SIDECAR = (
     Flag("--unit-id", "sidecar.unit_id", "ID"),
     Flag("--capacity", "sidecar.capacity", "N"),
     Flag("--report-interval", "sidecar.report_interval_s", "SECONDS"),
+    Flag("--report-prefix-blocks", "sidecar.prefix_report_blocks", "N"),
+    Flag("--report-chunk-chars", "sidecar.prefix_chunk_chars", "N"),
     Flag("--stall-timeout", "health.stall_timeout_s", "SECONDS"),
     Flag("--follower", "sidecar.followers", "NAME=TARGET", many=True),
     Flag("--probe", "sidecar.probe"),

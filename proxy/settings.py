@@ -241,6 +241,17 @@ class SidecarSettings(_Section):
     retry_after_s: int = Field(
         1, ge=0, description="The retry-after header sent with 429 and 503, in s. Default 1."
     )
+    prefix_report_blocks: int = Field(
+        4096,
+        ge=0,
+        le=65536,
+        description="Most prefix blocks (chunks of prompt text) the load reports say the engine holds, the most recently stored kept; 0: none reported. From the engine's KV cache events (the simulator's; vLLM's later). Default 4096.",
+    )
+    prefix_chunk_chars: int = Field(
+        512,
+        gt=0,
+        description="Characters of prompt text per reported prefix block: must equal the gateways' gateway.prefix_chunk_chars, which ignore a unit's blocks of another size. Default 512.",
+    )
     followers: list[FollowerTarget] = Field(
         default_factory=list,
         description="The unit's follower nodes, NAME=TARGET each (TARGET host:port of its grpc health, or http://...). Default none.",

@@ -25,6 +25,7 @@ from proxy.load import (
     MAX_NAMED_METRICS,
     LoadReport,
     NodeStatus,
+    PrefixBlocks,
     UnitState,
     joined_metrics,
 )
@@ -134,6 +135,7 @@ def every_field_set() -> LoadReport:
         prefix_cache_queries=100, prefix_cache_hits=40, prefix_cache_resets=2,
         nodes=(NodeStatus("n0", "leader", "h:3", False, "down", 99),),
         named_metrics={"queue_wait_s": 0.125},
+        prefix_blocks=PrefixBlocks(7, 3, 5, False, (1, 2**64 - 1), (4,), 256),
     )  # fmt: skip
     blank = LoadReport("", UnitState.STARTING, 0, 0)
     for f in dataclasses.fields(LoadReport):

@@ -101,7 +101,7 @@ class Idle:
     def __init__(self) -> None:
         self.health = _Health()
 
-    def report(self) -> LoadReport:
+    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport:
         return LoadReport("u", UnitState.SERVING, 0, 8)
 
 
@@ -170,7 +170,9 @@ def test_what_the_gateway_shows_ages_reports_by_the_bound_it_routes_by() -> None
     def shown() -> tuple[str, str, str]:
         state = gw._unit_json(unit, now[0])["state"]
         ready = "SERVING" if gw._ready_body()["units"].get("SERVING") else "-"
-        scraped = {uid: state for uid, state, _, _ in gw.router.unit_views()}  # the unit_state series
+        scraped = {
+            uid: state for uid, state, _, _ in gw.router.unit_views()
+        }  # the unit_state series
         return state, ready, scraped["u0"]
 
     now[0] += 8.0  # past the configured bound, within the stretched one
@@ -193,7 +195,9 @@ def test_while_the_load_source_is_down_units_show_as_they_are_routed() -> None:
 
     def shown() -> tuple[str, float, int, str]:
         shown = gw._unit_json(u0, now[0])
-        scraped = {uid: state for uid, state, _, _ in gw.router.unit_views()}  # the unit_state series
+        scraped = {
+            uid: state for uid, state, _, _ in gw.router.unit_views()
+        }  # the unit_state series
         serving = gw._ready_body()["units"].get("SERVING", 0)
         return shown["state"], shown["report_age_s"], serving, scraped["u0"]
 

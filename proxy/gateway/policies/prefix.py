@@ -1,9 +1,15 @@
 """Policy ``prefix``: the unit most likely to hold the prompt's prefix in its KV cache,
 within a bound on its load; else ``lor``.
 
-It keeps its own index of the prompt blocks it sent to each unit
-(``proxy.gateway.prefix.PrefixIndex``), corrected by the engines' prefix-cache counters
-in the load reports (``EngineFeedback``), and a heap by load with the fleet's sums
+Where units report the prefix blocks their engines hold (``prefix_blocks`` in their
+load reports, from the engines' KV cache events), it routes on that
+(``proxy.gateway.held.EngineBlocks``): every replica reading the same reports holds
+the same view. Its own index of the prompt blocks it sent to each unit
+(``proxy.gateway.prefix.PrefixIndex``) fills in between reports: at each report that
+carries blocks, what this gateway sent the unit more than GUESS_KEEP_S before is
+dropped from it (the engine's own word covers it). For units that report no blocks the
+index is all it has, corrected by the engines' prefix-cache counters in the load
+reports (``EngineFeedback``). It keeps a heap by load with the fleet's sums
 (``index.LeastLoaded``) for the least loaded unit and the fleet's mean load. A choice
 looks only at the units that hold a prefix of the prompt, not at the whole fleet.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from proxy.gateway.held import EngineBlocks, merged
 from proxy.gateway.index import LeastLoaded
 from proxy.gateway.policies.base import Candidates, Policy, Shared
 from proxy.gateway.policies.lor import least_outstanding
@@ -23,6 +30,10 @@ from proxy.load import LoadReport, UnitState
 
 if TYPE_CHECKING:
     from proxy.metrics import GatewayMetrics
+
+# At a report with blocks, this gateway's guesses for the unit older than this are
+# dropped: a request sent that long ago has been admitted and its blocks reported.
+GUESS_KEEP_S = 1.0
 
 
 def prefix_affinity(
@@ -67,6 +78,7 @@ class PrefixAffinity(Policy):
         self.reads_prompt = True
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.feedback = EngineFeedback(self.index) if s.prefix_engine_feedback else None
+        self.engine = EngineBlocks(s.prefix_chunk_chars)  # what units report they hold
         # The least loaded bounds a choice, and the fleet's mean load bounds that.
         self.heap = LeastLoaded(shared.rng, shared.view, sums=True)
 
@@ -95,10 +107,8 @@ class PrefixAffinity(Policy):
             unit = by_id.get(unit_id)
             return unit is not None and c.can_take(unit) and unit.serves(want.model)
 
-        holders = (
-            [by_id[i] for i in ids if can_take(i)]
-            for _, ids in self.index.matches(want.blocks, c.now)
-        )
+        held = merged(self.engine.matches(want.blocks), self.index.matches(want.blocks, c.now))
+        holders = ([by_id[i] for i in ids if can_take(i)] for _, ids in held)
         unit = prefix_affinity(
             least, holders, self.shared.view, mean, s.prefix_balance, s.prefix_slack
         )
@@ -110,8 +120,12 @@ class PrefixAffinity(Policy):
     def reported(self, unit: Unit, report: LoadReport) -> None:
         if _cache_lost(unit.report, report):
             self.index.forget(unit.id)
+            self.engine.forget(unit.id)
             if self.feedback is not None:
                 self.feedback.forget(unit.id)
+        blocks = report.prefix_blocks
+        if blocks is not None and self.engine.apply(unit.id, blocks):
+            self.index.drop_before(unit.id, self.shared.clock() - GUESS_KEEP_S)
         if self.feedback is not None:
             self.feedback.report(
                 unit.id,
