@@ -233,6 +233,10 @@ class SimEngine(Engine):
         self._last_progress = 0.0
         self._tables = _Tables.of(tokens.builtin())
         self.frontend = SimFrontend(self, settings)  # the routes beyond chat and completions
+        # Prompt tokens prefilled, and the seconds of the steps that prefilled them (the
+        # whole step: decode included), for the measured prefill rate.
+        self._prefilled = 0
+        self._prefill_s = 0.0
         self._cache: PrefixCache | None = None
         if settings.prefix_cache_blocks > 0:
             self._cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
@@ -291,7 +295,20 @@ class SimEngine(Engine):
             prefix_cache_queries=0 if cache is None else cache.queries,
             prefix_cache_hits=0 if cache is None else cache.hits,
             prefix_cache_resets=0 if cache is None else cache.resets,
+            named_metrics=self._prefill_metrics(),
         )
+
+    def _prefill_metrics(self) -> dict[str, float]:
+        """``prefill_queue_tokens``: prompt tokens not yet prefilled (a waiting request's
+        whole prompt: what its cache holds is known only once it runs);
+        ``prefill_tokens_per_s``: prompt tokens prefilled over the time of the steps
+        that prefilled them, once some were (gateways bound prefix affinity by them)."""
+        queued = sum(seq.prefill_left for seq in self._running)
+        queued += sum(seq.prompt_tokens for seq in self._waiting)
+        metrics = {"prefill_queue_tokens": float(queued)}
+        if self._prefill_s > 0:
+            metrics["prefill_tokens_per_s"] = self._prefilled / self._prefill_s
+        return metrics
 
     def subscribe_kv_events(self, listener: KVEvents) -> bool:
         if self._cache is None:
@@ -427,7 +444,12 @@ class SimEngine(Engine):
                 continue
             if self._hung:
                 await loop.create_future()  # never done: only stop() ends a hung engine
-            deadline += self._step_seconds(self._fill_slots())
+            prefill = self._fill_slots()
+            step_s = self._step_seconds(prefill)
+            if prefill and step_s > 0:
+                self._prefilled += prefill
+                self._prefill_s += step_s
+            deadline += step_s
             now = loop.time()
             if deadline < now - _MAX_LAG_S:
                 deadline = now

@@ -126,6 +126,8 @@ GATEWAY = (
     Flag("--prefix-chunk-chars", "gateway.prefix_chunk_chars", "N"),
     Flag("--prefix-max-blocks", "gateway.prefix_max_blocks", "N"),
     Flag("--prefix-ttl", "gateway.prefix_ttl_s", "SECONDS"),
+    Flag("--prefix-ttft", "gateway.prefix_ttft_s", "SECONDS"),
+    Flag("--prefix-prefill-rate", "gateway.prefix_prefill_tokens_per_s", "TOKENS_PER_S"),
     Flag("--load-source", "gateway.load_source"),
     Flag("--retries", "gateway.retries", "N"),
     Flag("--tls-ca-file", "gateway.tls_ca_file", "PATH"),

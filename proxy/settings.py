@@ -383,6 +383,16 @@ class GatewaySettings(_Section):
         gt=0,
         description="Policy prefix: a block not sent to a unit for this long is dropped from its index, in s. Default 600.",
     )
+    prefix_ttft_s: float = Field(
+        0.0,
+        ge=0,
+        description="Policy prefix: the time to first token tolerated for affinity, in s. A unit holding the prefix that is above the bound over the mean load still takes the request while the prompt tokens queued for prefill there, this request's counted, are what it clears within this time (its prefill rate x this); prefix_slack decides instead for a unit whose rate or queue is unknown. 0: off (prefix_slack). Default 0.",
+    )
+    prefix_prefill_tokens_per_s: float = Field(
+        0.0,
+        ge=0,
+        description="Policy prefix, with prefix_ttft_s: the prompt tokens a unit prefills per second. 0: each unit's own, measured by its engine and reported as the named metric prefill_tokens_per_s. Default 0.",
+    )
     load_source: Literal["watch", "watch-http", "poll", "redis"] = Field(
         "watch",
         description="Where unit load comes from: watch (a gRPC WatchLoad stream per unit; over HTTP beyond watch_grpc_max_units units), watch-http (the same reports as server-sent events from GET /load/watch, on the gateway's HTTP client), poll (GET /load), redis. Default watch.",

@@ -86,7 +86,8 @@ async def test_a_named_metric_set_by_the_sidecar_reaches_the_gateway(
         await wait_until(lambda: unit.metric("queue_wait_s") == 1.5, what="its change")
         async with http.get(f"{gw.http_url}/units") as resp:
             (shown,) = (await resp.json())["units"]
-        assert shown["named_metrics"] == {"queue_wait_s": 1.5}
+        # the simulator reports its prefill queue (policy prefix bounds affinity by it)
+        assert shown["named_metrics"] == {"queue_wait_s": 1.5, "prefill_queue_tokens": 0.0}
 
 
 def test_the_engines_named_metrics_join_the_sidecars() -> None:

@@ -649,3 +649,22 @@ def test_a_tokenizer_with_too_few_words_names_its_setting(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("unitproxy: invalid configuration: engine.sim.tokenizer: "), err
     assert "the simulator needs 100" in err
+
+
+async def test_the_sim_reports_its_queued_prefill_and_its_measured_prefill_rate() -> None:
+    from engine.base import EngineRequest, SamplingParams
+    from engine.settings import SimSettings
+    from engine.sim import SimEngine
+
+    settings = SimSettings(prefill_ms_per_token=0.01, decode_step_ms=1.0, decode_ms_per_seq=0.0)
+    async with SimEngine(settings) as engine:
+        assert engine.stats().named_metrics == {"prefill_queue_tokens": 0.0}, "no rate yet"
+        request = EngineRequest("r", prompt="word " * 2000, sampling=SamplingParams(max_tokens=2))
+        gen = engine.generate(request)
+        first = await anext(gen)
+        await gen.aclose()
+        metrics = engine.stats().named_metrics
+        assert first.prompt_tokens > 1000 and metrics["prefill_queue_tokens"] == 0.0
+        # Prefilled in steps of 0.01 ms a token plus a 1 ms step: below 100,000 tokens/s
+        rate = metrics["prefill_tokens_per_s"]
+        assert 10_000 < rate < 100_000
