@@ -126,6 +126,7 @@ GATEWAY = (
     Flag("--prefix-chunk-chars", "gateway.prefix_chunk_chars", "N"),
     Flag("--prefix-max-blocks", "gateway.prefix_max_blocks", "N"),
     Flag("--prefix-ttl", "gateway.prefix_ttl_s", "SECONDS"),
+    Flag("--prefix-engine-blocks", "gateway.prefix_engine_blocks", choices=("true", "false")),
     Flag("--prefix-ttft", "gateway.prefix_ttft_s", "SECONDS"),
     Flag("--prefix-prefill-rate", "gateway.prefix_prefill_tokens_per_s", "TOKENS_PER_S"),
     Flag("--load-source", "gateway.load_source"),

@@ -383,6 +383,10 @@ class GatewaySettings(_Section):
         gt=0,
         description="Policy prefix: a block not sent to a unit for this long is dropped from its index, in s. Default 600.",
     )
+    prefix_engine_blocks: bool = Field(
+        True,
+        description="Policy prefix: route on the prefix blocks the units report their engines hold (the same on every gateway replica), this gateway's own index filling in between reports; false: on this gateway's index alone. Default true.",
+    )
     prefix_ttft_s: float = Field(
         0.0,
         ge=0,

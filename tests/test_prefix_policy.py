@@ -250,8 +250,11 @@ async def test_the_router_bounds_affinity_by_the_units_reported_prefill_when_a_t
     None
 ):
     text = system(3) + "a question"
-    for ttft_s, queued, goes_to in [(0.0, 100.0, "u1"), (0.5, 100.0, "u0"), (0.5, 5e4, "u1")]:
-        r = fleet(2, policy="prefix", prefix_ttft_s=ttft_s)
+    cases = [(0.0, 100.0, True, "u1"), (0.5, 100.0, True, "u0"), (0.5, 5e4, True, "u1")]
+    # prefix_engine_blocks false: what u0 reports holding is not read, lor decides
+    cases.append((0.5, 100.0, False, "u1"))
+    for ttft_s, queued, engine_blocks, goes_to in cases:
+        r = fleet(2, policy="prefix", prefix_ttft_s=ttft_s, prefix_engine_blocks=engine_blocks)
         blocks = index(r).hashes(text)
         metrics = {"prefill_queue_tokens": queued, "prefill_tokens_per_s": 20_000.0}
         held = PrefixBlocks(1, 0, 1, True, tuple(blocks), (), 512)

@@ -171,7 +171,7 @@ class PrefixAffinity(Policy):
             self.engine.forget(unit.id)
             if self.feedback is not None:
                 self.feedback.forget(unit.id)
-        blocks = report.prefix_blocks
+        blocks = report.prefix_blocks if self.shared.settings.prefix_engine_blocks else None
         if blocks is not None and self.engine.apply(unit.id, blocks):
             self.index.drop_before(unit.id, self.shared.clock() - GUESS_KEEP_S)
         if self.feedback is not None:
