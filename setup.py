@@ -29,6 +29,7 @@ COMPILED = [
     "proxy/gateway/core.py",
     "proxy/gateway/discovery.py",
     "proxy/gateway/fairqueue.py",
+    "proxy/gateway/held.py",
     "proxy/gateway/forward.py",
     "proxy/gateway/grpc_proxy.py",
     "proxy/gateway/index.py",
@@ -59,6 +60,7 @@ COMPILED = [
     "proxy/ingress.py",
     "proxy/load.py",
     "proxy/metrics.py",
+    "proxy/prefix_chunks.py",
     "proxy/timers.py",
 ]
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     from engine.frontend import OpenAIFrontend
+    from engine.kv_events import KVEvents
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,17 @@ class Engine(abc.ABC):
         """Requests the engine runs at once, its batch (the simulator's and vLLM's
         max_num_seqs): more wait in its own queue. None: not known (yet)."""
         return None
+
+    def subscribe_kv_events(self, listener: KVEvents) -> bool:
+        """Tell ``listener`` of every change of the engine's prefix cache, as vLLM's KV
+        cache events (``engine.kv_events``); False when this engine tells none."""
+        return False
+
+    def prompt_blocks(self, request: EngineRequest) -> tuple[str, list[tuple[int, int]]]:
+        """The text the engine prefills for ``request`` and each full KV block of it:
+        the block's hash (as its KV cache events name it) and where in that text it
+        ends. ("", []) when the engine cannot tell (a prompt of token ids, say)."""
+        return "", []
 
     @abc.abstractmethod
     async def start(self) -> None: ...

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from engine import tokens
 from engine.base import Engine, EngineRequest, EngineStats, TokenDelta
 from engine.errors import EngineDeadError, EngineError
+from engine.kv_events import KVEvents
 from engine.prefix_cache import PrefixCache
 from engine.settings import SimSettings
 from engine.sim_api import SimFrontend
@@ -309,7 +310,34 @@ class SimEngine(Engine):
             prefix_cache_hit_rate=-1.0 if cache is None else cache.hit_rate,
             prefix_cache_queries=0 if cache is None else cache.queries,
             prefix_cache_hits=0 if cache is None else cache.hits,
+            prefix_cache_resets=0 if cache is None else cache.resets,
+            named_metrics=self._prefill_metrics(),
         )
+
+    def _prefill_metrics(self) -> dict[str, float]:
+        """``prefill_queue_tokens``: prompt tokens not yet prefilled (a waiting request's
+        whole prompt: what its cache holds is known only once it runs);
+        ``prefill_tokens_per_s``: prompt tokens prefilled over the time of the steps
+        that prefilled them, once some were (gateways bound prefix affinity by them)."""
+        model = self._model
+        metrics = {"prefill_queue_tokens": float(model.prefill_queue_tokens())}
+        if model.prefill_s > 0:
+            metrics["prefill_tokens_per_s"] = model.prefilled / model.prefill_s
+        return metrics
+
+    def subscribe_kv_events(self, listener: KVEvents) -> bool:
+        cache = self._model.cache
+        if cache is None:
+            return False
+        cache.listener = listener
+        return True
+
+    def prompt_blocks(self, request: EngineRequest) -> tuple[str, list[tuple[int, int]]]:
+        cache = self._model.cache
+        if cache is None or request.prompt_token_ids is not None:
+            return "", []
+        text = _context_text(request)
+        return text, cache.text_spans(text)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

@@ -52,7 +52,8 @@ class StepModel(Generic[S]):
     either prefilling or decoding, each kept in admission order."""
 
     __slots__ = ("_arrivals", "by_priority", "cache", "decoding", "preemptions",
-                 "prefilling", "settings", "started", "waiting")  # fmt: skip
+                 "prefill_s", "prefilled", "prefilling", "settings", "started",
+                 "waiting")  # fmt: skip
 
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
@@ -63,6 +64,10 @@ class StepModel(Generic[S]):
         self.by_priority: dict[int, dict[S, None]] = {}
         self.started: list[S] = []  # whose prefill ended in the step planned last
         self.preemptions = 0  # running sequences that gave their slot to a higher priority
+        # Prompt tokens prefilled by ``plan_step``, and the seconds of the steps that
+        # prefilled them (the whole step: decode included), for the measured prefill rate.
+        self.prefilled = 0
+        self.prefill_s = 0.0
         self._arrivals = 0
         self.cache: PrefixCache | None = None
         if settings.prefix_cache_blocks > 0:
@@ -103,8 +108,21 @@ class StepModel(Generic[S]):
     def plan_step(self) -> float:
         """Fill the slots and plan the next step; its time in seconds. Then every
         sequence in ``decoding`` makes a token in it (``started``: those whose prefill
-        ends in it, their first token)."""
-        return self.step_seconds(self.fill_slots())
+        ends in it, their first token). Counts the prompt tokens it prefills and the
+        step's time in ``prefilled`` and ``prefill_s``."""
+        prefill = self.fill_slots()
+        step_s = self.step_seconds(prefill)
+        if prefill and step_s > 0:
+            self.prefilled += prefill
+            self.prefill_s += step_s
+        return step_s
+
+    def prefill_queue_tokens(self) -> int:
+        """Tokens not yet prefilled: what running sequences have left, and each waiting
+        one's whole prompt (and output so far, for a preempted one): what the prefix
+        cache holds of it is known only once a slot takes it."""
+        queued = sum(seq.prefill_left for seq in self.prefilling)
+        return queued + sum(seq.prompt_tokens + seq.completion_tokens for seq in self.waiting)
 
     def steady(self) -> bool:
         """Whether every step from now on is the same until a sequence ends: nothing to

@@ -70,6 +70,85 @@ def joined_metrics(engine: Mapping[str, float], sidecar: Mapping[str, float]) ->
     return named_metrics({**engine, **sidecar})
 
 
+# A reader keeps at most this many block hashes of one report (a sidecar sends fewer:
+# its sidecar.prefix_report_blocks and MAX_DELTA_BLOCKS).
+MAX_REPORT_BLOCKS = 65_536
+MAX_DELTA_BLOCKS = 1024  # changes in one report; the rest follow in the next
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixBlocks:
+    """What the unit's engine holds in its prefix cache, named as gateways name blocks
+    of a prompt's text (``proxy.prefix_chunks``): the changes numbered (from_seq, seq],
+    or with ``full`` the whole set as of ``seq``. ``epoch`` is random per sidecar
+    process. See docs/architecture.md, Prefix affinity from what the engines hold."""
+
+    epoch: int
+    from_seq: int
+    seq: int
+    full: bool
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    chunk_chars: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "from_seq": self.from_seq,
+            "seq": self.seq,
+            "full": self.full,
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "chunk_chars": self.chunk_chars,
+        }
+
+    def to_pb(self) -> load_pb2.PrefixBlocks:
+        return load_pb2.PrefixBlocks(
+            epoch=self.epoch,
+            from_seq=self.from_seq,
+            seq=self.seq,
+            full=self.full,
+            added=self.added,
+            removed=self.removed,
+            chunk_chars=self.chunk_chars,
+        )
+
+    @classmethod
+    def from_pb(cls, msg: load_pb2.PrefixBlocks) -> PrefixBlocks:
+        return cls(
+            msg.epoch,
+            msg.from_seq,
+            msg.seq,
+            msg.full,
+            tuple(msg.added[:MAX_REPORT_BLOCKS]),
+            tuple(msg.removed[:MAX_REPORT_BLOCKS]),
+            msg.chunk_chars,
+        )
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PrefixBlocks:
+        if not isinstance(data, dict):
+            raise TypeError("prefix_blocks: not an object")
+        added, removed = data.get("added", []), data.get("removed", [])
+        if not isinstance(added, list) or not isinstance(removed, list):
+            raise TypeError("prefix_blocks: added and removed must be lists")
+        return cls(
+            _whole(data["epoch"]),
+            _whole(data["from_seq"]),
+            _whole(data["seq"]),
+            data["full"] is True,
+            tuple(_whole(b) for b in added[:MAX_REPORT_BLOCKS]),
+            tuple(_whole(b) for b in removed[:MAX_REPORT_BLOCKS]),
+            _whole(data.get("chunk_chars", 0)),
+        )
+
+
+def _whole(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+        raise TypeError(f"prefix_blocks: {value!r} is not a 64-bit unsigned number")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class LoadReport:
     unit_id: str
@@ -91,9 +170,12 @@ class LoadReport:
     prefix_cache_resets: int = 0  # times the prefix cache was emptied since start
     # Signals beyond these fields, by name (bounded: ``named_metrics``); not hashed.
     named_metrics: dict[str, float] = field(default_factory=dict, hash=False)
+    # The prefix blocks the engine holds (None: its engine does not tell).
+    prefix_blocks: PrefixBlocks | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["prefix_blocks"] = None if self.prefix_blocks is None else self.prefix_blocks.to_dict()
         data["state"] = str(self.state)
         data["nodes"] = [asdict(n) for n in self.nodes]
         data["models"] = list(self.models)
@@ -122,6 +204,7 @@ class LoadReport:
             prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_resets=self.prefix_cache_resets,
             named_metrics=self.named_metrics,
+            prefix_blocks=None if self.prefix_blocks is None else self.prefix_blocks.to_pb(),
         )
 
     @classmethod
@@ -148,6 +231,9 @@ class LoadReport:
             prefix_cache_hits=msg.prefix_cache_hits,
             prefix_cache_resets=msg.prefix_cache_resets,
             named_metrics=named_metrics(msg.named_metrics) if msg.named_metrics else {},
+            prefix_blocks=(
+                PrefixBlocks.from_pb(msg.prefix_blocks) if msg.HasField("prefix_blocks") else None
+            ),
         )
 
     @classmethod
@@ -160,6 +246,8 @@ class LoadReport:
         if not isinstance(given, dict):
             raise TypeError("named_metrics: not an object")
         values["named_metrics"] = named_metrics(given)
+        blocks = values.get("prefix_blocks")
+        values["prefix_blocks"] = None if blocks is None else PrefixBlocks.from_dict(blocks)
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in values.items() if k in known})  # a newer peer's extras
 

@@ -255,6 +255,17 @@ class SidecarSettings(_Section):
     retry_after_s: int = Field(
         1, ge=0, description="The retry-after header sent with 429 and 503, in s. Default 1."
     )
+    prefix_report_blocks: int = Field(
+        4096,
+        ge=0,
+        le=65536,
+        description="Most prefix blocks (chunks of prompt text) the load reports say the engine holds, the most recently stored kept; 0: none reported. From the engine's KV cache events (the simulator's; vLLM's later). Default 4096.",
+    )
+    prefix_chunk_chars: int = Field(
+        512,
+        gt=0,
+        description="Characters of prompt text per reported prefix block: must equal the gateways' gateway.prefix_chunk_chars, which ignore a unit's blocks of another size. Default 512.",
+    )
     followers: list[FollowerTarget] = Field(
         default_factory=list,
         description="The unit's follower nodes, NAME=TARGET each (TARGET host:port of its grpc health, or http://...). Default none.",
@@ -410,6 +421,20 @@ class GatewaySettings(_Section):
         600.0,
         gt=0,
         description="Policy prefix: a block not sent to a unit for this long is dropped from its index, in s. Default 600.",
+    )
+    prefix_engine_blocks: bool = Field(
+        True,
+        description="Policy prefix: route on the prefix blocks the units report their engines hold (the same on every gateway replica), this gateway's own index filling in between reports; false: on this gateway's index alone. Default true.",
+    )
+    prefix_ttft_s: float = Field(
+        0.0,
+        ge=0,
+        description="Policy prefix: the time to first token tolerated for affinity, in s. A unit holding the prefix that is above the bound over the mean load still takes the request while the prompt tokens queued for prefill there, this request's counted, are what it clears within this time (its prefill rate x this); prefix_slack decides instead for a unit whose rate or queue is unknown. 0: off (prefix_slack). Default 0.",
+    )
+    prefix_prefill_tokens_per_s: float = Field(
+        0.0,
+        ge=0,
+        description="Policy prefix, with prefix_ttft_s: the prompt tokens a unit prefills per second. 0: each unit's own, measured by its engine and reported as the named metric prefill_tokens_per_s. Default 0.",
     )
     load_source: Literal["watch", "watch-http", "poll", "redis"] = Field(
         "watch",

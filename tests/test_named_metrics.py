@@ -25,6 +25,7 @@ from proxy.load import (
     MAX_NAMED_METRICS,
     LoadReport,
     NodeStatus,
+    PrefixBlocks,
     UnitState,
     joined_metrics,
 )
@@ -85,8 +86,13 @@ async def test_a_named_metric_set_by_the_sidecar_reaches_the_gateway(
         await wait_until(lambda: unit.metric("queue_wait_s") == 1.5, what="its change")
         async with http.get(f"{gw.http_url}/units") as resp:
             (shown,) = (await resp.json())["units"]
-        # beside it, the engine's slots every sidecar reports (the simulator's 32)
-        assert shown["named_metrics"] == {"queue_wait_s": 1.5, ENGINE_SLOTS: 32.0}
+        # beside it, the engine's slots every sidecar reports (the simulator's 32), and the
+        # simulator's prefill queue (policy prefix bounds affinity by it)
+        assert shown["named_metrics"] == {
+            "queue_wait_s": 1.5,
+            ENGINE_SLOTS: 32.0,
+            "prefill_queue_tokens": 0.0,
+        }
 
 
 def test_the_engines_named_metrics_join_the_sidecars() -> None:
@@ -135,6 +141,7 @@ def every_field_set() -> LoadReport:
         prefix_cache_queries=100, prefix_cache_hits=40, prefix_cache_resets=2,
         nodes=(NodeStatus("n0", "leader", "h:3", False, "down", 99),),
         named_metrics={"queue_wait_s": 0.125},
+        prefix_blocks=PrefixBlocks(7, 3, 5, False, (1, 2**64 - 1), (4,), 256),
     )  # fmt: skip
     blank = LoadReport("", UnitState.STARTING, 0, 0)
     for f in dataclasses.fields(LoadReport):

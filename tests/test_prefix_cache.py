@@ -66,3 +66,33 @@ def test_ids_and_text_blocks_have_a_fixed_size() -> None:
     cache = PrefixCache(block_size=8, capacity=10)
     assert len(cache.id_blocks(list(range(23)))) == 2
     assert cache.hit_rate == 0.0
+
+
+def test_a_cache_telling_its_events_keeps_the_same_blocks_as_one_telling_none() -> None:
+    """admit has two paths (the planner's caches tell no one); the same prompts must find
+    the same cached tokens in both, under eviction, and the events replay to its blocks."""
+    from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+    held: set[int] = set()
+
+    def replay(events: list[KVEvent]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+
+    quiet, telling = PrefixCache(block_size=4, capacity=30), PrefixCache(4, 30)
+    telling.listener = replay
+    prompts = [
+        quiet.id_blocks([group] * 4 * (group % 3 + 2) + [turn] * 4 * (turn % 4 + 1))
+        for turn in range(12)
+        for group in range(5)
+    ]
+    for i, blocks in enumerate(prompts * 2):
+        n = 4 * len(blocks) + 1
+        assert quiet.admit(blocks, n) == telling.admit(blocks, n), f"prompt {i}"
+        assert len(held) == len(telling) == len(quiet)
+    assert 0 < quiet.hits == telling.hits < quiet.queries

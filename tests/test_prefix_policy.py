@@ -9,12 +9,12 @@ import pytest
 
 from proxy.errors import NotFound
 from proxy.gateway.index import LeastLoaded
-from proxy.gateway.policies.prefix import PrefixAffinity, prefix_affinity
+from proxy.gateway.policies.prefix import Budget, PrefixAffinity, prefix_affinity
 from proxy.gateway.prefix import PrefixIndex
 from proxy.gateway.request import Want
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.units import CORRECTED, Unit
-from proxy.load import LoadReport, UnitState
+from proxy.load import LoadReport, PrefixBlocks, UnitState
 from proxy.settings import GatewaySettings, UnitTarget
 from tests.test_router import Clock
 
@@ -214,3 +214,53 @@ def test_one_model_everywhere_reads_no_request() -> None:
     r = fleet(3)
     assert not r.reads_requests
     assert fleet(3, policy="prefix").reads_requests
+
+
+def calibrated(id: str, outstanding: int, queued: float, rate: float) -> Unit:
+    u = Unit(id, f"http://{id}:1", f"{id}:2")
+    metrics = {"prefill_queue_tokens": queued, "prefill_tokens_per_s": rate}
+    u.apply(LoadReport(id, UnitState.SERVING, outstanding, 64, seq=1, named_metrics=metrics), 0.0)
+    return u
+
+
+def test_calibration_bounds_affinity_by_the_prefill_a_unit_clears_in_the_tolerated_ttft() -> None:
+    # mean 0.25: the bound over the mean is 1.2 x 0.25 x 64 = 19.2 requests, + slack 1
+    least = unit("c", 0)
+    budget = Budget(ttft_s=0.5, rate=0.0)  # each unit's own measured rate
+    budget.new_tokens = 100
+    # 30 outstanding, far over the bound and the slack, but its queued prefill (1,900
+    # tokens) and this request's 100 clear within 0.5 s at 4,000 tokens/s: kept
+    clears = calibrated("a", 30, queued=1900, rate=4000)
+    assert budget.fits(clears) == 1
+    assert prefix_affinity(least, [[clears]], CORRECTED, 0.25, 0.2, 1, budget.fits) is clears
+    assert prefix_affinity(least, [[clears]], CORRECTED, 0.25, 0.2, 1) is least, "by slack"
+    # 19 outstanding, within the slack, but 2,000 queued tokens at 4,000/s miss 0.5 s
+    behind = calibrated("b", 19, queued=2000, rate=4000)
+    assert budget.fits(behind) == 0
+    assert prefix_affinity(least, [[behind]], CORRECTED, 0.25, 0.2, 1, budget.fits) is least
+    assert prefix_affinity(least, [[behind]], CORRECTED, 0.25, 0.2, 1) is behind, "by slack"
+    # a given rate overrides the unit's; a unit that reports no queue falls back to slack
+    assert Budget(ttft_s=0.5, rate=10_000).fits(behind) == 1
+    assert budget.fits(unit("d", 19)) == -1
+    assert prefix_affinity(least, [[unit("d", 19)]], CORRECTED, 0.25, 0.2, 1, budget.fits).id == "d"
+    assert Budget(ttft_s=0.0, rate=4000).fits(clears) == -1, "no tolerated TTFT: off"
+
+
+async def test_the_router_bounds_affinity_by_the_units_reported_prefill_when_a_ttft_is_set() -> (
+    None
+):
+    text = system(3) + "a question"
+    cases = [(0.0, 100.0, True, "u1"), (0.5, 100.0, True, "u0"), (0.5, 5e4, True, "u1")]
+    # prefix_engine_blocks false: what u0 reports holding is not read, lor decides
+    cases.append((0.5, 100.0, False, "u1"))
+    for ttft_s, queued, engine_blocks, goes_to in cases:
+        r = fleet(2, policy="prefix", prefix_ttft_s=ttft_s, prefix_engine_blocks=engine_blocks)
+        blocks = index(r).hashes(text)
+        metrics = {"prefill_queue_tokens": queued, "prefill_tokens_per_s": 20_000.0}
+        held = PrefixBlocks(1, 0, 1, True, tuple(blocks), (), 512)
+        # u0 holds the prompt's prefix (its engine says so) and is far above the mean
+        report = LoadReport("u0", UnitState.SERVING, 40, 64, seq=11, named_metrics=metrics,
+                            prefix_blocks=held)  # fmt: skip
+        r.apply_report("u0", report)
+        chosen = await r.acquire(want=Want(None, blocks, len(text)))
+        assert chosen.id == goes_to, (ttft_s, queued)

@@ -700,3 +700,22 @@ async def test_one_priority_never_preempts_and_the_queue_orders_by_priority(
         pass
     await asyncio.wait_for(asyncio.gather(*tasks), LIMIT_S)
     assert order == ["s1", "b1", "b2"] and engine.preemptions == 0
+
+
+async def test_the_sim_reports_its_queued_prefill_and_its_measured_prefill_rate() -> None:
+    from engine.base import EngineRequest, SamplingParams
+    from engine.settings import SimSettings
+    from engine.sim import SimEngine
+
+    settings = SimSettings(prefill_ms_per_token=0.01, decode_step_ms=1.0, decode_ms_per_seq=0.0)
+    async with SimEngine(settings) as engine:
+        assert engine.stats().named_metrics == {"prefill_queue_tokens": 0.0}, "no rate yet"
+        request = EngineRequest("r", prompt="word " * 2000, sampling=SamplingParams(max_tokens=2))
+        gen = engine.generate(request)
+        first = await anext(gen)
+        await gen.aclose()
+        metrics = engine.stats().named_metrics
+        assert first.prompt_tokens > 1000 and metrics["prefill_queue_tokens"] == 0.0
+        # Prefilled in steps of 0.01 ms a token plus a 1 ms step: below 100,000 tokens/s
+        rate = metrics["prefill_tokens_per_s"]
+        assert 10_000 < rate < 100_000

@@ -23,7 +23,9 @@ applied ``--report-delay`` s late and no correction by the gateway's own counts:
 on stale load) and lor-delayed-corrected (the same delay, correction on); lor-unbudgeted
 (every unit reports at its own rate: no report budget, no report_min_interval_s) and
 lor-as-at-1000 (each unit asked for one report every 4 s, as a gateway asks of 1,000
-units). Beside them the
+units); prefix-guess (policy prefix on its own index only, not on the blocks the units
+report holding), and -2gw / -3gw after lor, prefix or prefix-guess: that many gateway
+replicas over the fleet, clients spread over them. Beside them the
 peer routers' load-aware policies over the same fleet, each run started fresh like the
 gateway (``peers.py`` says what each does, how it measures load and why it was chosen):
 vllm-router:power_of_two, vllm-router:cache_aware, sglang-router:power_of_two,
@@ -82,8 +84,10 @@ DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
-                "lor-as-at-1000", "lor-2gw", "prefix-2gw", "latency")  # fmt: skip
-REPLICAS = 2  # gateways of the -2gw policies, each with its own index
+                "lor-as-at-1000", "lor-2gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
+                "prefix-guess-2gw", "prefix-guess-3gw", "latency")  # fmt: skip
+# -Ngw: N gateway replicas, each with its own index and counts; clients spread over them
+REPLICATED = re.compile(r"(.+)-([23])gw")
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 # policy prefix with its bound set: prefix-b0.3 (--prefix-balance 0.3), prefix-b0.3-s0
 # (and --prefix-slack 0), to trace hit rate against imbalance
@@ -140,6 +144,8 @@ class BenchSettings:
     def gateway_args(self, policy: str) -> list[str]:
         """The gateway's policy flags for one of OWN_POLICIES."""
         delay = ["--report-delay", f"{self.report_delay_s:g}"]
+        if replicated := REPLICATED.fullmatch(policy):
+            return self.gateway_args(replicated.group(1))
         if bound := PREFIX_BOUND.fullmatch(policy):
             balance, slack = bound.group(1), bound.group(2) or "1"
             return ["--policy", "prefix", "--prefix-balance", balance, "--prefix-slack", slack]
@@ -150,9 +156,8 @@ class BenchSettings:
             "prefix-strict": ["--policy", "prefix", "--prefix-slack", "0"],
             # the index not corrected by the units' prefix-cache counters
             "prefix-unfed": ["--policy", "prefix", "--prefix-engine-feedback", "false"],
-            # two gateway replicas, each its own index and counts; clients spread over both
-            "lor-2gw": ["--policy", "lor"],
-            "prefix-2gw": ["--policy", "prefix"],
+            # prefix by this gateway's guess alone: not the blocks the units report holding
+            "prefix-guess": ["--policy", "prefix", "--prefix-engine-blocks", "false"],
             # Every unit at its own report rate (no budget, no floor), and every unit asked
             # for a report every 4 s, as the default budget asks of a fleet of 1,000.
             "lor-unbudgeted": [
@@ -252,8 +257,9 @@ def running_router(
     peer = peers.PEER_POLICIES.get(policy)
     if peer is not None:
         return peers.running_peer(peer, units, log)
-    if policy.endswith("-2gw"):
-        return running_replicas(s.gateway_args(policy), units, session, log)
+    if replicated := REPLICATED.fullmatch(policy):
+        n = int(replicated.group(2))
+        return running_replicas(s.gateway_args(policy), units, session, log, n)
     return fleet.running_gateway(units, s.gateway_args(policy), session, log)
 
 
@@ -285,14 +291,14 @@ class Replicas:
 
 @contextlib.asynccontextmanager
 async def running_replicas(
-    args: list[str], units: fleet.Fleet, session: aiohttp.ClientSession, log: Path
+    args: list[str], units: fleet.Fleet, session: aiohttp.ClientSession, log: Path, n: int
 ) -> AsyncIterator[Replicas]:
     async with contextlib.AsyncExitStack() as stack:
         gateways = [
             await stack.enter_async_context(
                 fleet.running_gateway(units, args, session, log.with_suffix(f".{k}.log"))
             )
-            for k in range(REPLICAS)
+            for k in range(n)
         ]
         yield Replicas(gateways)
 

@@ -14,6 +14,10 @@ cache (``engine.prefix_cache`` in the simulator):
 ``tenants``   many tenants, each with its own 1-4k-token system prompt and a popularity
               following Zipf's law (``tenants-hot``: tenant 0 sends half the requests);
               each request is the tenant's system prompt and a distinct user message.
+``b2b``       the shape of llm-d's shared-prefix benchmark scaled to the sim fleet: 60
+              tenants of equal popularity, each with a long shared prefix (3-6k tokens),
+              a distinct 0.3k-token query (long-tailed up to 1.2k) per request; the
+              loads (``--loads``) are the ramp of Poisson arrival rates.
 
 Every prompt is sent as /v1/completions text (the chat rendered with role markers), so
 every router, the peers' included, sees the same bytes. Outputs are exact: the
@@ -309,11 +313,20 @@ TENANTS_HOT = PrefixWorkload(
     system=TENANTS.system,
     hot_share=0.5,
 )
+B2B = PrefixWorkload(
+    "b2b",
+    OUTPUT,
+    LogNormal(median=300, sigma=0.5, low=50, high=1200),
+    system=(3000, 6000),
+    tenants=60,
+    zipf=0.0,
+)
 WORKLOADS: dict[str, Workload | PrefixWorkload] = {
     "plain": DEFAULT_WORKLOAD,
     "chat": CHAT,
     "tenants": TENANTS,
     "tenants-hot": TENANTS_HOT,
+    "b2b": B2B,
 }
 
 

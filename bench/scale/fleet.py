@@ -97,7 +97,7 @@ class EmulatedUnit:
         if self.fleet.changed is not None:
             self.fleet.changed.add(self.index)
 
-    def report(self) -> LoadReport:
+    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport:
         self._seq += 1
         f, i = self.fleet, self.index
         now = f.clock()

@@ -229,6 +229,7 @@ class PollSource(LoadSource):
         super().__init__(router, rng)
         self._new_pool = new_pool
         self._interval_s = router.settings.poll_interval_s
+        self._blocks: dict[str, tuple[int, int]] = {}  # unit -> (epoch, seq) read last
 
     async def run(self, unit: Unit) -> None:
         pool = self._new_pool(unit)
@@ -249,15 +250,25 @@ class PollSource(LoadSource):
             await pool.close()
 
     async def _poll(self, unit: Unit, pool: Pool) -> None:
+        # The prefix blocks' changes since the last report read (the whole set first,
+        # and whenever the unit no longer has those changes).
+        since = self._blocks.get(unit.id)
+        path = (
+            "/load" if since is None else f"/load?blocks_epoch={since[0]}&blocks_since={since[1]}"
+        )
         async with asyncio.timeout(self._interval_s):
-            conn = await pool.request(b"GET", "/load", {})
+            conn = await pool.request(b"GET", path, {})
             try:
                 body = await conn.read()
             finally:
                 conn.done()
         if conn.status != 200:
             raise ValueError(f"GET /load answered {conn.status}")
-        self._deliver(unit, LoadReport.from_dict(json.loads(body)))
+        report = LoadReport.from_dict(json.loads(body))
+        blocks = report.prefix_blocks
+        if blocks is not None:
+            self._blocks[unit.id] = blocks.epoch, blocks.seq
+        self._deliver(unit, report)
 
 
 class RedisSource(LoadSource):
@@ -289,9 +300,16 @@ class RedisSource(LoadSource):
         self._refused: set[str] = set()  # unit ids whose addresses could not be used
         self._unreadable = 0  # reports that could not be parsed (the first is logged)
         self.connects = 0  # successful (re)connects, each with a full re-read
+        # Prefix blocks: each unit's (epoch, seq) as of the last message, and the units
+        # whose key (the whole set) is being re-read after a message that did not follow.
+        self._blocks: dict[str, tuple[int, int]] = {}
+        self._resyncing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.resyncs = 0
+        self._redis: Redis | None = None
 
     async def run(self) -> None:
-        redis = connect(self._settings)
+        redis = self._redis = connect(self._settings)
         try:
             while True:
                 try:
@@ -305,6 +323,8 @@ class RedisSource(LoadSource):
                     self._lost(unexpected)
                 await self._outage.backoff()
         finally:
+            for task in self._tasks:
+                task.cancel()
             await redis.aclose()
 
     def _lost(self, exc: BaseException) -> None:
@@ -384,7 +404,36 @@ class RedisSource(LoadSource):
             return
         unit = self._router.units.get(report.unit_id) or self._new_unit(report)
         if unit is not None:
+            self._follow_blocks(report)
             self._deliver(unit, report)
+
+    def _follow_blocks(self, report: LoadReport) -> None:
+        """A message whose prefix blocks do not follow on the last one read (one was
+        missed): re-read the unit's key, which holds the whole set."""
+        blocks = report.prefix_blocks
+        if blocks is None:
+            return
+        unit_id = report.unit_id
+        at = self._blocks.get(unit_id)
+        if blocks.full or at == (blocks.epoch, blocks.from_seq):
+            self._blocks[unit_id] = blocks.epoch, blocks.seq
+        elif unit_id not in self._resyncing and self._redis is not None:
+            self._resyncing.add(unit_id)
+            task = asyncio.get_running_loop().create_task(self._resync(self._redis, unit_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _resync(self, redis: Redis, unit_id: str) -> None:
+        try:
+            async with asyncio.timeout(self._settings.timeout_s):
+                value = await redis.get(self._keys.unit(unit_id))
+            self.resyncs += 1
+            if value is not None:
+                self._receive(_text(value))
+        except REDIS_ERRORS as exc:
+            log.debug("re-reading unit %s's prefix blocks from Redis failed: %s", unit_id, exc)
+        finally:
+            self._resyncing.discard(unit_id)
 
     def _new_unit(self, report: LoadReport) -> Unit | None:
         spec = f"{report.unit_id}={report.http_url},{report.grpc_target}"

@@ -3,7 +3,7 @@ kept by policy prefix (``policies/prefix.py``).
 
 The gateway has no tokenizer, so a prompt is cut into blocks of ``chunk_chars``
 characters of its canonical text (``request.prompt_text``) and each full block is named by a
-hash chained over every block before it: block k matches only when the first k + 1
+hash chained over every block before it (``proxy.prefix_chunks``, the same in every process): block k matches only when the first k + 1
 blocks are the same, as an engine's KV blocks do. What a unit holds is estimated
 from what this gateway sent it: every block of every prompt routed there, with the
 time it was last sent. Per unit at most ``max_blocks`` blocks are kept (least
@@ -28,12 +28,11 @@ expected of what this gateway sent there. Far below it, the unit holds less than
 index thinks (a smaller cache, other traffic): its block limit shrinks to what agrees,
 so the index keeps only the unit's most recent blocks; at or above it, the limit grows
 back towards ``max_blocks``. A report that says the cache was emptied (vLLM's
-reset_prefix_cache) forgets the unit. vLLM's KV cache events (each block stored and
-removed) are not used: they name blocks of tokens, and the gateway, with no
-tokenizer, cannot tell which of its blocks of characters they are.
+reset_prefix_cache) forgets the unit.
 Each gateway replica keeps its own index from its own traffic: a prefix that replica A
-sent to unit 1 is unknown to replica B, which may send it to unit 2 (and cache it
-there too), so with R replicas a prefix ends up on up to R units.
+sent to unit 1 is unknown to replica B. Where units report the blocks their engines
+hold (``proxy.gateway.held``), the policy routes on those first, the same on every
+replica, and this index only fills in between reports.
 """
 
 from __future__ import annotations
@@ -42,6 +41,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+from proxy.prefix_chunks import chunk_hashes
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +68,10 @@ class PrefixIndex:
         self._limits: dict[str, int] = {}  # blocks kept for a unit, when below max_blocks
 
     def hashes(self, text: str) -> list[int]:
-        """The chained hashes of ``text``'s full blocks (at most ``max_request_blocks``).
-        hash() is salted per process, as the index is."""
-        size = self.chunk_chars
-        end = min(len(text), size * self.max_request_blocks)
-        blocks: list[int] = []
-        h = 0
-        for start in range(0, end - size + 1, size):
-            h = hash((h, text[start : start + size]))
-            blocks.append(h)
-        return blocks
+        """The chained hashes of ``text``'s full blocks (at most ``max_request_blocks``),
+        the same in every process (``proxy.prefix_chunks``): units name what their
+        engines hold the same way."""
+        return chunk_hashes(text, self.chunk_chars, self.max_request_blocks)
 
     def record(self, unit_id: str, blocks: Iterable[int], now: float) -> None:
         """``blocks`` were sent to ``unit_id`` at ``now``: they are its most recent."""
@@ -112,6 +107,14 @@ class PrefixIndex:
         lru = self._units.get(unit_id)
         if lru is not None:
             self._trim(unit_id, lru, now)
+
+    def drop_before(self, unit_id: str, when: float) -> None:
+        """Drop the unit's blocks last sent before ``when`` (its engine has said what it
+        holds since)."""
+        lru = self._units.get(unit_id)
+        while lru and next(iter(lru.values())) < when:
+            block, _ = lru.popitem(last=False)
+            self._drop(block, unit_id)
 
     def held(self, unit_id: str) -> int:
         """Blocks the index holds for the unit."""

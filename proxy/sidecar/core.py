@@ -23,6 +23,7 @@ from contextlib import aclosing, asynccontextmanager
 from typing import TypeVar
 
 from engine.base import ENGINE_SLOTS, PRIORITY_RANK, Engine, EngineRequest, TokenDelta
+from engine.kv_events import KVEvent
 from proxy.broadcast import Broadcast
 from proxy.errors import (
     DeadlineExceeded,
@@ -42,6 +43,7 @@ from proxy.load import (
 )
 from proxy.metrics import ServingMetrics
 from proxy.resume import HintKey
+from proxy.sidecar.blocks import HeldChunks
 from proxy.sidecar.health import UnitHealth
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,8 @@ class SidecarCore:
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
         resume_key: HintKey | None = None,
+        prefix_chunk_chars: int = 512,
+        prefix_report_blocks: int = 4096,
     ):
         self.unit_id = unit_id
         self.resume_key = resume_key  # what resume hints must be signed with; None: none taken
@@ -121,6 +125,20 @@ class SidecarCore:
         self._named: dict[str, float] = {}  # named metrics the sidecar itself sets
         # Requests inside run(), each with the scope that bounds it (its deadline).
         self._running: dict[Lease, asyncio.Timeout] = {}
+        # The prefix blocks the engine holds, when it tells (its KV cache events), and
+        # prefix_report_blocks is not 0.
+        self.held: HeldChunks | None = None
+        if prefix_report_blocks > 0:
+            held = HeldChunks(prefix_chunk_chars, prefix_report_blocks)
+            if engine.subscribe_kv_events(self._kv_events):
+                self.held = held
+
+    def _kv_events(self, events: list[KVEvent]) -> None:
+        if self.held is not None:
+            before = self.held.seq
+            self.held.events(events)
+            if self.held.seq != before:
+                self._changes.notify()
 
     @property
     def capacity(self) -> int:
@@ -169,6 +187,8 @@ class SidecarCore:
         resumed request that another unit delivered, counted in the usage as completion
         tokens rather than prompt tokens. Always releases ``lease``.
         """
+        if self.held is not None:
+            self.held.expect(request, *self.engine.prompt_blocks(request))
         try:
             async with self.tracked(lease, deadline):
                 return await self._generate(lease, request, route, emit, delivered_tokens)
@@ -366,13 +386,19 @@ class SidecarCore:
         self._named[name] = float(value)
         self._changes.notify()
 
-    def report(self) -> LoadReport:
+    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport:
+        """The unit's report now. ``blocks_since``: the (epoch, seq) of the prefix blocks
+        the reader holds, for the changes since; None: the whole set."""
         self._seq += 1
         stats = self.engine.stats()
         named = joined_metrics(stats.named_metrics, self._named)
         slots = self.engine.slots()
         if slots is not None and ENGINE_SLOTS not in named and len(named) < MAX_NAMED_METRICS:
             named[ENGINE_SLOTS] = float(slots)
+        held = self.held
+        blocks = None
+        if held is not None:
+            blocks = held.full() if blocks_since is None else held.delta(*blocks_since)
         return LoadReport(
             unit_id=self.unit_id,
             state=self.health.state,
@@ -392,6 +418,7 @@ class SidecarCore:
             http_url=self.http_url,
             grpc_target=self.grpc_target,
             named_metrics=named,
+            prefix_blocks=blocks,
         )
 
 

@@ -334,7 +334,13 @@ def _ready_body(core: SidecarCore) -> dict[str, Any]:
 
 
 async def _load(request: web.Request) -> web.Response:
-    return web.Response(text=request.app[CORE].report().to_json(), content_type="application/json")
+    """The report; ``?blocks_epoch=E&blocks_since=S``: the prefix blocks' changes since
+    seq S of epoch E (the whole set when those are gone), else the whole set."""
+    since = None
+    if "blocks_since" in request.query:
+        since = _whole(request, "blocks_epoch"), _whole(request, "blocks_since")
+    report = request.app[CORE].report(since)
+    return web.Response(text=report.to_json(), content_type="application/json")
 
 
 async def _load_watch(request: web.Request) -> web.StreamResponse:
@@ -358,6 +364,13 @@ def _asked_ms(request: web.Request, name: str) -> int:
     value = request.query.get(name, "0")
     if not (value.isascii() and value.isdigit()):  # int() refuses "²", isdigit() alone not
         raise InvalidRequest(f"{name} must be a whole number of ms (digits 0-9)", param=name)
+    return int(value)
+
+
+def _whole(request: web.Request, name: str) -> int:
+    value = request.query.get(name, "0")
+    if not (value.isascii() and value.isdigit() and len(value) <= 20):
+        raise InvalidRequest(f"{name} must be a whole number (digits 0-9)", param=name)
     return int(value)
 
 

@@ -9,6 +9,10 @@ goes out at once. While Redis is down
 the sidecar serves as before; the latest report goes out as soon as Redis is back.
 On a clean stop a last report says the unit is going away, if Redis answers within
 its timeout.
+
+The prefix blocks the engine holds: the key holds the whole set, each message on the
+channel the changes since the previous message, so a gateway that missed one (its seq
+does not follow on) re-reads the key.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from types import TracebackType
 from typing import Self
 
 from proxy.broadcast import Broadcast
-from proxy.load import LoadReport, UnitState
+from proxy.load import MAX_DELTA_BLOCKS, LoadReport, PrefixBlocks, UnitState
 from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, asked_s, connect
 from proxy.settings import RedisSettings
 
@@ -38,13 +42,16 @@ class ReportPublisher:
     def __init__(
         self,
         settings: RedisSettings,
-        report: Callable[[], LoadReport],
+        report: Callable[[tuple[int, int] | None], LoadReport],
         changes: Broadcast,
         interval_s: float,
         rng: random.Random | None = None,
+        full_blocks: Callable[[], PrefixBlocks] | None = None,
     ):
         self._settings = settings
         self._report = report
+        self._full_blocks = full_blocks  # the whole set, for the key
+        self._blocks_since: tuple[int, int] | None = None  # as of the last message
         self._changes = changes
         self._interval_s = interval_s
         self._ttl_ms = max(1, round(TTL_INTERVALS * interval_s * 1000))
@@ -91,9 +98,14 @@ class ReportPublisher:
         loop = asyncio.get_running_loop()
         while True:
             seen = self._changes.version
-            report = self._report()
+            report = self._report(self._blocks_since)
             await self.publish(report)
             self._outage.recovered()
+            blocks = report.prefix_blocks
+            if blocks is not None:
+                self._blocks_since = blocks.epoch, blocks.seq
+                if not blocks.full and blocks.seq - blocks.from_seq >= MAX_DELTA_BLOCKS:
+                    continue  # likely more changes than one message carries
             sent_at, asked = loop.time(), self.asked_s
             await self._changes.wait(seen, max(self._interval_s, asked))
             await self._hold(report.state, sent_at + asked)
@@ -103,16 +115,19 @@ class ReportPublisher:
         unit's state changes."""
         loop = asyncio.get_running_loop()
         while (left := until - loop.time()) > 0:
-            if self._report().state is not state:
+            if self._report(self._blocks_since).state is not state:
                 return
             await self._changes.wait(self._changes.version, left)
 
     async def publish(self, report: LoadReport) -> None:
-        data = report.to_json()
+        data = key_data = report.to_json()
+        blocks = report.prefix_blocks
+        if blocks is not None and not blocks.full and self._full_blocks is not None:
+            key_data = dataclasses.replace(report, prefix_blocks=self._full_blocks()).to_json()
         ttl_ms = max(self._ttl_ms, round(TTL_INTERVALS * self.asked_s * 1000))
         async with asyncio.timeout(self._settings.timeout_s):
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(self._keys.unit(report.unit_id), data, px=ttl_ms)
+                pipe.set(self._keys.unit(report.unit_id), key_data, px=ttl_ms)
                 pipe.sadd(self._keys.units, report.unit_id)
                 pipe.publish(self._keys.channel, data)
                 pipe.get(self._keys.asked)
@@ -122,7 +137,7 @@ class ReportPublisher:
 
     async def _publish_final(self) -> None:
         """The unit is stopping: say it takes no new requests, if Redis answers in time."""
-        report = self._report()
+        report = self._report(None)
         if report.state in (UnitState.STARTING, UnitState.SERVING):
             report = dataclasses.replace(report, state=UnitState.DRAINING)
         try:

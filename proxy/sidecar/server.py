@@ -68,6 +68,8 @@ class Sidecar(Service):
             capacity=settings.sidecar.capacity,
             retry_after_s=settings.sidecar.retry_after_s,
             resume_key=_resume_key(settings.server.resume_secret),
+            prefix_chunk_chars=settings.sidecar.prefix_chunk_chars,
+            prefix_report_blocks=settings.sidecar.prefix_report_blocks,
         )
         self.health_service = HealthServicer()
         self.recovery: RecoveryHook | None = None
@@ -99,8 +101,13 @@ class Sidecar(Service):
             self._spawn(self._monitor(follower, session).run(), f"follower {follower.name}")
         if s.redis.url is not None:
             # Entered after the tasks: on exit it stops first, with a last report.
+            held = self.core.held
             publisher = ReportPublisher(
-                s.redis, self.core.report, self.changes, s.sidecar.report_interval_s
+                s.redis,
+                self.core.report,
+                self.changes,
+                s.sidecar.report_interval_s,
+                full_blocks=None if held is None else held.full,
             )
             self.publisher = await stack.enter_async_context(publisher)
         await self._load_engine()

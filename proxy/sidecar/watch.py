@@ -1,6 +1,7 @@
 """The stream of load reports a watcher gets, over gRPC (WatchLoad) or HTTP (/load/watch).
 
-The current report at once, then one per change, and a heartbeat at least every
+The current report at once (with the whole set of prefix blocks the engine holds), then
+one per change (with the prefix blocks' changes since the previous report), and a heartbeat at least every
 ``interval_s``. Changes that arrive while a report is sent, or within ``coalesce_s``
 after it, fold into the next report; a change of unit state goes out at once. A
 watcher may ask for fewer reports (a longer coalescing and heartbeat, for itself only).
@@ -14,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from proxy.broadcast import Broadcast
-from proxy.load import LoadReport
+from proxy.load import MAX_DELTA_BLOCKS, LoadReport
 
 MAX_ASKED_S = 60.0  # the longest interval a watcher may ask for
 
@@ -30,7 +31,7 @@ class Reporter(Protocol):
     @property
     def health(self) -> _Health: ...
 
-    def report(self) -> LoadReport: ...
+    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport: ...
 
 
 class ReportWatch:
@@ -66,9 +67,16 @@ class ReportWatch:
         coalesce_s = max(self._coalesce_s, min(min_interval_s, MAX_ASKED_S))
         interval_s = min(heartbeat_s, MAX_ASKED_S) if heartbeat_s > 0 else self._interval_s
         phase = self._rng.random() if min_interval_s > 0 or heartbeat_s > 0 else 1.0
+        held: tuple[int, int] | None = None  # the prefix blocks this watcher holds
         while not self.closed:
             seen, state_seen = self._changes.version, states.version
-            yield self._core.report()
+            report = self._core.report(held)
+            blocks = report.prefix_blocks
+            if blocks is not None:
+                held = blocks.epoch, blocks.seq
+                if not blocks.full and blocks.seq - blocks.from_seq >= MAX_DELTA_BLOCKS:
+                    seen = -1  # likely more changes than one report carries: next at once
+            yield report
             sent_at = loop.time()
             await self._changes.wait(seen, interval_s * phase)
             hold = sent_at + coalesce_s * phase - loop.time()

@@ -1,18 +1,25 @@
 """Policy ``prefix``: the unit most likely to hold the prompt's prefix in its KV cache,
 within a bound on its load; else ``lor``.
 
-It keeps its own index of the prompt blocks it sent to each unit
-(``proxy.gateway.prefix.PrefixIndex``), corrected by the engines' prefix-cache counters
-in the load reports (``EngineFeedback``), and a heap by load with the fleet's sums
+Where units report the prefix blocks their engines hold (``prefix_blocks`` in their
+load reports, from the engines' KV cache events), it routes on that
+(``proxy.gateway.held.EngineBlocks``): every replica reading the same reports holds
+the same view. Its own index of the prompt blocks it sent to each unit
+(``proxy.gateway.prefix.PrefixIndex``) fills in between reports: at each report that
+carries blocks, what this gateway sent the unit more than GUESS_KEEP_S before is
+dropped from it (the engine's own word covers it). For units that report no blocks the
+index is all it has, corrected by the engines' prefix-cache counters in the load
+reports (``EngineFeedback``). It keeps a heap by load with the fleet's sums
 (``index.LeastLoaded``) for the least loaded unit and the fleet's mean load. A choice
 looks only at the units that hold a prefix of the prompt, not at the whole fleet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from proxy.gateway.held import EngineBlocks, merged
 from proxy.gateway.index import LeastLoaded
 from proxy.gateway.policies.base import Candidates, Policy, Shared
 from proxy.gateway.policies.lor import least_outstanding
@@ -24,6 +31,10 @@ from proxy.load import LoadReport, UnitState
 if TYPE_CHECKING:
     from proxy.metrics import GatewayMetrics
 
+# At a report with blocks, this gateway's guesses for the unit older than this are
+# dropped: a request sent that long ago has been admitted and its blocks reported.
+GUESS_KEEP_S = 1.0
+
 
 def prefix_affinity(
     least: Unit,
@@ -32,6 +43,7 @@ def prefix_affinity(
     mean: float,
     balance: float,
     slack: int,
+    fits: Callable[[Unit], int] | None = None,
 ) -> Unit:
     """Policy ``prefix``: of the units that hold the longest prefix of the prompt
     (``holders``, longest match first), the least loaded one that stays within the
@@ -44,6 +56,10 @@ def prefix_affinity(
     ``(1 + balance)`` x the mean plus ``slack``; a popular prefix spreads over more
     units as its first ones reach the bound, because the unit that takes the overflow
     holds it from then on.
+
+    ``fits`` (calibration, ``Budget.fits``): whether a unit above the bound over the
+    mean clears its queued prefill, this request's counted, within the tolerated TTFT
+    (1 yes, 0 no, -1 unknown); where it knows, it decides instead of ``slack``.
     """
     ceiling = (1.0 + balance) * mean
     for units in holders:
@@ -51,13 +67,48 @@ def prefix_affinity(
         best_load = 0.0
         for unit in units:
             estimate = view.estimate(unit)
-            if estimate + 1 <= ceiling * unit.capacity + slack:
-                load = estimate / unit.capacity
-                if best is None or load < best_load:
-                    best, best_load = unit, load
+            bound = ceiling * unit.capacity
+            if estimate + 1 > bound:
+                verdict = -1 if fits is None else fits(unit)
+                if verdict == 0 or (verdict < 0 and estimate + 1 > bound + slack):
+                    continue
+            load = estimate / unit.capacity
+            if best is None or load < best_load:
+                best, best_load = unit, load
         if best is not None:
             return best
     return least
+
+
+# Characters of prompt text per token, to count a prompt's tokens without a tokenizer
+# (about 4 for English under a BPE tokenizer).
+CHARS_PER_TOKEN = 4.0
+
+
+class Budget:
+    """The bound on affinity from calibration: a unit clears ``rate x ttft_s`` prompt
+    tokens of prefill within the tolerated TTFT; ``rate`` is given
+    (``prefix_prefill_tokens_per_s``) or the unit's own, measured by its engine
+    (named metric ``prefill_tokens_per_s``), and what waits for prefill there is its
+    named metric ``prefill_queue_tokens``."""
+
+    __slots__ = ("new_tokens", "rate", "ttft_s")
+
+    def __init__(self, ttft_s: float, rate: float):
+        self.ttft_s = ttft_s
+        self.rate = rate
+        self.new_tokens = 0.0  # this request's prompt tokens not held at the unit
+
+    def fits(self, unit: Unit) -> int:
+        """1: the unit's queued prefill and this request's fit in the tolerated TTFT;
+        0: they do not; -1: unknown (no TTFT set, no rate, or no queue reported)."""
+        if self.ttft_s <= 0:
+            return -1
+        queued = unit.metric("prefill_queue_tokens")
+        rate = self.rate if self.rate > 0 else unit.metric("prefill_tokens_per_s")
+        if queued < 0 or rate <= 0:
+            return -1
+        return 1 if queued + self.new_tokens <= rate * self.ttft_s else 0
 
 
 class PrefixAffinity(Policy):
@@ -67,6 +118,8 @@ class PrefixAffinity(Policy):
         self.reads_prompt = True
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.feedback = EngineFeedback(self.index) if s.prefix_engine_feedback else None
+        self.engine = EngineBlocks(s.prefix_chunk_chars)  # what units report they hold
+        self.budget = Budget(s.prefix_ttft_s, s.prefix_prefill_tokens_per_s)
         # The least loaded bounds a choice, and the fleet's mean load bounds that.
         self.heap = LeastLoaded(shared.rng, shared.view, sums=True)
 
@@ -95,12 +148,17 @@ class PrefixAffinity(Policy):
             unit = by_id.get(unit_id)
             return unit is not None and c.can_take(unit) and unit.serves(want.model)
 
-        holders = (
-            [by_id[i] for i in ids if can_take(i)]
-            for _, ids in self.index.matches(want.blocks, c.now)
-        )
+        held = merged(self.engine.matches(want.blocks), self.index.matches(want.blocks, c.now))
+        budget, chunk = self.budget, s.prefix_chunk_chars
+
+        def holders() -> Iterator[list[Unit]]:
+            for depth, ids in held:
+                budget.new_tokens = max(0, want.chars - depth * chunk) / CHARS_PER_TOKEN
+                yield [by_id[i] for i in ids if can_take(i)]
+
+        fits = budget.fits if s.prefix_ttft_s > 0 else None
         unit = prefix_affinity(
-            least, holders, self.shared.view, mean, s.prefix_balance, s.prefix_slack
+            least, holders(), self.shared.view, mean, s.prefix_balance, s.prefix_slack, fits
         )
         if self.feedback is not None:
             self.feedback.sent(unit.id, want.blocks, want.chars)
@@ -110,8 +168,12 @@ class PrefixAffinity(Policy):
     def reported(self, unit: Unit, report: LoadReport) -> None:
         if _cache_lost(unit.report, report):
             self.index.forget(unit.id)
+            self.engine.forget(unit.id)
             if self.feedback is not None:
                 self.feedback.forget(unit.id)
+        blocks = report.prefix_blocks if self.shared.settings.prefix_engine_blocks else None
+        if blocks is not None and self.engine.apply(unit.id, blocks):
+            self.index.drop_before(unit.id, self.shared.clock() - GUESS_KEEP_S)
         if self.feedback is not None:
             self.feedback.report(
                 unit.id,

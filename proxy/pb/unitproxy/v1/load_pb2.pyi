@@ -49,7 +49,7 @@ class NodeStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., since_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_resets", "named_metrics")
+    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_resets", "named_metrics", "prefix_blocks")
     class NamedMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RESETS_FIELD_NUMBER: _ClassVar[int]
     NAMED_METRICS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     unit_id: str
     state: UnitState
     outstanding: int
@@ -93,4 +94,23 @@ class LoadReport(_message.Message):
     prefix_cache_hits: int
     prefix_cache_resets: int
     named_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ..., named_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    prefix_blocks: PrefixBlocks
+    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ..., named_metrics: _Optional[_Mapping[str, float]] = ..., prefix_blocks: _Optional[_Union[PrefixBlocks, _Mapping]] = ...) -> None: ...
+
+class PrefixBlocks(_message.Message):
+    __slots__ = ("epoch", "from_seq", "seq", "full", "added", "removed", "chunk_chars")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHARS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    from_seq: int
+    seq: int
+    full: bool
+    added: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    chunk_chars: int
+    def __init__(self, epoch: _Optional[int] = ..., from_seq: _Optional[int] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., added: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., chunk_chars: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,275 @@
+"""Prefix affinity from what the engines hold: the simulator's KV cache events, the
+sidecar's change stream of text-chunk hashes, and every gateway replica routing on it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from engine.base import ChatMessage, EngineRequest
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from engine.prefix_cache import PrefixCache
+from engine.settings import SimSettings
+from engine.sim import SimEngine
+from proxy.gateway.held import EngineBlocks
+from proxy.gateway.policies.prefix import PrefixAffinity
+from proxy.gateway.request import prompt_text
+from proxy.gateway.server import Gateway
+from proxy.load import LoadReport, PrefixBlocks, UnitState
+from proxy.prefix_chunks import chunk_hashes
+from proxy.settings import load
+from proxy.sidecar.blocks import HeldChunks
+from tests.conftest import SidecarFactory, wait_until
+from tests.test_redis import NO_REDIS, REDIS_URL, redis_section
+
+SOURCES = ["watch", "watch-http", "poll", "redis"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "bright",
+    "owls",
+    "watch",
+]
+
+
+def long_text(seed: int, words: int = 900) -> str:
+    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+
+
+def test_the_sim_cache_tells_each_change_as_vllm_kv_events() -> None:
+    cache = PrefixCache(block_size=4, capacity=3)
+    told: list[KVEvent] = []
+    cache.listener = told.extend
+    cache.admit([1, 2], 8)
+    assert told == [BlockStored((1, 2), None, 4)]
+    told.clear()
+    cache.admit([1, 2, 3, 4], 16)  # two new blocks after block 2; one over capacity
+    assert told == [BlockStored((3, 4), 2, 4), BlockRemoved((4,))]
+    told.clear()
+    cache.admit([1, 2], 8)
+    assert told == [], "nothing stored or removed: no event"
+    cache.clear()
+    assert told == [AllBlocksCleared()] and len(cache) == 0 and cache.resets == 1
+
+
+def _engine_and_held(max_blocks: int = 4096) -> tuple[SimEngine, PrefixCache, HeldChunks]:
+    engine = SimEngine(SimSettings(block_size=16, prefix_cache_blocks=10_000))
+    held = HeldChunks(chunk_chars=256, max_blocks=max_blocks)
+    assert engine.subscribe_kv_events(held.events)
+    assert engine.prefix_cache is not None
+    return engine, engine.prefix_cache, held
+
+
+def _prefill(engine: SimEngine, cache: PrefixCache, held: HeldChunks, req: EngineRequest) -> None:
+    text, spans = engine.prompt_blocks(req)
+    held.expect(req, text, spans)
+    cache.admit([block for block, _ in spans], 10_000)  # as the scheduler does at prefill
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_sidecar_names_what_the_engine_stored_as_the_gateway_names_the_prompt(
+    chat: bool,
+) -> None:
+    engine, cache, held = _engine_and_held()
+    text = long_text(1)
+    if chat:
+        messages = (ChatMessage("system", text), ChatMessage("user", "and then?"))
+        req = EngineRequest("r", messages=messages)
+        body: dict[str, Any] = {
+            "messages": [{"role": m.role, "content": m.content} for m in messages]
+        }
+    else:
+        req = EngineRequest("r", prompt=text)
+        body = {"prompt": text}
+    gateway_chunks = chunk_hashes(prompt_text(body), 256, 512)
+    _prefill(engine, cache, held, req)
+    full = held.full()
+    assert full.full and full.chunk_chars == 256
+    # Every chunk whose text the engine's stored blocks cover, in order from the first;
+    # at most the last chunk or two (ending in the engine's partial last block) not.
+    assert full.added == tuple(gateway_chunks[: len(full.added)])
+    assert len(full.added) >= len(gateway_chunks) - 2 > 0
+    # A second request with the same text names nothing new.
+    seq = held.seq
+    _prefill(engine, cache, held, req)
+    assert held.seq == seq
+
+
+def test_the_change_stream_gives_deltas_since_a_seq_and_the_whole_set_after_a_gap() -> None:
+    engine, cache, held = _engine_and_held(max_blocks=1000)
+    _prefill(engine, cache, held, EngineRequest("a", prompt=long_text(1)))
+    first = held.full()
+    _prefill(engine, cache, held, EngineRequest("b", prompt=long_text(2)))
+    delta = held.delta(first.epoch, first.seq)
+    assert not delta.full and (delta.from_seq, delta.seq) == (first.seq, held.seq)
+    assert set(delta.added) == set(held.full().added) - set(first.added) and delta.removed == ()
+    assert held.delta(first.epoch + 1, first.seq).full, "another epoch: the whole set"
+    assert held.delta(first.epoch, held.seq + 5).full, "a seq it never had: the whole set"
+    empty = held.delta(first.epoch, held.seq)
+    assert not empty.full and empty.added == empty.removed == ()
+    # The engine evicts: the chunks its removed blocks covered leave the set.
+    view = EngineBlocks(256)
+    assert view.apply("u", first) and view.apply("u", delta)
+    cache.clear()
+    assert len(held) == 0
+    cleared = held.delta(*view.at("u"))  # type: ignore[misc]
+    assert set(cleared.removed) == set(first.added) | set(delta.added)
+    assert view.apply("u", cleared) and view.held("u") == set()
+
+
+def test_the_reported_set_is_bounded_the_most_recent_kept() -> None:
+    engine, cache, held = _engine_and_held(max_blocks=5)
+    for i in range(4):
+        _prefill(engine, cache, held, EngineRequest(str(i), prompt=long_text(i)))
+    last = chunk_hashes(long_text(3), 256, 512)
+    assert len(held) == 5 and set(held.full().added) <= set(last)
+
+
+def test_a_gateways_view_applies_only_changes_that_follow_on() -> None:
+    view = EngineBlocks(512)
+    assert not view.apply("u", PrefixBlocks(1, 0, 2, False, (5, 6), (), 512)), "no set yet"
+    assert view.apply("u", PrefixBlocks(1, 0, 2, True, (5, 6), (), 512))
+    assert not view.apply("u", PrefixBlocks(1, 3, 4, False, (7,), (), 512)), "a gap"
+    assert view.held("u") == {5, 6} and view.gaps == 2
+    assert view.apply("u", PrefixBlocks(1, 2, 4, False, (7,), (5,), 512))
+    assert view.held("u") == {6, 7}
+    assert not view.apply("u", PrefixBlocks(1, 4, 5, False, (8,), (), 256)), "other chunks"
+    assert view.apply("u", PrefixBlocks(1, 0, 3, True, (1,), (), 512)), "an older whole set"
+    assert view.held("u") == {6, 7}, "... changes nothing"
+    assert view.apply("u", PrefixBlocks(2, 0, 1, True, (1,), (), 512)), "a new epoch"
+    assert view.held("u") == {1}
+    assert [d for d, _ in view.matches([1, 2])] == [1]
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[str]:
+    client = Redis.from_url(REDIS_URL, socket_timeout=2, decode_responses=True)
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        await client.aclose()
+        pytest.skip(f"{NO_REDIS} ({REDIS_URL}: {exc})")
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = [k async for k in client.scan_iter(match=f"unitproxy:{name}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+def _views(gw: Gateway) -> dict[str, frozenset[int]]:
+    policy = gw.router.policy
+    assert isinstance(policy, PrefixAffinity)
+    return {u: frozenset(policy.engine.held(u)) for u in gw.router.units}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+async def test_two_gateway_replicas_hold_the_same_view_and_route_a_prefix_to_its_holder(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession, cluster: str, source: str
+) -> None:
+    """Requests go through replica A only; replica B, which routed none of them, holds
+    the same block->unit view within a report interval and sends a request sharing a
+    long prefix to the unit that holds it."""
+    redis = redis_section(REDIS_URL, cluster)
+    sidecars = [
+        await start_sidecar(sidecar={"unit_id": f"u{i}", "report_interval_s": 0.2}, redis=redis)
+        for i in range(4)
+    ]
+    gateway: dict[str, Any] = {"policy": "prefix", "load_source": source, "poll_interval_s": 0.1}
+    if source == "redis":
+        gateway["discover_allow"] = ["http://127.0.0.1:*"]
+    else:
+        gateway["units"] = [f"{s.core.unit_id}={s.http_url},{s.grpc_target}" for s in sidecars]
+    settings = load(
+        {
+            "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+            "gateway": gateway,
+            "redis": redis,
+        }
+    )
+    async with Gateway(settings) as a, Gateway(settings) as b:
+        for gw in (a, b):
+            await wait_until(
+                lambda gw=gw: (
+                    len(gw.router.units) == 4  # type: ignore[misc]
+                    and all(u.report is not None for u in gw.router.units.values())
+                ),
+                what="every unit's first report",
+            )
+        served: dict[int, str] = {}
+        for i in range(3):
+            body = {"model": "unitproxy-sim", "prompt": long_text(i) + " first", "max_tokens": 2}
+            async with http.post(f"{a.http_url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                served[i] = resp.headers["x-unitproxy-unit"]
+        # Each unit's engine holds what it prefilled, and both replicas see just that.
+        truth = {
+            s.core.unit_id: frozenset(s.core.held.full().added)
+            for s in sidecars
+            if s.core.held is not None
+        }
+        assert all(truth[served[i]] for i in served)
+        await wait_until(lambda: _views(a) == truth and _views(b) == truth, timeout_s=5.0,
+                         what=f"both replicas' views to equal the engines' ({source})")  # fmt: skip
+        for i in range(3):
+            body = {"model": "unitproxy-sim", "prompt": long_text(i) + " second", "max_tokens": 2}
+            async with http.post(f"{b.http_url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-unitproxy-unit"] == served[i], f"prefix {i} via replica B"
+
+
+async def test_a_redis_reader_that_missed_a_message_rereads_the_whole_set(
+    start_sidecar: SidecarFactory, cluster: str
+) -> None:
+    redis = redis_section(REDIS_URL, cluster)
+    sidecar = await start_sidecar(sidecar={"unit_id": "u0", "report_interval_s": 0.2}, redis=redis)
+    settings = load(
+        {
+            "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+            "gateway": {
+                "policy": "prefix",
+                "load_source": "redis",
+                "discover_allow": ["http://127.0.0.1:*"],
+            },
+            "redis": redis,
+        }
+    )
+    async with Gateway(settings) as gw:
+        await wait_until(lambda: "u0" in gw.router.units, what="the unit discovered")
+        policy = gw.router.policy
+        assert isinstance(policy, PrefixAffinity) and sidecar.core.held is not None
+        # A message this reader never got: changes it does not hold.
+        held = sidecar.core.held
+        engine = sidecar.engine
+        assert isinstance(engine, SimEngine) and engine.prefix_cache is not None
+        req = EngineRequest("x", prompt=long_text(5))
+        text, spans = engine.prompt_blocks(req)
+        held.expect(req, text, spans)
+        engine.prefix_cache.admit([block for block, _ in spans], 10_000)
+        client = Redis.from_url(REDIS_URL, decode_responses=True)
+        try:
+            later = held.delta(held.epoch, held.seq)  # nothing new, from a seq it lacks
+            stale = LoadReport("u0", UnitState.SERVING, 0, 1, seq=1, prefix_blocks=later)
+            await client.publish(f"unitproxy:{cluster}:load", stale.to_json())
+        finally:
+            await client.aclose()
+        want = frozenset(held.full().added)
+        await wait_until(lambda: frozenset(policy.engine.held("u0")) == want,
+                         what="the whole set re-read")  # fmt: skip
+        assert want and json.loads(stale.to_json())["prefix_blocks"]["full"] is False
