@@ -43,6 +43,7 @@ import asyncio
 import json
 import os
 import platform
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -109,6 +110,9 @@ def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster
     else:
         lines += ["units = ["] + [f'  "{u["id"]}={u["http"]},{u["grpc"]}",' for u in units]
     lines += ["]", "", "[redis]", f'cluster = "{cluster}"', ""]
+    # As `unitproxy up` sets a cell up: the gateway may move streams (the emulated units
+    # fail none, but a gateway without the secret says at start that it could not).
+    lines += ["[server]", f'resume_secret = "{secrets.token_hex(32)}"', ""]
     path.write_text("\n".join(lines))
 
 
