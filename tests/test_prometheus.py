@@ -5,7 +5,8 @@ of a cell of real unitproxy processes every second and evaluates
 deploy/prometheus/rules.yaml. The test puts traffic on the cell, then holds the
 monitoring we ship to what an operator needs: every dashboard query returns data
 (or is on the short list of queries known to be empty in such a cell, each with its
-reason), a stream that broke after it started counts under its error status, and
+reason; the gateway runs tenants, one of them over its limit, so the Tenants row has
+data), a stream that broke after it started counts under its error status, and
 killing a sidecar makes the shipped alerts go pending. The gateway's count of a
 broken stream is checked last: until the gateway counts it under its error status the
 test ends as an expected failure there, every other check having passed.
@@ -36,6 +37,21 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "unitproxy.json"
 SIM = ("--sim-decode-step-ms", "2", "--health-interval", "0.2", "--log-level", "warning")
 # Dashboard queries that return nothing in this cell, and why; any other empty one fails.
 KNOWN_EMPTY: dict[str, str] = {}
+# The gateway's tenants: the traffic comes as "acme"; "capped" sends two requests in a
+# minute, so its second is refused 429 rate_limited (whatever the minute's boundary: the
+# sliding window still counts the first) and the limited series has data.
+TENANTS = """
+[[tenant]]
+name = "acme"
+keys = ["sk-acme"]
+
+[[tenant]]
+name = "capped"
+keys = ["sk-capped"]
+requests_per_minute = 1
+"""
+ACME = {"Authorization": "Bearer sk-acme"}
+CAPPED = {"Authorization": "Bearer sk-capped"}
 
 
 def _prometheus() -> str:
@@ -133,10 +149,12 @@ async def until(check: Any, what: str, timeout_s: float = 30) -> Any:
         pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
-async def start_cell(procs: Procs) -> dict[str, Proc]:
-    """Two units of a sidecar and a follower behind a gateway; a unit whose every stream
-    breaks after 2 tokens, behind a gateway of its own."""
+async def start_cell(procs: Procs, tmp_path: Path) -> dict[str, Proc]:
+    """Two units of a sidecar and a follower behind a gateway with tenants; a unit whose
+    every stream breaks after 2 tokens, behind a gateway of its own."""
     cell: dict[str, Proc] = {}
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS)
     ports = iter(free_ports(10))
     for unit in ("u0", "u1"):
         follower = await procs.follower("--node-name", f"{unit}-f0", "--health-interval", "0.2")
@@ -145,26 +163,38 @@ async def start_cell(procs: Procs) -> dict[str, Proc]:
                                          "--follower", f"{unit}-f0={follower.grpc_target}")  # fmt: skip
     cell["broken"] = await procs.sidecar(next(ports), next(ports), "--unit-id", "broken", *SIM,
                                          "--sim-error-after-tokens", "2")  # fmt: skip
-    for name, units in (("gateway", ("u0", "u1")), ("gateway-broken", ("broken",))):
+    for name, units, extra in (
+        ("gateway", ("u0", "u1"), ("--tenants-file", str(tenants))),
+        ("gateway-broken", ("broken",), ()),
+    ):
         flags = [a for u in units
                  for a in ("--unit", f"{u}={cell[u].http_url},{cell[u].grpc_target}")]  # fmt: skip
-        cell[name] = await procs.gateway(next(ports), next(ports), *flags, "--log-level", "warning")
+        cell[name] = await procs.gateway(next(ports), next(ports), *flags, *extra,
+                                         "--log-level", "warning")  # fmt: skip
     return cell
 
 
 async def traffic(http: aiohttp.ClientSession, cell: dict[str, Proc]) -> None:
-    """Some of each kind through the gateway; broken streams straight and through theirs."""
+    """Some of each kind through the gateway, and a tenant over its limit; broken streams
+    straight and through theirs."""
     gateway = cell["gateway"].http_url
     for i in range(6):
         stream = i % 2 == 0
         body = {"prompt": "hello", "max_tokens": 8, "stream": stream}
-        async with http.post(f"{gateway}/v1/completions", json=body) as resp:
+        async with http.post(f"{gateway}/v1/completions", json=body, headers=ACME) as resp:
             assert resp.status == 200, await resp.text()
             await resp.read()
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
-        async with http.post(f"{gateway}/v1/chat/completions", json=chat) as resp:
+        async with http.post(f"{gateway}/v1/chat/completions", json=chat, headers=ACME) as resp:
             assert resp.status == 200, await resp.text()
             await resp.read()
+    body = {"prompt": "hello", "max_tokens": 8}
+    async with http.post(f"{gateway}/v1/completions", json=body, headers=CAPPED) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    async with http.post(f"{gateway}/v1/completions", json=body, headers=CAPPED) as resp:
+        assert resp.status == 429, await resp.text()
+        assert (await resp.json())["error"]["code"] == "rate_limited"
     for url in (cell["broken"].http_url, cell["gateway-broken"].http_url):
         body = {"prompt": "hello", "max_tokens": 8, "stream": True}
         async with http.post(f"{url}/v1/completions", json=body) as resp:
@@ -187,7 +217,7 @@ async def test_shipped_rules_and_dashboard_against_a_real_cell(
     procs: Procs, tmp_path: Path
 ) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-        cell = await start_cell(procs)
+        cell = await start_cell(procs, tmp_path)
         targets = {name: proc.http_url.removeprefix("http://") for name, proc in cell.items()}
         async with prometheus(tmp_path, targets, http) as prom:
 
@@ -202,6 +232,9 @@ async def test_shipped_rules_and_dashboard_against_a_real_cell(
             # Every dashboard query returns data, or is known to be empty and why.
             empty = [q for q in dashboard_queries() if not await prom.query(q)]
             assert sorted(empty) == sorted(KNOWN_EMPTY), "\n".join(empty)
+            # The refusal counts under its tenant and the limit it hit.
+            limited = 'unitproxy_tenant_limited_total{tenant="capped", limit="requests_per_minute"}'
+            assert await prom.value(f"sum({limited})") == 1
 
             # A stream that broke after it started counts under its error, not 200.
             broken = 'unitproxy_requests_total{instance="broken", route="completions"'
