@@ -10,6 +10,7 @@ an SSE error event, new work goes elsewhere, every count returns to 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -337,29 +338,92 @@ async def test_engine_error_mid_stream(procs: Procs) -> None:
 
 
 class BlackHole:
-    """A TCP server that accepts connections and reads them, and never writes a byte."""
+    """A TCP server that accepts connections and reads them, and never writes a byte.
+
+    Its own accept loop on a plain socket, not ``asyncio.start_server``: there, a
+    connection the loop accepted just before ``Server.close()`` gets its handler (and
+    its writer) only a few loop turns later, and Python 3.11's ``wait_closed`` does not
+    wait for it, so such a connection outlived the test and its loop. Here every
+    accepted socket is in ``_conns`` the moment the accept returns, and ``close``
+    ends the accept loop itself before closing the listener."""
 
     def __init__(self) -> None:
         self.accepted = 0
-        self._writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
+        self._listener = socket.socket()
+        self._conns: list[socket.socket] = []
+        self._readers: list[asyncio.Task[None]] = []
+        self._accepting: asyncio.Task[None] | None = None
+        self._closing = False
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._swallow, HOST, 0)
-        return f"{HOST}:{self._server.sockets[0].getsockname()[1]}"
+        self._listener.bind((HOST, 0))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._accepting = asyncio.create_task(self._accept())
+        return f"{HOST}:{self._listener.getsockname()[1]}"
 
-    async def _swallow(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accepted += 1
-        self._writers.append(writer)
-        while await reader.read(65536):
-            pass
+    async def _accept(self) -> None:
+        # Never cancelled: a cancelled sock_accept may drop a socket it had accepted.
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            self._conns.append(conn)
+            if self._closing:
+                return
+            self.accepted += 1
+            self._readers.append(asyncio.create_task(self._swallow(conn)))
+
+    async def _swallow(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ConnectionError):
+            while await loop.sock_recv(conn, 65536):
+                pass
 
     async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self._writers:
-            writer.close()
-        await self._server.wait_closed()
+        if self._accepting is None:  # never started
+            self._listener.close()
+            return
+        self._closing = True
+        # Wake the accept loop with one more connection; it sees _closing and ends.
+        loop = asyncio.get_running_loop()
+        with socket.socket() as poke:
+            poke.setblocking(False)
+            await loop.sock_connect(poke, self._listener.getsockname())
+            await self._accepting
+        # Connections still in the backlog go with the listener, never seen by Python.
+        self._listener.close()
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for conn in self._conns:
+            conn.close()
+
+
+async def test_black_hole_closes_every_connection_when_it_closes() -> None:
+    # Clients connect up to the moment it closes: the last ones are accepted by the
+    # loop and not yet handled when close() runs. Each must still be closed by the
+    # hole's end, or it outlives the test (and its event loop) as an open socket.
+    hole = BlackHole()
+    host, port = (await hole.start()).rsplit(":", 1)
+    loop = asyncio.get_running_loop()
+    clients: list[socket.socket] = []
+    try:
+        for _ in range(20):
+            client = socket.socket()
+            clients.append(client)
+            client.setblocking(False)
+            await loop.sock_connect(client, (host, int(port)))
+    finally:
+        await hole.close()
+    try:
+        for client in clients:
+            async with asyncio.timeout(5):
+                with contextlib.suppress(ConnectionResetError):
+                    assert await loop.sock_recv(client, 1) == b"", "it never writes"
+    finally:
+        for client in clients:
+            client.close()
+    assert 1 <= hole.accepted <= 20
 
 
 async def timed_post(
