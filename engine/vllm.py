@@ -401,11 +401,19 @@ class VllmEngine(Engine):
             args = AsyncEngineArgs(**self._kwargs)
         except (TypeError, ValueError) as exc:
             raise EngineUnavailable(f"engine vllm: bad engine arguments: {one_line(exc)}") from exc
+        # The AsyncLLM goes straight into _Vllm, never into a local of this frame: a
+        # frame outlives its call where something keeps a traceback through it (an
+        # import above that a library caught and stored), and its locals with it; the
+        # AsyncLLM then lived until the interpreter's exit. _Vllm.engine is the one
+        # reference, which stop() drops.
         try:
-            engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_class(self._view)])
+            return _Vllm(
+                AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_class(self._view)]),
+                VllmSamplingParams,
+                RequestOutputKind.DELTA,
+            )
         except Exception as exc:
             raise EngineError(f"vLLM engine failed to start: {one_line(exc)}") from exc
-        return _Vllm(engine, VllmSamplingParams, RequestOutputKind.DELTA)
 
     def _check_device(self, detected: str) -> None:
         if self._device is not None and self._device != detected:
@@ -423,6 +431,9 @@ class VllmEngine(Engine):
             self._chat_thread.shutdown(wait=False, cancel_futures=True)
         self.frontend = None
         await _shutdown(built)
+        # Shut down and let go: the worker thread's frame that built it may still hold
+        # the _Vllm (see _build), but no longer the AsyncLLM and its zmq contexts.
+        built.engine = built.tokenizer = None
         logger.info("engine vllm: stopped")
 
     async def count_tokens(self, text: str) -> int:
@@ -569,6 +580,14 @@ async def _shutdown(built: _Vllm) -> None:
         await asyncio.wait([handler])
     # shutdown() joins the engine core process (seconds): not on the loop.
     await asyncio.to_thread(built.engine.shutdown)
+    # vLLM closes its client's sockets (a call it schedules on this loop) but leaves
+    # their zmq context to the garbage collector, whenever that comes, and zmq's
+    # Context.__del__ then warns that it was never closed: terminated here.
+    core = getattr(built.engine, "engine_core", None)
+    context = getattr(getattr(core, "resources", None), "ctx", None)
+    if context is not None and not context.closed:
+        await asyncio.sleep(0)  # the sockets' close, if still scheduled, first
+        await asyncio.to_thread(context.destroy, 0)  # term() blocks: not on the loop
 
 
 def _check_local_paths(kwargs: dict[str, Any]) -> None:
