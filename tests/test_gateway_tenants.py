@@ -23,8 +23,8 @@ from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.settings import load
 from proxy.sidecar.server import Sidecar
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from tests.redisenv import NO_REDIS, REDIS_URL
 from tests.test_migration import SLOW_SIM, read_events, sidecar_of
-from tests.test_redis import NO_REDIS, REDIS_URL
 
 pytestmark = pytest.mark.timeout(30)
 
