@@ -187,6 +187,8 @@ async def test_refusals_from_the_head_name_the_request_and_no_unit(
         ("413", post(b"x" * 1001, auth, "x-request-id: r-413"), b"", 0.0, 413, "r-413"),
         ("408 body", post(BODY[:5], auth, "x-request-id: r-408", length=len(BODY)), b"", 0.0,
          408, "r-408"),
+        ("408 body aiohttp", post(BODY, auth, "x-request-id: r-408a", chunked=True)[:-12], b"",
+         0.0, 408, "r-408a"),
         ("408 head", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b"", 0.0, 408, None),
     ]  # fmt: skip
     for what, data, then, pause, expected, request_id in cases:
