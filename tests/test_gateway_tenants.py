@@ -275,6 +275,7 @@ async def test_grpc_authorization_metadata_names_the_tenant(
         assert trailing["x-unitproxy-code"] == "rate_limited"
         assert int(trailing["retry-after"]) >= 1
         assert trailing["x-ratelimit-remaining-requests"] == "0"
+        assert trailing["x-unitproxy-unit"] == "none" and len(trailing["x-request-id"]) == 32
 
 
 async def test_the_tenant_label_is_bounded(

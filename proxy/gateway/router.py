@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.fairqueue import FairQueue, Waiter
 from proxy.gateway.policies.base import Candidates, Policy, Shared, create
-from proxy.gateway.request import Want
+from proxy.gateway.request import NO_WANT, Want
 from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit, reason
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import GatewayMetrics, UnitView
@@ -47,9 +47,6 @@ class Outcome(Enum):
 
 class NoUnit(Unavailable):
     """No SERVING unit is left to try (apart from those excluded)."""
-
-
-NO_WANT = Want()
 
 
 class Router:

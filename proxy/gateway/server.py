@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import aiohttp
@@ -24,21 +23,19 @@ from proxy.errors import UnitProxyError
 from proxy.gate import Gate
 from proxy.gateway.core import GatewayCore
 from proxy.gateway.discovery import Discovery
-from proxy.gateway.forward import POST, Forwarder, Inbound
+from proxy.gateway.forward import Forwarder
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.http1 import front
 from proxy.gateway.http1.pool import Pool
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
 from proxy.gateway.models import ModelCards
 from proxy.gateway.rates import scaled
+from proxy.gateway.request import Context, end_to_end, http_context
 from proxy.gateway.router import Router
-from proxy.gateway.tenancy import Admission, TenantGate, error_headers
+from proxy.gateway.tenancy import TenantGate, error_headers
 from proxy.gateway.units import Unit
 from proxy.httputil import (
-    DEADLINE_HEADER,
-    MIGRATE_HEADER,
     NO_UNIT,
-    REQUEST_ID_HEADER,
     ClientClosed,
     ClientGone,
     admin_drain,
@@ -47,7 +44,6 @@ from proxy.httputil import (
     error_parts,
     json_response,
     quiet_bad_requests,
-    timeout_s,
 )
 from proxy.ingress import Limits
 from proxy.metrics import (
@@ -69,7 +65,7 @@ from proxy.serving import (
     start_grpc,
 )
 from proxy.settings import Settings, UnitTarget
-from proxy.tenants import PRIORITY_HEADER, TenantSource
+from proxy.tenants import TenantSource
 from proxy.timers import Wheel
 from proxy.tls import ClientTLS, ServerTLS, server_tls
 
@@ -151,10 +147,10 @@ class Gateway(Service):
     async def _start(self) -> None:
         s, stack = self.settings, self._stack
         if s.gateway.tenants_file is None:
-            self.api_keys = await ApiKeys.load(s.server)
+            self.api_keys = await ApiKeys.load(s.server, NO_UNIT)
         else:
             self.tenancy = await self._start_tenants()
-            self.api_keys = ApiKeys(identify=self.tenancy.authorize)
+            self.api_keys = ApiKeys(identify=self.tenancy.authorize, unit_id=NO_UNIT)
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
@@ -394,11 +390,11 @@ class Gateway(Service):
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
-        limits = Limits(s, self.wheel, self.ingress_metrics, "gateway")
+        limits = Limits(s, self.wheel, self.ingress_metrics, "gateway", NO_UNIT)
         keys = self.api_keys  # with tenants, their lookup
         http_front = front.Front(
             ROUTES, self._serve_front, runner.server, s.max_body_bytes, limits,
-            authorize=lambda head: keys.check(head.headers.get("authorization")),
+            authorize=lambda head: keys.check(head.ctx.authorization),
         )  # fmt: skip
         try:
             server = await asyncio.get_running_loop().create_server(
@@ -424,46 +420,33 @@ class Gateway(Service):
     def _serve_front(
         self, response: front.Response, head: front.Head, body: bytes
     ) -> Coroutine[Any, Any, None]:
-        return self._inference(response, head.route, head.path, body, head.headers)
+        return self._inference(response, head.ctx, body)
 
     async def _inference(
-        self,
-        down: front.Response | AiohttpResponse,
-        route: str,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        method: bytes = POST,
-        stored: str | None = None,
+        self, down: front.Response | AiohttpResponse, ctx: Context, body: bytes
     ) -> None:
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
-        request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
-        admission: Admission | None = None
         try:  # the API key was checked from the head, before the body was read
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
-                admission = await tenancy.admit_http(
-                    body, headers.get("authorization"), headers.get(PRIORITY_HEADER)
-                )
-            req = Inbound(path, route, body, request_id, headers.get("content-type"),
-                          headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
-                          headers.get(MIGRATE_HEADER) != "0", admission, method,
-                          stored)  # fmt: skip
-            code = str(await self.forwarder.handle(down, req))
+                ctx.admission = await tenancy.admit_http(body, ctx.authorization, ctx.priority)
+            if ctx.invalid is not None:
+                raise ctx.invalid
+            code = str(await self.forwarder.handle(down, ctx, body))
         except UnitProxyError as exc:
             code = str(exc.http_status)
-            status, error_head, error_body = error_parts(exc, request_id, NO_UNIT)  # none tried
+            status, error_head, error_body = error_parts(exc, ctx.request_id, NO_UNIT)  # none tried
             if self.tenancy is not None:
-                error_head.update(error_headers(exc, admission))
+                error_head.update(error_headers(exc, ctx.admission))
             down.respond(status, error_head, error_body)
         except (ClientClosed, asyncio.CancelledError):
             code = "499"
             raise
         finally:
-            self._count(route, code)
-            if admission is not None:
-                admission.finish(code)  # settles its tokens, whatever ended it
+            self._count(ctx.route, code)
+            if ctx.admission is not None:
+                ctx.admission.finish(code)  # settles its tokens, whatever ended it
 
     def _count(self, route: str, code: str) -> None:
         counter = self._requests.get((route, code))
@@ -474,7 +457,7 @@ class Gateway(Service):
     def _http_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.server.max_body_bytes,
-            middlewares=[ingress.phase_middleware(), error_middleware()]
+            middlewares=[ingress.phase_middleware(), error_middleware(NO_UNIT)]
             + ([self.api_keys.middleware()] if self.api_keys.enabled else [])
             + [ingress.body_middleware()],
         )
@@ -487,12 +470,11 @@ class Gateway(Service):
                     self._count(route, "400")  # the error middleware answers
                     raise
                 down = AiohttpResponse(request)
-                stored = request.match_info.get("response_id")
-                method = request.method.encode()
+                headers = end_to_end(request.headers.items())
+                ctx = http_context(headers, route, request.path, request.method.encode(),
+                                   request.match_info.get("response_id"))  # fmt: skip
                 try:
-                    await self._inference(
-                        down, route, request.path, body, request.headers, method, stored
-                    )
+                    await self._inference(down, ctx, body)
                 except ClientGone as gone:
                     return gone.response
                 assert down.response is not None

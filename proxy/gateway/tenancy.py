@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from engine import tokens
@@ -23,7 +23,7 @@ from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.metrics import TenantMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateRequest
 from proxy.ratelimit import Limiter, RateLimited
-from proxy.tenants import PRIORITY_HEADER, Tenant, TenantSource
+from proxy.tenants import Tenant, TenantSource
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("unitproxy.access")
@@ -203,13 +203,10 @@ class TenantGate:
         return await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
 
     async def admit_grpc(
-        self, metadata: Sequence[tuple[str, str | bytes]] | None, request: bytes
+        self, request: bytes, authorization: str | None, priority: str | None
     ) -> Admission:
         started = self._clock()
-        tenant = self.source.current.identify_metadata(metadata)
-        priority = next((v for k, v in metadata or () if k == PRIORITY_HEADER), None)
-        if isinstance(priority, bytes):
-            priority = priority.decode(errors="replace")
+        tenant = self.source.current.identify(authorization)
         try:
             req = GenerateRequest.FromString(request)
         except Exception as exc:  # protobuf's DecodeError
