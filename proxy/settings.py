@@ -242,6 +242,11 @@ class SidecarSettings(_Section):
         gt=0,
         description="Most requests admitted at once (outstanding); more get 429. Gateways send a unit at most this many at once and hold the rest in their fair queue. Default: the engine's slots, the requests it runs at once (engine_slots in the load report: the simulator's and vLLM's max_num_seqs), so that nothing waits in the engine's own FIFO; 64 where the engine does not say (engine openai).",
     )
+    priority_headroom: int | None = Field(
+        None,
+        ge=0,
+        description="Requests a unit at capacity still takes for a higher priority class than the lowest it runs: a request is admitted over capacity, up to capacity + this, while the requests of its class and above number fewer than capacity, and the engine gives it the slot of a running request of a lower class (that stream pauses and resumes, it never fails). The unit reports it; gateways send within it. Interactive is granted only to a request a gateway signed with server.resume_secret. 0: none. Only with an engine that schedules by priority (the simulator; vLLM with scheduling_policy priority), else 0. Default: a quarter of the capacity, at least 1.",
+    )
     report_interval_s: float = Field(
         1.0,
         gt=0,

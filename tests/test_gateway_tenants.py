@@ -427,10 +427,11 @@ priority = "interactive"
 async def one_slot(
     start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, **kw: Any
 ) -> Gateway:
-    """A gateway with PRIORITY_TENANTS in front of one unit that takes one request at once."""
+    """A gateway with PRIORITY_TENANTS in front of one unit that takes one request at
+    once, of any class (no allowance over capacity: what waits, waits in the gateway)."""
     path = tmp_path / "priority.toml"
     path.write_text(PRIORITY_TENANTS)
-    sidecar = await start_sidecar(sim=SLOW_SIM, sidecar={"capacity": 1})
+    sidecar = await start_sidecar(sim=SLOW_SIM, sidecar={"capacity": 1, "priority_headroom": 0})
     return await start_gateway([sidecar], tenants_file=str(path), **kw)
 
 

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,13 +68,13 @@ from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Admission, TenantGate, Usage
 from proxy.gateway.units import Unit
-from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
+from proxy.httputil import MIGRATE_HEADER, REQUEST_ID_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.ratelimit import RateLimited
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class GrpcJob:
         # The unit passes the class to its engine (with tenants; the client's own header
         # never goes to the unit).
         if admission is not None:
-            self._auth = (*self._auth, (PRIORITY_HEADER, admission.priority))
+            self._auth = (*self._auth, *_priority(admission.priority, proxy.resume_key))
         remaining = context.time_remaining()
         if remaining is None:
             remaining = proxy.settings.request_timeout_s
@@ -677,6 +678,17 @@ def refusal_metadata(exc: UnitProxyError) -> tuple[tuple[str, str], ...]:
         return ((GRPC_CODE_KEY, exc.code), ("retry-after", str(exc.retry_after_s)),
                 *exc.headers.items())  # fmt: skip
     return ()
+
+
+def _priority(priority: str, key: HintKey | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that gives the unit the request's class: interactive with this
+    gateway's signature over a request id of its own (the unit grants interactive only
+    so)."""
+    if priority != "interactive" or key is None:
+        return ((PRIORITY_HEADER, priority),)
+    request_id = uuid.uuid4().hex
+    return ((PRIORITY_HEADER, priority), (REQUEST_ID_HEADER, request_id),
+            (PRIORITY_SIG_HEADER, key.sign_priority(request_id, priority)))  # fmt: skip
 
 
 def _authorization(
