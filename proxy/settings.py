@@ -103,7 +103,7 @@ class ServerSettings(_Section):
     )
     resume_secret: SecretStr | None = Field(
         None,
-        description="Secret shared by a fleet's gateways and sidecars, never by clients: a gateway signs the resume hint of a stream it moves to another unit after its unit failed, and a sidecar takes only hints signed with it (any other is 403), so a client cannot move its prompt tokens into completion tokens. unitproxy up makes one for its cell. Without it a gateway does not move streams after their first byte, and a sidecar refuses every hint. A secret: give it in the environment (UNITPROXY_SERVER__RESUME_SECRET) or the config file. Default none.",
+        description="Secret shared by a fleet's gateways and sidecars, never by clients: a gateway signs the resume hint of a stream it moves to another unit after its unit failed, and a sidecar takes only hints signed with it (any other is 403), so a client cannot move its prompt tokens into completion tokens. With tenants a gateway also signs the interactive class it sends a unit (x-unitproxy-priority-sig: HMAC over the request id and the class), and a sidecar grants interactive only so signed (else standard). unitproxy up makes one for its cell. Without it a gateway does not move streams after their first byte, and a sidecar refuses every hint and grants no request interactive. A secret: give it in the environment (UNITPROXY_SERVER__RESUME_SECRET) or the config file. Default none.",
     )
     tls_cert_file: Path | None = Field(
         None,
@@ -240,7 +240,7 @@ class SidecarSettings(_Section):
     capacity: int | None = Field(
         None,
         gt=0,
-        description="Most requests admitted at once (outstanding); more get 429. Gateways send a unit at most this many at once and hold the rest in their fair queue. Default: the engine's slots, the requests it runs at once (engine_slots in the load report: the simulator's and vLLM's max_num_seqs), so that nothing waits in the engine's own FIFO; 64 where the engine does not say (engine openai).",
+        description="Most requests admitted at once (outstanding); more get 429. Gateways send a unit at most this many at once and hold the rest in their fair queue. Default: the engine's slots, the requests it runs at once (engine_slots in the load report: the simulator's and vLLM's max_num_seqs), so that nothing waits in the engine's own FIFO; 64 where the engine does not say (engine openai). A higher class may go over it by priority_headroom.",
     )
     priority_headroom: int | None = Field(
         None,
