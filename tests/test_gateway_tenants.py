@@ -654,3 +654,37 @@ async def test_interactive_goes_over_a_full_unit_and_the_batch_stream_resumes(
 
 async def _all(call: Any) -> list[Any]:
     return [c async for c in call]
+
+
+async def test_a_gateway_signs_interactive_so_that_it_outranks_standard_work(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    # Standard work fills the unit: only a class the unit grants as interactive, which
+    # takes the gateway's signature, goes over it, on both wires.
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS + '\n[[tenant]]\nname = "std"\nkeys = ["sk-std"]\n')
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1})
+    gw = await start_gateway([sidecar], tenants_file=str(path))
+    engine: Any = sidecar.engine
+    unit = next(iter(gw.router.units.values()))
+    await wait_until(lambda: unit.capacity == 1, what="the unit's report")
+    stream = await client(gw, "sk-std").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=300, stream=True
+    )
+    text = [(await anext(aiter(stream))).choices[0].text]
+    answer = await asyncio.wait_for(
+        client(gw, "sk-chat").completions.create(model="unitproxy-sim", prompt="hi", max_tokens=3),
+        1.0,
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    request = inference_pb2.GenerateRequest(
+        model="unitproxy-sim", prompt="hi", sampling=inference_pb2.SamplingParams(max_tokens=3)
+    )
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(request, metadata=(("authorization", "Bearer sk-chat"),))
+        assert sum(len(c.token_ids) for c in await asyncio.wait_for(_all(call), 1.0)) == 3
+    assert engine.preemptions == 2, "each took the standard stream's slot"
+    async for chunk in stream:
+        text.append(chunk.choices[0].text if chunk.choices else "")
+    assert len("".join(text)) > 0 and stream.response.status_code == 200
