@@ -50,7 +50,7 @@ class NoUnit(Unavailable):
 
 
 NO_WANT = Want()
-STANDARD, BATCH = RANK["standard"], RANK["batch"]
+INTERACTIVE, STANDARD, BATCH = RANK["interactive"], RANK["standard"], RANK["batch"]
 
 
 class Router:
@@ -331,11 +331,16 @@ class Router:
         if not queue.total:
             return
         free = self.candidates()
-        above_batch = queue.total - queue.waiting("batch")
-        if not free and not above_batch:
-            return
         # Full units that take a class above batch over capacity, found once per class.
         over: dict[int, list[Unit]] = {}
+        if not free:
+            # Only a waiting class above batch may go, and only where some unit lets it
+            # over: else nothing to do (not a pass over every waiter at each report).
+            for rank in (INTERACTIVE, STANDARD):
+                if queue.tenants_waiting(rank):
+                    over[rank] = self.over_capacity(rank)
+            if not any(over.values()):
+                return
 
         def may_go(w: Waiter) -> bool:
             if not _ready(w):
@@ -345,7 +350,7 @@ class Router:
             if w.rank >= BATCH or not w.tenant:
                 return False
             units = over.get(w.rank)
-            if units is None:
+            if units is None:  # a waiter that may not take the free units
                 units = over[w.rank] = self.over_capacity(w.rank)
             return any(_may_take(w, u) for u in units)
 
