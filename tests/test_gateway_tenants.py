@@ -688,3 +688,33 @@ async def test_a_gateway_signs_interactive_so_that_it_outranks_standard_work(
     async for chunk in stream:
         text.append(chunk.choices[0].text if chunk.choices else "")
     assert len("".join(text)) > 0 and stream.response.status_code == 200
+
+
+async def test_interactive_waits_in_the_gateway_for_a_unit_that_cannot_grant_it(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    # The unit has no server.resume_secret: it grants interactive as standard, which
+    # does not outrank the standard stream it runs, so the gateway keeps the request in
+    # its queue (no 429 from the unit) until the slot frees.
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS + '\n[[tenant]]\nname = "std"\nkeys = ["sk-std"]\n')
+    sidecar = await start_sidecar(
+        sim={**SLOW_SIM, "max_num_seqs": 1}, server={"resume_secret": None}
+    )
+    gw = await start_gateway([sidecar], tenants_file=str(path))
+    engine: Any = sidecar.engine
+    unit = next(iter(gw.router.units.values()))
+    await wait_until(lambda: unit.capacity == 1, what="the unit's report")
+    running = asyncio.create_task(
+        client(gw, "sk-std").completions.create(
+            model="unitproxy-sim", prompt="a long one", max_tokens=60
+        )
+    )
+    await wait_until(lambda: unit.inflight == 1, what="the unit busy")
+    answer = await client(gw, "sk-chat").completions.create(
+        model="unitproxy-sim", prompt="hi", max_tokens=3
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    assert running.done(), "it waited for the standard request's slot"
+    assert engine.preemptions == 0
+    assert sample(gw, "unitproxy_retries_total", reason="429") == 0

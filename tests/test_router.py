@@ -338,6 +338,20 @@ async def test_no_allowance_past_what_the_lower_classes_hold_or_without_tenants(
     await settle()
 
 
+async def test_a_unit_that_grants_no_interactive_counts_only_batch_below_it() -> None:
+    r = router("a")
+    # no outstanding_standard: a unit without server.resume_secret, whose 4 requests
+    # are standard (it grants interactive as standard)
+    named = {"priority_headroom": 2.0, "outstanding_batch": 0.0}
+    report(r, "a", 4, capacity=4, named_metrics=named)
+    waiting = asyncio.create_task(r.acquire(want=want("chat", "interactive")))
+    await settle()
+    assert not waiting.done()
+    report(r, "a", 4, capacity=4, seq=3, named_metrics={**named, "outstanding_batch": 1.0})
+    await settle()
+    assert waiting.done() and waiting.result().id == "a"
+
+
 async def test_unsigned_interactive_counts_as_standard_at_the_unit() -> None:
     r = router("a")
     full(r, "a", standard=4, batch=0)

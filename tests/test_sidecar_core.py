@@ -126,7 +126,7 @@ INTERACTIVE, STANDARD, BATCH = (PRIORITY_RANK[c] for c in ("interactive", "stand
 async def test_a_full_unit_takes_a_higher_class_over_capacity_within_the_headroom(
     make_unit: Any,
 ) -> None:
-    unit: Unit = await make_unit(capacity=4, headroom=2)
+    unit: Unit = await make_unit(capacity=4, headroom=2, key=HintKey("s3cret"))
     core = unit.core
     batch = [core.admit(BATCH) for _ in range(3)]
     core.admit(STANDARD)
@@ -160,6 +160,10 @@ async def test_over_capacity_only_while_the_higher_classes_hold_fewer_than_capac
     with pytest.raises(Overloaded):
         core.admit(INTERACTIVE)  # interactive holds every slot: it would wait in the engine
     assert core.outstanding == 3
+    # no server.resume_secret here: it grants no interactive, so a gateway must count
+    # standard work as a class it cannot go over (no outstanding_standard)
+    named = core.report().named_metrics
+    assert named[OUTSTANDING_BATCH] == 1 and OUTSTANDING_STANDARD not in named
 
 
 async def test_no_headroom_where_set_to_0_or_the_engine_ignores_priority(

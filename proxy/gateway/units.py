@@ -100,7 +100,9 @@ class Unit:
         (0 interactive, 1 standard) over its capacity, as its sidecar admits it: within
         the priority_headroom it reports, while the requests of that class and above
         (those outstanding less the lower classes' by its last report) number fewer than
-        its capacity, so that its engine gives it a lower class's slot."""
+        its capacity, so that its engine gives it a lower class's slot. A unit without
+        server.resume_secret reports no outstanding_standard: it grants interactive as
+        standard, and only batch is below it."""
         report = self.report
         if report is None or self.probation or rank > 1:
             return False

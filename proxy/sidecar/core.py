@@ -449,10 +449,14 @@ class SidecarCore:
             named[ENGINE_SLOTS] = float(slots)
         headroom = self.headroom
         if headroom and len(named) <= MAX_NAMED_METRICS - 3:
-            # what a gateway needs to send a higher class over capacity (Unit.room_for)
+            # what a gateway needs to send a higher class over capacity, as admit lets
+            # it (Unit.over_capacity_for)
             named[PRIORITY_HEADROOM] = float(headroom)
-            named[OUTSTANDING_STANDARD] = float(self._by_priority[STANDARD])
             named[OUTSTANDING_BATCH] = float(self._by_priority[PRIORITY_RANK["batch"]])
+            if self.resume_key is not None:
+                # interactive may take standard's slots; without the secret this unit
+                # grants no interactive, so a gateway counts only batch below it
+                named[OUTSTANDING_STANDARD] = float(self._by_priority[STANDARD])
         held = self.held
         blocks = None
         if held is not None:
