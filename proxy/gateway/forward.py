@@ -62,7 +62,7 @@ from proxy.httputil import (
 from proxy.metrics import GatewayMetrics, LoopBuckets
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,12 @@ class Forwarder:
         if authorization:
             headers["authorization"] = authorization
         if ctx.admission is not None:  # the unit passes the class to its engine
-            headers[PRIORITY_HEADER] = ctx.admission.priority
+            priority = headers[PRIORITY_HEADER] = ctx.admission.priority
+            if priority == "interactive" and self.resume_key is not None:
+                # the unit grants interactive only to what a gateway signed
+                headers[PRIORITY_SIG_HEADER] = self.resume_key.sign_priority(
+                    ctx.request_id, priority
+                )
         return headers
 
 

@@ -74,7 +74,7 @@ from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
 from proxy.ratelimit import RateLimited
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,10 @@ class GrpcJob:
         # The unit passes the class to its engine (with tenants; the client's own header
         # never goes to the unit).
         if admission is not None:
-            self._auth = (*self._auth, (PRIORITY_HEADER, admission.priority))
+            self._auth = (
+                *self._auth,
+                *_priority(admission.priority, ctx.request_id, proxy.resume_key),
+            )
         self._deadline = ctx.deadline(started, proxy.settings.request_timeout_s)
         self.unit_id = NO_UNIT  # the unit tried last
         self._loop = asyncio.get_running_loop()
@@ -680,6 +683,15 @@ def refusal_metadata(exc: UnitProxyError, request_id: str) -> tuple[tuple[str, s
         return ((GRPC_CODE_KEY, exc.code), ("retry-after", str(exc.retry_after_s)),
                 *exc.headers.items(), *own)  # fmt: skip
     return own
+
+
+def _priority(priority: str, request_id: str, key: HintKey | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that gives the unit the request's class: interactive with this
+    gateway's signature over the request's id (the unit grants interactive only so)."""
+    if priority != "interactive" or key is None:
+        return ((PRIORITY_HEADER, priority),)
+    return ((PRIORITY_HEADER, priority), (REQUEST_ID_HEADER, request_id),
+            (PRIORITY_SIG_HEADER, key.sign_priority(request_id, priority)))  # fmt: skip
 
 
 def _authorization(given: str | None, unit_auth: str | None) -> tuple[tuple[str, str], ...]:

@@ -160,6 +160,9 @@ class Gateway(Service):
         stack.callback(self.wheel.close)
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
         resume_key = self._resume_key()
+        # Units grant interactive only to a request signed with it (the allowance over
+        # capacity counts on their doing so).
+        self.router.signs_interactive = resume_key is not None
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),

@@ -21,8 +21,8 @@ from proxy.httputil import REQUEST_ID_HEADER, SSE_CONTENT_TYPE, UNIT_HEADER, Cli
 from proxy.response_ids import new_response_id
 from proxy.resume import HintKey, check_signed
 from proxy.sidecar import frontend_resume
-from proxy.sidecar.core import Lease, SidecarCore, engine_priority
-from proxy.tenants import PRIORITY_HEADER
+from proxy.sidecar.core import Lease, SidecarCore
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,16 @@ async def serve(
         # vLLM's field for the response's id: one that names this unit, so that a
         # follow-up through a gateway comes back here (proxy/response_ids.py)
         fields["request_id"] = new_response_id(core.unit_id)
+    asked = request.headers
+    priority = core.priority_of(
+        asked.get(PRIORITY_HEADER), asked.get(PRIORITY_SIG_HEADER), asked.get(REQUEST_ID_HEADER)
+    )
     if route in ("chat", "completions") and core.engine.takes_priority():
-        # vLLM's body field, ours whatever the client put there (trusted downwards only)
-        fields["priority"] = engine_priority(request.headers.get(PRIORITY_HEADER))
+        # vLLM's body field, ours whatever the client put there (interactive only with
+        # a gateway's credential)
+        fields["priority"] = priority
     hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
-    lease = core.admit()
+    lease = core.admit(priority)
     try:
         async with core.tracked(lease, deadline):  # the deadline, and a unit that lets go
             resumed = None

@@ -36,10 +36,10 @@ from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.sidecar import frontend_http, grpc_api
-from proxy.sidecar.core import SidecarCore, engine_priority, with_priority
+from proxy.sidecar.core import SidecarCore, with_priority
 from proxy.sidecar.frontend_http import OUTCOME
 from proxy.sidecar.watch import ReportWatch
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,12 @@ async def _serve(
         served_model=core.engine.served_models(),
         max_prompt_chars=request.app[MAX_PROMPT_CHARS],
     )
-    priority = engine_priority(request.headers.get(PRIORITY_HEADER))
+    headers = request.headers
+    priority = core.priority_of(
+        headers.get(PRIORITY_HEADER),
+        headers.get(PRIORITY_SIG_HEADER),
+        headers.get(REQUEST_ID_HEADER),
+    )
     parsed = dataclasses.replace(
         parsed, engine_request=with_priority(parsed.engine_request, priority)
     )
@@ -170,7 +175,7 @@ async def _serve(
     if hint is not None:
         parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
     deadline = _deadline(request)
-    lease = core.admit()
+    lease = core.admit(priority)
     if parsed.stream:
         return await _stream(request, parsed, core, lease, deadline)
     return await _complete(parsed, core, lease, deadline)
