@@ -243,6 +243,10 @@ class GatewayCore:
         serves."""
         return self._want(json_want, body, admission)
 
+    def form_want(self, model: str | None, admission: Admission | None = None) -> Want:
+        """The same for a multipart form (the audio routes): its model field alone."""
+        return self._want(lambda _raw, _blocks: Want(model or None), b"", admission)
+
     def grpc_want(self, request: bytes, admission: Admission | None = None) -> Want:
         """The same for a serialized GenerateRequest."""
         return self._want(grpc_want, request, admission)

@@ -47,6 +47,7 @@ from proxy.gateway.core import (
 )
 from proxy.gateway.http1.front import Producer
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
+from proxy.gateway.request import Want
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Admission, Usage
@@ -170,12 +171,14 @@ class Forwarder:
             route: metrics.serving.request_duration.labels(route) for route in routes
         }
 
-    async def handle(self, down: Downstream, req: Inbound) -> int:
+    async def handle(self, down: Downstream, req: Inbound, want: Want | None = None) -> int:
         """Answer ``req`` through ``down``; return the status the request counts as.
+        ``want``: what routes it, when its body is not JSON (a form's model field).
 
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
-        want = self.core.json_want(req.body, req.admission)
+        if want is None:
+            want = self.core.json_want(req.body, req.admission)
         if req.stored is not None:
             want = self.core.pin(want, req.stored, None)
         elif req.route == "responses":

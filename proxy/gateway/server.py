@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy import build, ingress, openai_api
+from proxy import build, ingress, multipart, openai_api
 from proxy.auth import ApiKeys, flat_keys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
@@ -98,8 +98,15 @@ ROUTES = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
+# The routes whose body is a multipart form (an audio file and its fields): aiohttp
+# serves them (the lean front takes JSON bodies), routed by the form's model field.
+FORM_ROUTES = {
+    "/v1/audio/transcriptions": "transcriptions",
+    "/v1/audio/translations": "translations",
+}
 # Routes on a stored response named in the path: sent to the unit that stores it.
 BY_ID_ROUTES = ("responses_retrieve", "responses_cancel")
+FORM_LABELS = frozenset(FORM_ROUTES.values())
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -171,7 +178,7 @@ class Gateway(Service):
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
-            self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *BY_ID_ROUTES),
+            self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *FORM_ROUTES.values(), *BY_ID_ROUTES),
             resume_key,
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
@@ -441,16 +448,23 @@ class Gateway(Service):
         request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
         admission: Admission | None = None
         try:  # the API key was checked from the head, before the body was read
+            form = route in FORM_LABELS
+            # a form's model field, found without reading the file (proxy/multipart.py)
+            model = multipart.field(body, headers.get("content-type"), "model") if form else None
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
-                admission = await tenancy.admit_http(
-                    body, headers.get("authorization"), headers.get(PRIORITY_HEADER)
+                key, priority = headers.get("authorization"), headers.get(PRIORITY_HEADER)
+                admission = await (
+                    tenancy.admit_form(model, key, priority)
+                    if form
+                    else tenancy.admit_http(body, key, priority)
                 )
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
                           headers.get(MIGRATE_HEADER) != "0", admission, method,
                           stored)  # fmt: skip
-            code = str(await self.forwarder.handle(down, req))
+            want = self.core.form_want(model, admission) if form else None
+            code = str(await self.forwarder.handle(down, req, want))
         except UnitProxyError as exc:
             code = str(exc.http_status)
             status, error_head, error_body = error_parts(exc, request_id, NO_UNIT)  # none tried
@@ -489,10 +503,10 @@ class Gateway(Service):
                 down = AiohttpResponse(request)
                 stored = request.match_info.get("response_id")
                 method = request.method.encode()
+                # a retrieve's query (stream, starting_after) goes to the unit as it came
+                path = request.path if stored is None else request.raw_path
                 try:
-                    await self._inference(
-                        down, route, request.path, body, request.headers, method, stored
-                    )
+                    await self._inference(down, route, path, body, request.headers, method, stored)
                 except ClientGone as gone:
                     return gone.response
                 assert down.response is not None
@@ -500,7 +514,7 @@ class Gateway(Service):
 
             return handle
 
-        for path, route in ROUTES.items():
+        for path, route in (*ROUTES.items(), *FORM_ROUTES.items()):
             app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
         app.router.add_get("/v1/responses/{response_id}", inference("responses_retrieve"))
         app.router.add_post(

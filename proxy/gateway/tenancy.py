@@ -202,6 +202,15 @@ class TenantGate:
         prompt = prompt_tokens_of(req)
         return await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
 
+    async def admit_form(
+        self, model: str | None, authorization: str | None, priority: str | None
+    ) -> Admission:
+        """A multipart request (the audio routes): its prompt is audio, counted by its
+        usage once answered; the estimate is the tenant's default."""
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        return await self._admit(tenant, model or "", priority, 0, None, started)
+
     async def admit_grpc(
         self, metadata: Sequence[tuple[str, str | bytes]] | None, request: bytes
     ) -> Admission:
