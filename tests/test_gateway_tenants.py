@@ -545,3 +545,28 @@ async def test_a_sidecar_trusts_a_priority_header_only_downwards(
     await send(None, 2)
     assert engine.preemptions == 1, "standard goes before a request that said batch"
     await batch
+
+
+async def test_an_audio_form_is_admitted_by_its_model_field(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    url = f"{gw.http_url}/v1/audio/transcriptions"
+    statuses = []
+    for key, model in (("sk-beta", "unitproxy-sim"), ("sk-beta", "other"),
+                       ("sk-alpha", "unitproxy-sim")):  # fmt: skip
+        form = aiohttp.FormData()
+        form.add_field("model", model)
+        form.add_field("file", b"RIFF", filename="a.wav")
+        headers = {"Authorization": f"Bearer {key}"}
+        async with http.post(url, data=form, headers=headers) as resp:
+            statuses.append(resp.status)
+            if resp.status == 400:  # the unit's: the simulator has no transcription model
+                assert resp.headers["x-unitproxy-unit"] != "none"
+    # beta's allow list holds for a form's model as for a JSON body's
+    assert statuses == [400, 403, 400]
+    await wait_until(lambda: in_flight(gw, "beta") == 0, what="its slot freed")
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="alpha", model="unitproxy-sim") == 1

@@ -596,7 +596,7 @@ async def test_a_streamed_retrieve_of_what_kept_no_events_is_vllms_400(
 
 # --- the audio routes (multipart forms) ----------------------------------------------------
 
-WAV = b"RIFF" + bytes(40)  # the simulator reads none of it
+WAV = b"RIFF" + bytes(range(256))  # the simulator reads none of it; not UTF-8
 
 
 def audio_form(model: str | None, **fields: str) -> aiohttp.FormData:

@@ -59,8 +59,10 @@ def form_fields(body: bytes, content_type: str | None) -> dict[str, Any]:
     FormFile, a name given more than once as the list of its values."""
     fields: dict[str, Any] = {}
     for part in multipart.parse(body, content_type):
-        value: Any = part.data.decode()
-        if part.filename is not None:
+        value: Any
+        if part.filename is None:
+            value = part.data.decode()
+        else:
             value = FormFile(part.filename, part.content_type, part.data)
         if part.name not in fields:
             fields[part.name] = value
