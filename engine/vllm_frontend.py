@@ -28,6 +28,7 @@ engine serves HTTP through unitproxy's own parser, as before.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import importlib
 import inspect
@@ -358,6 +359,11 @@ class VllmFrontend(OpenAIFrontend):
         token = _CURRENT.set(None if background else context)
         try:
             result = await call
+            if background and hasattr(result, "__anext__"):
+                # a streamed background response: its stream reads the events its task
+                # keeps, and that task (just made) must run once first to keep them, as
+                # it does in vLLM's server while the stream's head is sent
+                await asyncio.sleep(0)
             if route == "responses_retrieve" and hasattr(result, "__anext__"):
                 # vLLM's server starts the stream before the generator's first step,
                 # where an id with no kept events raises: its 200 then breaks off. Here
