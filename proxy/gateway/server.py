@@ -454,11 +454,12 @@ class Gateway(Service):
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
                 key, priority = headers.get("authorization"), headers.get(PRIORITY_HEADER)
-                admission = await (
-                    tenancy.admit_form(model, key, priority)
-                    if form
-                    else tenancy.admit_http(body, key, priority)
-                )
+                if form:
+                    admission = await tenancy.admit_form(model, key, priority)
+                elif stored is not None:  # a GET has no body to read a model from
+                    admission = await tenancy.admit_stored(key, priority)
+                else:
+                    admission = await tenancy.admit_http(body, key, priority)
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
                           headers.get(MIGRATE_HEADER) != "0", admission, method,
