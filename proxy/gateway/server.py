@@ -107,6 +107,8 @@ FORM_ROUTES = {
 # Routes on a stored response named in the path: sent to the unit that stores it.
 BY_ID_ROUTES = ("responses_retrieve", "responses_cancel")
 FORM_LABELS = frozenset(FORM_ROUTES.values())
+# Every route label the forwarder serves (its metrics' series are made for these).
+ROUTE_LABELS = (*dict.fromkeys(ROUTES.values()), *FORM_ROUTES.values(), *BY_ID_ROUTES)
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -178,7 +180,7 @@ class Gateway(Service):
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
-            self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *FORM_ROUTES.values(), *BY_ID_ROUTES),
+            self.wheel, self._unit_key(), ROUTE_LABELS,
             resume_key,
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
