@@ -115,6 +115,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Bodies a browser may send cross-site without a preflight; the API takes JSON only.
 MAX_REQUEST_ID = 256
 FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
+# The routes whose body is a multipart form (an audio file and its fields), as vLLM's.
+FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
 def error_middleware(unit_id: str | None = None) -> Any:
@@ -146,6 +148,13 @@ def error_middleware(unit_id: str | None = None) -> Any:
 def _check_request(request: web.Request, request_id: str | None) -> None:
     if request_id is not None and (problem := bad_request_id(request_id)) is not None:
         raise InvalidRequest(problem)
+    if request.path in FORM_PATHS:
+        if request.headers.get("Origin") is not None and request.content_type in FORM_TYPES:
+            # a form a web page posts cross-site with no preflight; SDKs send no Origin
+            raise Forbidden(
+                "a form body from a browser (Origin header) is refused", code="browser_request"
+            )
+        return
     if request.path.startswith("/v1/") and request.content_type in FORM_TYPES:
         raise InvalidRequest(
             f"content-type {request.content_type} is not accepted: send application/json"

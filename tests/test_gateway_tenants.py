@@ -7,6 +7,7 @@ logged. Real sidecars and gateways on loopback, the openai client, real gRPC cha
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -719,3 +720,51 @@ async def test_interactive_waits_in_the_gateway_for_a_unit_that_cannot_grant_it(
     assert running.done(), "it waited for the standard request's slot"
     assert engine.preemptions == 0
     assert sample(gw, "unitproxy_retries_total", reason="429") == 0
+
+
+async def test_an_audio_form_is_admitted_by_its_model_field(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    url = f"{gw.http_url}/v1/audio/transcriptions"
+    statuses = []
+    for key, model in (("sk-beta", "unitproxy-sim"), ("sk-beta", "other"),
+                       ("sk-alpha", "unitproxy-sim")):  # fmt: skip
+        form = aiohttp.FormData()
+        form.add_field("model", model)
+        form.add_field("file", b"RIFF", filename="a.wav")
+        headers = {"Authorization": f"Bearer {key}"}
+        async with http.post(url, data=form, headers=headers) as resp:
+            statuses.append(resp.status)
+            if resp.status == 400:  # the unit's: the simulator has no transcription model
+                assert resp.headers["x-unitproxy-unit"] != "none"
+    # beta's allow list holds for a form's model as for a JSON body's
+    assert statuses == [400, 403, 400]
+    await wait_until(lambda: in_flight(gw, "beta") == 0, what="its slot freed")
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="alpha", model="unitproxy-sim") == 1
+
+
+async def test_a_stored_response_is_retrieved_by_its_tenant_streamed_or_not(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    headers = {"Authorization": "Bearer sk-beta"}  # a tenant with an allow list
+    body = {"model": "unitproxy-sim", "input": "hi", "max_output_tokens": 3,
+            "background": True, "stream": True}  # fmt: skip
+    async with http.post(f"{gw.http_url}/v1/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        made = await resp.text()
+    rid = json.loads(made.split("data: ", 2)[1].split("\n")[0])["response"]["id"]
+    for query in ("", "?stream=true"):
+        async with http.get(f"{gw.http_url}/v1/responses/{rid}{query}", headers=headers) as r:
+            assert r.status == 200, await r.text()
+            got = await r.text()
+        assert got == made if query else json.loads(got)["id"] == rid
+    async with http.get(f"{gw.http_url}/v1/responses/{rid}") as resp:
+        assert resp.status == 401, "the tenants' keys hold for it"

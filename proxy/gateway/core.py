@@ -243,6 +243,11 @@ class GatewayCore:
         ctx.want = self._want(json_want, body, ctx)
         return ctx.want
 
+    def form_want(self, ctx: Context, model: str | None) -> Want:
+        """The same for a multipart form (the audio routes): its model field alone."""
+        ctx.want = self._want(lambda _raw, _blocks: Want(model or None), b"", ctx)
+        return ctx.want
+
     def grpc_want(self, ctx: Context, request: bytes) -> Want:
         """The same for a serialized GenerateRequest."""
         ctx.want = self._want(grpc_want, request, ctx)

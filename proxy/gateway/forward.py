@@ -47,7 +47,7 @@ from proxy.gateway.core import (
 )
 from proxy.gateway.http1.front import Producer
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
-from proxy.gateway.request import Context, passed
+from proxy.gateway.request import Context, Want, passed
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Usage
@@ -135,13 +135,17 @@ class Forwarder:
             route: metrics.serving.request_duration.labels(route) for route in routes
         }
 
-    async def handle(self, down: Downstream, ctx: Context, body: bytes) -> int:
+    async def handle(
+        self, down: Downstream, ctx: Context, body: bytes, want: Want | None = None
+    ) -> int:
         """Answer the request of ``ctx`` and ``body`` through ``down``; return the status
-        the request counts as.
+        the request counts as. ``want``: what routes it, when its body is not JSON (a
+        form's model field).
 
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
-        want = self.core.json_want(ctx, body)
+        if want is None:
+            want = self.core.json_want(ctx, body)
         if ctx.stored is not None:
             want = ctx.want = self.core.pin(want, ctx.stored, None)
         elif ctx.route == "responses":

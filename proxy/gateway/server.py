@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy import build, ingress, openai_api
+from proxy import build, ingress, multipart, openai_api
 from proxy.auth import ApiKeys, flat_keys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
@@ -94,8 +94,17 @@ ROUTES = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
+# The routes whose body is a multipart form (an audio file and its fields): aiohttp
+# serves them (the lean front takes JSON bodies), routed by the form's model field.
+FORM_ROUTES = {
+    "/v1/audio/transcriptions": "transcriptions",
+    "/v1/audio/translations": "translations",
+}
 # Routes on a stored response named in the path: sent to the unit that stores it.
 BY_ID_ROUTES = ("responses_retrieve", "responses_cancel")
+FORM_LABELS = frozenset(FORM_ROUTES.values())
+# Every route label the forwarder serves (its metrics' series are made for these).
+ROUTE_LABELS = (*dict.fromkeys(ROUTES.values()), *FORM_ROUTES.values(), *BY_ID_ROUTES)
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -170,7 +179,7 @@ class Gateway(Service):
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
-            self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *BY_ID_ROUTES),
+            self.wheel, self._unit_key(), ROUTE_LABELS,
             resume_key,
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
@@ -431,12 +440,24 @@ class Gateway(Service):
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
         try:  # the API key was checked from the head, before the body was read
+            form = ctx.route in FORM_LABELS
+            # a form's model field, found without reading the file (proxy/multipart.py)
+            model = (
+                multipart.field(body, ctx.headers.get("content-type"), "model") if form else None
+            )
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
-                ctx.admission = await tenancy.admit_http(body, ctx.authorization, ctx.priority)
+                key, priority = ctx.authorization, ctx.priority
+                if form:
+                    ctx.admission = await tenancy.admit_form(model, key, priority)
+                elif ctx.stored is not None:  # a GET has no body to read a model from
+                    ctx.admission = await tenancy.admit_stored(key, priority)
+                else:
+                    ctx.admission = await tenancy.admit_http(body, key, priority)
             if ctx.invalid is not None:
                 raise ctx.invalid
-            code = str(await self.forwarder.handle(down, ctx, body))
+            want = self.core.form_want(ctx, model) if form else None
+            code = str(await self.forwarder.handle(down, ctx, body, want))
         except UnitProxyError as exc:
             code = str(exc.http_status)
             status, error_head, error_body = error_parts(exc, ctx.request_id, NO_UNIT)  # none tried
@@ -474,8 +495,10 @@ class Gateway(Service):
                     raise
                 down = AiohttpResponse(request)
                 headers = end_to_end(request.headers.items())
-                ctx = http_context(headers, route, request.path, request.method.encode(),
-                                   request.match_info.get("response_id"))  # fmt: skip
+                stored = request.match_info.get("response_id")
+                # a retrieve's query (stream, starting_after) goes to the unit as it came
+                path = request.path if stored is None else request.raw_path
+                ctx = http_context(headers, route, path, request.method.encode(), stored)
                 try:
                     await self._inference(down, ctx, body)
                 except ClientGone as gone:
@@ -485,7 +508,7 @@ class Gateway(Service):
 
             return handle
 
-        for path, route in ROUTES.items():
+        for path, route in (*ROUTES.items(), *FORM_ROUTES.items()):
             app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
         app.router.add_get("/v1/responses/{response_id}", inference("responses_retrieve"))
         app.router.add_post(

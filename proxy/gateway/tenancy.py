@@ -202,6 +202,22 @@ class TenantGate:
         prompt = prompt_tokens_of(req)
         return await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
 
+    async def admit_form(
+        self, model: str | None, authorization: str | None, priority: str | None
+    ) -> Admission:
+        """A multipart request (the audio routes): by its form's model field, with the
+        tenant's default estimate (its prompt is audio)."""
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        return await self._admit(tenant, model or "", priority, 0, None, started)
+
+    async def admit_stored(self, authorization: str | None, priority: str | None) -> Admission:
+        """A request on a stored response named in the path (retrieve, cancel): no body
+        and no model; the tenant's limits hold, its allow list held when it was made."""
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        return await self._admit(tenant, "", priority, 0, None, started, check=False)
+
     async def admit_grpc(
         self, request: bytes, authorization: str | None, priority: str | None
     ) -> Admission:
@@ -231,8 +247,10 @@ class TenantGate:
         prompt: int,
         max_tokens: int | None,
         started: float,
+        check: bool = True,  # the model against the tenant's allow list
     ) -> Admission:
-        tenant.check_model(model)
+        if check:
+            tenant.check_model(model)
         priority = tenant.priority_for(asked)
         estimate = prompt + (max_tokens or self.estimate_max_tokens)
         try:

@@ -50,6 +50,8 @@ SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# vLLM's answer on a route its server did not register for the model (FastAPI's own).
+NOT_FOUND = b'{"detail":"Not Found"}'
 # The POST routes besides chat and completions, served where the engine's own layer has
 # them (engine/frontend.py), as vLLM's server serves them.
 ENGINE_ROUTES: dict[str, FrontendRoute] = {
@@ -64,6 +66,9 @@ ENGINE_ROUTES: dict[str, FrontendRoute] = {
     "/rerank": "rerank",
     "/v1/rerank": "rerank",
     "/v2/rerank": "rerank",
+    # multipart forms (proxy/multipart.py): an audio file and its fields
+    "/v1/audio/transcriptions": "transcriptions",
+    "/v1/audio/translations": "translations",
 }
 
 
@@ -152,8 +157,12 @@ async def _serve(
         deadline = _deadline(request)
         return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
     if route not in ("completions", "chat") or (frontend is not None and not frontend.generates):
-        # a pooling model has no chat or completions: 404, as vLLM's server answers
-        raise NotFound(f"{request.path} is not served by this engine", code="not_found")
+        # a route the model has no task for (a pooling model's chat): vLLM's server has
+        # no such route, and answers as FastAPI does
+        return web.Response(
+            body=NOT_FOUND, status=404, content_type="application/json",
+            headers={UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id},
+        )  # fmt: skip
     body = await request.read()
     parsed = openai_api.parse(
         route,
