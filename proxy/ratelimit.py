@@ -226,22 +226,21 @@ class _Local:
 # One script for a batch of operations, so that a gateway under load makes one round trip
 # to Redis for every admission and settlement that arrived meanwhile, not one each.
 # KEYS[1]: the set of gateway replicas present (scores: when each presence ends); then
-# each operation's keys. ARGV[1]: now; then each operation: 'a' (admit) and its 11
-# arguments, or 's' (settle) and its 2.
-# admit: KEYS rpm cur, rpm prev, tpm cur, tpm prev, tpd cur, tpd prev, concurrent (a
-#        sorted set); ARGV frac minute, frac day, rpm, tpm, tpd, max_concurrent (limits,
-#        0: none), tokens needed, member, lease end, minute key ttl, day key ttl.
-#        Gives {admitted 0|1, refused limit index (1 rpm, 2 tpm, 3 tpd, 4 concurrent; 0
-#        none), the counts before this request: rpm cur, prev, tpm cur, prev, tpd cur,
-#        prev, in flight}.
-# settle: KEYS tpm key, tpd key (of the reservation's windows), concurrent; ARGV token
-#        difference (may be negative), member. Gives nothing.
+# each operation's keys. ARGV[1]: now; then one argument an operation, its fields joined
+# by commas (one string to encode and send, not a dozen):
+# admit "a,frac minute,frac day,rpm,tpm,tpd,max_concurrent,tokens needed,member,lease
+#        end,minute key ttl,day key ttl" (limits 0: none); KEYS rpm cur, rpm prev, tpm
+#        cur, tpm prev, tpd cur, tpd prev, concurrent (a sorted set). Gives "admitted
+#        0|1,refused limit index (1 rpm, 2 tpm, 3 tpd, 4 concurrent; 0 none),the counts
+#        before this request: rpm cur,prev,tpm cur,prev,tpd cur,prev,in flight".
+# settle "s,token difference (may be negative),member"; KEYS tpm key, tpd key (of the
+#        reservation's windows), concurrent. Gives nothing.
 # Returns {replicas present, then what each admit gives, in order}.
 BATCH = """
 local now = tonumber(ARGV[1])
-local function admit(k, a)
-  local fm, fd = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  local need = tonumber(ARGV[a + 6])
+local function admit(k, f)
+  local fm, fd = tonumber(f[2]), tonumber(f[3])
+  local need = tonumber(f[8])
   local c = {}
   for i = 1, 6 do c[i] = tonumber(redis.call('GET', KEYS[k + i - 1]) or '0') end
   local conc_key = KEYS[k + 6]
@@ -250,49 +249,52 @@ local function admit(k, a)
   local checks = {{1, 1, fm}, {3, need, fm}, {5, need, fd}}
   local refused = 0
   for i, chk in ipairs(checks) do
-    local limit = tonumber(ARGV[a + 1 + i])
+    local limit = tonumber(f[3 + i])
     if refused == 0 and limit > 0 then
       local n = math.min(chk[2], limit)
       if c[chk[1] + 1] * (1 - chk[3]) + c[chk[1]] + n > limit then refused = i end
     end
   end
-  local conc = tonumber(ARGV[a + 5])
+  local conc = tonumber(f[7])
   if refused == 0 and conc > 0 and inflight + 1 > conc then refused = 4 end
-  local out = {refused == 0 and 1 or 0, refused, c[1], c[2], c[3], c[4], c[5], c[6], inflight}
+  local out = table.concat({refused == 0 and 1 or 0, refused, c[1], c[2], c[3], c[4], c[5],
+                            c[6], inflight}, ',')
   if refused ~= 0 then return out end
   redis.call('INCRBY', KEYS[k], 1)
-  redis.call('EXPIRE', KEYS[k], ARGV[a + 9])
+  redis.call('EXPIRE', KEYS[k], f[11])
   if need > 0 then
     redis.call('INCRBY', KEYS[k + 2], need)
-    redis.call('EXPIRE', KEYS[k + 2], ARGV[a + 9])
+    redis.call('EXPIRE', KEYS[k + 2], f[11])
     redis.call('INCRBY', KEYS[k + 4], need)
-    redis.call('EXPIRE', KEYS[k + 4], ARGV[a + 10])
+    redis.call('EXPIRE', KEYS[k + 4], f[12])
   end
   if conc > 0 then
-    redis.call('ZADD', conc_key, ARGV[a + 8], ARGV[a + 7])
-    redis.call('EXPIRE', conc_key, math.ceil(tonumber(ARGV[a + 8]) - now))
+    redis.call('ZADD', conc_key, f[10], f[9])
+    redis.call('EXPIRE', conc_key, math.ceil(tonumber(f[10]) - now))
   end
   return out
 end
-local function settle(k, a)
-  local d = tonumber(ARGV[a])
+local function settle(k, f)
+  local d = tonumber(f[2])
   for i = 0, 1 do
     if d ~= 0 and redis.call('EXISTS', KEYS[k + i]) == 1 then
       local v = redis.call('INCRBY', KEYS[k + i], d)
       if v < 0 then redis.call('SET', KEYS[k + i], 0, 'KEEPTTL') end
     end
   end
-  redis.call('ZREM', KEYS[k + 2], ARGV[a + 1])
+  redis.call('ZREM', KEYS[k + 2], f[3])
 end
 local out = {redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[1], '+inf')}
-local k, a = 2, 2
-while a <= #ARGV do
-  if ARGV[a] == 'a' then
-    out[#out + 1] = admit(k, a + 1)
-    k, a = k + 7, a + 12
+local k = 2
+for a = 2, #ARGV do
+  local f = {}
+  for v in string.gmatch(ARGV[a], '[^,]+') do f[#f + 1] = v end
+  if f[1] == 'a' then
+    out[#out + 1] = admit(k, f)
+    k = k + 7
   else
-    settle(k, a + 1)
-    k, a = k + 3, a + 3
+    settle(k, f)
+    k = k + 3
   end
 end
 return out
@@ -358,21 +360,25 @@ class Reservation:
 class _Op:
     """One admission or settlement waiting for the next script call."""
 
-    __slots__ = ("args", "difference", "done", "keys", "reservation")
+    __slots__ = ("arg", "difference", "done", "keys", "member", "need", "reservation")
 
     def __init__(
         self,
         keys: list[str],
-        args: list[Any],
-        done: asyncio.Future[Any] | None,  # an admission's answer; None: a settlement
+        arg: str,  # the script's argument for it
+        done: asyncio.Future[str] | None,  # an admission's answer; None: a settlement
         reservation: Reservation | None = None,
         difference: int = 0,
+        need: int = 0,
+        member: str = "",
     ):
         self.keys = keys
-        self.args = args
+        self.arg = arg
         self.done = done
         self.reservation = reservation  # a settlement's, kept if its batch fails
         self.difference = difference
+        self.need = need  # an admission's tokens and member: given back if it went away
+        self.member = member
 
 
 class Limiter:
@@ -402,6 +408,7 @@ class Limiter:
         self._sender: asyncio.Task[None] | None = None  # sends _ops, one call at a time
         self._timer: asyncio.TimerHandle | None = None  # sends settlements that wait alone
         self.id = uuid.uuid4().hex[:12]  # this replica, in Redis
+        self._admitted = 0
         self._gauge = shared_gauge
         self._set_gauge()
 
@@ -451,7 +458,8 @@ class Limiter:
         if tenant.tokens_per_day:
             need = min(need, tenant.tokens_per_day)
         local = self._local_of(tenant.name)
-        member = uuid.uuid4().hex
+        self._admitted += 1
+        member = f"{self.id}-{self._admitted}"  # unique across replicas
         check: Check | None = None
         if self.shared:
             check = await self._admit_shared(tenant, need, now, member)
@@ -493,17 +501,18 @@ class Limiter:
             self._key(name, "concurrent"),
         ]  # fmt: skip
         fm, fd = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
-        args = [
-            repr(fm), repr(fd), tenant.requests_per_minute, tenant.tokens_per_minute,
-            tenant.tokens_per_day, tenant.max_concurrent, need, member, repr(now + LEASE_S),
-            int(2 * MINUTE_S + 10), int(2 * DAY_S + 10),
-        ]  # fmt: skip
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._send(_Op(keys, ["a", *args], done))
+        arg = (
+            f"a,{fm!r},{fd!r},{tenant.requests_per_minute},{tenant.tokens_per_minute},"
+            f"{tenant.tokens_per_day},{tenant.max_concurrent},{need},{member},"
+            f"{now + LEASE_S!r},{int(2 * MINUTE_S + 10)},{int(2 * DAY_S + 10)}"
+        )
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._send(_Op(keys, arg, done, need=need, member=member))
         try:
-            out = await done
+            answer = await done
         except REDIS_ERRORS:
             return None  # the batch failed: Redis is down
+        out = answer.split(",")
         counts = Counts(
             (float(out[3]), float(out[2])), (float(out[5]), float(out[4])),
             (float(out[7]), float(out[6])), int(out[8]),
@@ -548,7 +557,7 @@ class Limiter:
         name = r.tenant.name
         keys = [self._key(name, f"tpm:{r.minute}"), self._key(name, f"tpd:{r.day}"),
                 self._key(name, "concurrent")]  # fmt: skip
-        op = _Op(keys, ["s", difference, r.member], None, r, difference)
+        op = _Op(keys, f"s,{difference},{r.member}", None, r, difference)
         self._ops.append(op)
         if self._timer is None and (self._sender is None or self._sender.done()):
             self._timer = asyncio.get_running_loop().call_later(SETTLE_WITHIN_S, self._start)
@@ -579,7 +588,7 @@ class Limiter:
             keys, args = [f"{self._prefix}:gateways"], [repr(now)]
             for op in ops:
                 keys += op.keys
-                args += op.args
+                args.append(op.arg)
             try:
                 out = await self._batch(keys=keys, args=args)
             except asyncio.CancelledError:
@@ -605,11 +614,11 @@ class Limiter:
                 i += 1
                 if not op.done.done():
                     op.done.set_result(result)
-                elif op.done.cancelled() and int(result[0]):
+                elif op.done.cancelled() and result[0] == "1":
                     # The request went away while Redis admitted it: give the tokens
                     # and its slot back (op.args: ..., need, member, ...).
                     keys = [op.keys[2], op.keys[4], op.keys[6]]  # tpm, tpd, concurrent
-                    self._ops.append(_Op(keys, ["s", -int(op.args[7]), op.args[8]], None))
+                    self._ops.append(_Op(keys, f"s,{-op.need},{op.member}", None))
 
     async def _flushed(self) -> None:
         """Until what is queued now has been sent (or failed)."""

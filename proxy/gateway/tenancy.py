@@ -251,14 +251,14 @@ class TenantGate:
 
     def account(self, a: Admission, status: str) -> None:
         m, u = self.metrics, a.usage
-        model = m.model(a.model)
-        m.requests.labels(a.label, model).inc()
+        requests, prompt, completion = m.usage(a.label, m.model(a.model))
+        requests.inc()
         if u.prompt:
-            m.prompt_tokens.labels(a.label, model).inc(u.prompt)
+            prompt.inc(u.prompt)
         if u.completion:
-            m.completion_tokens.labels(a.label, model).inc(u.completion)
+            completion.inc(u.completion)
         if u.attempted:
-            m.wait.labels(a.label).observe(max(0.0, u.attempted - a.started))
+            m.waited(a.label).observe(max(0.0, u.attempted - a.started))
         now = self._clock()
         ttft = f"{u.first_byte - a.started:.4f}" if u.first_byte else "-"
         access_log.info(
