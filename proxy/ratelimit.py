@@ -43,6 +43,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from engine.errors import Overloaded
 from proxy.redis_reports import REDIS_ERRORS, Outage
@@ -406,6 +407,7 @@ class Limiter:
         self._batch: Any = None if redis is None else redis.register_script(BATCH)
         self._ops: list[_Op] = []  # for the next script call
         self._sender: asyncio.Task[None] | None = None  # sends _ops, one call at a time
+        self._conn: Any = None  # the connection it sends them on
         self._timer: asyncio.TimerHandle | None = None  # sends settlements that wait alone
         self.id = uuid.uuid4().hex[:12]  # this replica, in Redis
         self._admitted = 0
@@ -590,7 +592,7 @@ class Limiter:
                 keys += op.keys
                 args.append(op.arg)
             try:
-                out = await self._batch(keys=keys, args=args)
+                out = await self._call(keys, args)
             except asyncio.CancelledError:
                 for op in ops:
                     if op.done is not None and not op.done.done():
@@ -619,6 +621,38 @@ class Limiter:
                     # and its slot back (op.args: ..., need, member, ...).
                     keys = [op.keys[2], op.keys[4], op.keys[6]]  # tpm, tpd, concurrent
                     self._ops.append(_Op(keys, f"s,{-op.need},{op.member}", None))
+
+    async def _call(self, keys: list[str], args: list[str]) -> Any:
+        """EVALSHA of the batch script on a connection this limiter keeps to itself (one
+        call is in flight at a time): redis-py's per-command machinery (pool, retries,
+        timing) costs more than the call itself. SCRIPT LOAD where Redis lacks it."""
+        redis = self._redis
+        assert redis is not None
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = await redis.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            await conn.send_packed_command(
+                conn.pack_command("EVALSHA", self._batch.sha, len(keys), *keys, *args), False
+            )
+            return await conn.read_response()
+        except NoScriptError:
+            await conn.send_command("SCRIPT", "LOAD", BATCH, check_health=False)
+            await conn.read_response()
+            await conn.send_packed_command(
+                conn.pack_command("EVALSHA", self._batch.sha, len(keys), *keys, *args), False
+            )
+            return await conn.read_response()
+        except BaseException:
+            await self._drop_conn()
+            raise
+
+    async def _drop_conn(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and self._redis is not None:
+            with contextlib.suppress(Exception):
+                await conn.disconnect()
+            await self._redis.connection_pool.release(conn)
 
     async def _flushed(self) -> None:
         """Until what is queued now has been sent (or failed)."""
@@ -672,6 +706,7 @@ class Limiter:
             return
         self.replicas_seen = max(1, int(results[2]))
         if self._outage.down:
+            await self._drop_conn()  # it may be one Redis closed
             self._outage.recovered()
             self._set_gauge()
         unsent, self._unsent = self._unsent, []
@@ -684,6 +719,7 @@ class Limiter:
         if self._ops or (self._sender is not None and not self._sender.done()):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._flushed(), 2.0)
+        await self._drop_conn()
         if self._redis is not None and not self._outage.down:
             with contextlib.suppress(*REDIS_ERRORS):
                 await self._redis.zrem(f"{self._prefix}:gateways", self.id)

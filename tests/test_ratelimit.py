@@ -339,13 +339,13 @@ async def test_many_requests_at_once_share_few_round_trips(cluster: str) -> None
     a = shared_limiter(cluster, clock)
     t = tenant(requests_per_minute=10_000, tokens_per_minute=10**9, max_concurrent=10_000)
     sent: list[int] = []
-    batch = a._batch
+    call = a._call
 
-    async def counting(keys: list[str], args: list[object]) -> object:
+    async def counting(keys: list[str], args: list[str]) -> object:
         sent.append(1)
-        return await batch(keys=keys, args=args)
+        return await call(keys, args)
 
-    a._batch = counting
+    a._call = counting  # type: ignore[method-assign]
     try:
         held = await asyncio.gather(*(a.admit(t, 10) for _ in range(300)))
         assert all(r.shared for r in held) and a.shared
