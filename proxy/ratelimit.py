@@ -43,7 +43,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from engine.errors import Overloaded
 from proxy.redis_reports import REDIS_ERRORS, Outage
@@ -598,7 +598,10 @@ class Limiter:
                     if op.done is not None and not op.done.done():
                         op.done.cancel()
                 raise
-            except REDIS_ERRORS as exc:
+            except Exception as exc:
+                if not isinstance(exc, REDIS_ERRORS):  # never leave an admission waiting
+                    log.exception("tenant limits: the batch to Redis failed")
+                    exc = RedisError(f"{type(exc).__name__}: {exc}")
                 self._down(exc)
                 for op in ops:
                     if op.done is None:
@@ -618,7 +621,7 @@ class Limiter:
                     op.done.set_result(result)
                 elif op.done.cancelled() and result[0] == "1":
                     # The request went away while Redis admitted it: give the tokens
-                    # and its slot back (op.args: ..., need, member, ...).
+                    # and its slot back.
                     keys = [op.keys[2], op.keys[4], op.keys[6]]  # tpm, tpd, concurrent
                     self._ops.append(_Op(keys, f"s,{-op.need},{op.member}", None))
 

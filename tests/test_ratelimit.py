@@ -395,3 +395,25 @@ async def test_an_admission_cancelled_on_its_way_gives_its_slot_back(cluster: st
     finally:
         await a._redis.aclose()  # type: ignore[union-attr]
         await b._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_a_batch_that_fails_unexpectedly_leaves_no_admission_waiting(
+    cluster: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever goes wrong in a batch, its admissions are answered (from the replica's
+    own counts, as with Redis down), never left waiting."""
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=10)
+
+    async def broken(keys: list[str], args: list[str]) -> object:
+        raise ValueError("a reply of an unexpected shape")
+
+    a._call = broken  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(5):
+            r = await a.admit(t, 0)
+        assert not r.shared and not a.shared
+        assert "the batch to Redis failed" in caplog.text
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
