@@ -54,6 +54,7 @@ BENCHES = (
     Bench("failover_under_load", ("bench/failover/under_load.py",)),
     Bench("ingress", ("bench/ingress/run.py",)),
     Bench("tenants", ("bench/tenants/run.py",)),
+    Bench("limiter_cost", ("bench/limiter_cost.py",)),
     Bench("vllm_side_by_side", ("bench/vllm_side_by_side.py",), VLLM_PYTHON),
 )
 

@@ -145,13 +145,14 @@ def run_queue_wait_s(pids: Sequence[int]) -> float | None:
 MODEL = "unitproxy-sim"  # the sim engine's served model
 
 
-def answers(url: str) -> Probe:
+def answers(url: str, api_key: str | None = None) -> Probe:
     """A probe: a real completion comes back through ``url`` (a router whose /ready holds
     can still fail every request, say in a tree that is mid-edit)."""
     body = {"model": MODEL, "prompt": "ready?", "max_tokens": 2}
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
     async def probe(session: aiohttp.ClientSession) -> bool:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
             return resp.status == 200 and bool((await resp.json())["choices"])
 
     return probe

@@ -60,15 +60,25 @@ class Outcome:
 RequestFn = Callable[[], Awaitable[Outcome]]
 
 
+def bearer(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
 async def _http_error(resp: aiohttp.ClientResponse) -> Outcome:
     text = (await resp.read())[:80].decode(errors="replace")
     return Outcome(error=f"http {resp.status} {text}")
 
 
-async def complete(session: aiohttp.ClientSession, url: str, body: bytes, want: int) -> Outcome:
+async def complete(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    want: int,
+    headers: dict[str, str] = JSON_HEADERS,
+) -> Outcome:
     """A non-streaming completion; its TTFT is the time to the whole response."""
     sent = now()
-    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+    async with session.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             return await _http_error(resp)
         raw = await resp.read()
@@ -81,10 +91,16 @@ async def complete(session: aiohttp.ClientSession, url: str, body: bytes, want: 
     return Outcome(ttft, 0)
 
 
-async def embed(session: aiohttp.ClientSession, url: str, body: bytes, want: int) -> Outcome:
+async def embed(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    want: int,
+    headers: dict[str, str] = JSON_HEADERS,
+) -> Outcome:
     """A non-streamed embedding of one input; its TTFT is the time to the whole response."""
     sent = now()
-    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+    async with session.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             return await _http_error(resp)
         raw = await resp.read()
@@ -96,12 +112,16 @@ async def embed(session: aiohttp.ClientSession, url: str, body: bytes, want: int
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, url: str, body: bytes, want: int
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    want: int,
+    headers: dict[str, str] = JSON_HEADERS,
 ) -> Outcome:
     """A streamed completion: counts SSE data events in the raw pieces, [DONE] aside."""
     sent = now()
     ttft, events, carry, tail = 0.0, 0, b"", b""
-    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+    async with session.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             return await _http_error(resp)
         async for piece in resp.content.iter_any():
@@ -130,7 +150,10 @@ def _check_stream(ttft: float, chunks: int, tail: bytes, want: int) -> Outcome:
 
 
 async def generate(
-    stub: inference_pb2_grpc.InferenceStub, request: inference_pb2.GenerateRequest, want: int
+    stub: inference_pb2_grpc.InferenceStub,
+    request: inference_pb2.GenerateRequest,
+    want: int,
+    metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> Outcome:
     """One gRPC Generate stream: counts messages and the tokens they carry, checks the
     last one and the status. Token deltas that waited on a write go out merged in one
@@ -139,7 +162,7 @@ async def generate(
     ttft, tokens, messages = 0.0, 0, 0
     last: inference_pb2.GenerateChunk | None = None
     try:
-        async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
+        async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S, metadata=metadata):
             if messages == 0:
                 ttft = now() - sent
             messages += 1
@@ -159,40 +182,46 @@ async def generate(
 
 @asynccontextmanager
 async def http_client(
-    base_url: str, body: dict[str, Any], concurrency: int
+    base_url: str, body: dict[str, Any], concurrency: int, api_key: str | None = None
 ) -> AsyncIterator[RequestFn]:
     """POST ``body`` to /v1/completions (streamed when it says so), ``concurrency``
-    connections at most."""
+    connections at most; with ``api_key`` as a bearer token."""
     data, url, want = json.dumps(body).encode(), f"{base_url}/v1/completions", body["max_tokens"]
+    headers = JSON_HEADERS if api_key is None else {**JSON_HEADERS, **bearer(api_key)}
     send = stream_completion if body.get("stream") else complete
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        yield lambda: send(session, url, data, want)
+        yield lambda: send(session, url, data, want, headers)
 
 
 @asynccontextmanager
 async def embeddings_client(
-    base_url: str, body: dict[str, Any], concurrency: int, dim: int
+    base_url: str, body: dict[str, Any], concurrency: int, dim: int, api_key: str | None = None
 ) -> AsyncIterator[RequestFn]:
     """POST ``body`` to /v1/embeddings (not streamed), ``concurrency`` connections at most;
-    each answer must hold one vector of ``dim`` numbers."""
+    each answer must hold one vector of ``dim`` numbers. With ``api_key`` as a bearer
+    token."""
     data, url = json.dumps(body).encode(), f"{base_url}/v1/embeddings"
+    headers = JSON_HEADERS if api_key is None else {**JSON_HEADERS, **bearer(api_key)}
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        yield lambda: embed(session, url, data, dim)
+        yield lambda: embed(session, url, data, dim, headers)
 
 
 @asynccontextmanager
-async def grpc_client(target: str, prompt: str, max_tokens: int) -> AsyncIterator[RequestFn]:
+async def grpc_client(
+    target: str, prompt: str, max_tokens: int, api_key: str | None = None
+) -> AsyncIterator[RequestFn]:
+    metadata = None if api_key is None else (("authorization", f"Bearer {api_key}"),)
     # One channel (one HTTP/2 connection) carries all workers' streams.
     async with grpc.aio.insecure_channel(target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         request = inference_pb2.GenerateRequest(
             prompt=prompt, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens)
         )
-        yield lambda: generate(stub, request, max_tokens)
+        yield lambda: generate(stub, request, max_tokens, metadata)
 
 
 # -- one run: closed loop, warm-up, measured window -----------------------------------

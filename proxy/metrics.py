@@ -571,6 +571,10 @@ class TenantMetrics:
         self._max_models = max_models
         self._tenants: set[str] = set()
         self._models: set[str] = set()
+        # Labelled children, found once (labels() takes a lock and builds a key each
+        # time): as bounded as the labels.
+        self._usage: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
+        self._waits: dict[str, Histogram] = {}
         labels = ["tenant", "model"]
         self.requests = Counter(
             "tenant_requests", "Requests admitted, by tenant and model.", labels,
@@ -602,6 +606,23 @@ class TenantMetrics:
     def tenant(self, name: str) -> str:
         """The label for tenant ``name``."""
         return _bounded(name, self._tenants, self._max_tenants)
+
+    def usage(self, tenant: str, model: str) -> tuple[Counter, Counter, Counter]:
+        """The requests, prompt tokens and completion tokens counters of these labels."""
+        key = (tenant, model)
+        found = self._usage.get(key)
+        if found is None:
+            found = self._usage[key] = (self.requests.labels(tenant, model),
+                                        self.prompt_tokens.labels(tenant, model),
+                                        self.completion_tokens.labels(tenant, model))  # fmt: skip
+        return found
+
+    def waited(self, tenant: str) -> Histogram:
+        """The wait histogram of this tenant label."""
+        found = self._waits.get(tenant)
+        if found is None:
+            found = self._waits[tenant] = self.wait.labels(tenant)
+        return found
 
     def model(self, name: str | None) -> str:
         return _bounded(name or "", self._models, self._max_models)

@@ -20,7 +20,10 @@ Sharing. With Redis every gateway replica counts in the same keys,
 ``...:{tenant}:concurrent`` (a sorted set of requests in flight, each with a lease the
 replica renews, so a replica that dies frees its slots within ``LEASE_S``); one Lua
 script checks every limit of a tenant and counts the request only if all pass, so two
-replicas never both take the last slot. Each replica also keeps its own counts. While
+replicas never both take the last slot. Admissions and settlements go to Redis in
+batches: one script call at a time per replica, carrying every admission and settlement
+that arrived while the previous call was on its way (one connection, one round trip a
+batch; each answer also says how many replicas are present). Each replica also keeps its own counts. While
 Redis cannot be reached each replica enforces ``limit / replicas`` from those (replicas
 as last seen in Redis, or ``gateway.replicas``), says so in the log and in
 ``unitproxy_tenant_limits_shared``, and goes back to Redis once it answers again.
@@ -40,6 +43,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError, RedisError
 
 from engine.errors import Overloaded
 from proxy.redis_reports import REDIS_ERRORS, Outage
@@ -220,60 +224,84 @@ class _Local:
         return Counts(self.rpm.at(now), self.tpm.at(now), self.tpd.at(now), self.concurrent)
 
 
-# KEYS: rpm cur, rpm prev, tpm cur, tpm prev, tpd cur, tpd prev, concurrent (sorted set)
-# ARGV: now, frac minute, frac day, rpm, tpm, tpd, max_concurrent (limits, 0: none),
-#       tokens needed, member, lease end, minute key ttl, day key ttl
-# Returns {admitted 0|1, refused limit index (1 rpm, 2 tpm, 3 tpd, 4 concurrent; 0 none),
-#          the counts before this request: rpm cur, prev, tpm cur, prev, tpd cur, prev,
-#          in flight}
-ADMIT = """
-local now, fm, fd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local need = tonumber(ARGV[8])
-local c = {}
-for i = 1, 6 do c[i] = tonumber(redis.call('GET', KEYS[i]) or '0') end
-redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
-local inflight = redis.call('ZCARD', KEYS[7])
-local checks = {{1, 1, fm}, {3, need, fm}, {5, need, fd}}
-local refused = 0
-for i, chk in ipairs(checks) do
-  local limit = tonumber(ARGV[3 + i])
-  if refused == 0 and limit > 0 then
-    local n = math.min(chk[2], limit)
-    if c[chk[1] + 1] * (1 - chk[3]) + c[chk[1]] + n > limit then refused = i end
+# One script for a batch of operations, so that a gateway under load makes one round trip
+# to Redis for every admission and settlement that arrived meanwhile, not one each.
+# KEYS[1]: the set of gateway replicas present (scores: when each presence ends); then
+# each operation's keys. ARGV[1]: now; then one argument an operation, its fields joined
+# by commas (one string to encode and send, not a dozen):
+# admit "a,frac minute,frac day,rpm,tpm,tpd,max_concurrent,tokens needed,member,lease
+#        end,minute key ttl,day key ttl" (limits 0: none); KEYS rpm cur, rpm prev, tpm
+#        cur, tpm prev, tpd cur, tpd prev, concurrent (a sorted set). Gives "admitted
+#        0|1,refused limit index (1 rpm, 2 tpm, 3 tpd, 4 concurrent; 0 none),the counts
+#        before this request: rpm cur,prev,tpm cur,prev,tpd cur,prev,in flight".
+# settle "s,token difference (may be negative),member"; KEYS tpm key, tpd key (of the
+#        reservation's windows), concurrent. Gives nothing.
+# Returns {replicas present, then what each admit gives, in order}.
+BATCH = """
+local now = tonumber(ARGV[1])
+local function admit(k, f)
+  local fm, fd = tonumber(f[2]), tonumber(f[3])
+  local need = tonumber(f[8])
+  local c = {}
+  for i = 1, 6 do c[i] = tonumber(redis.call('GET', KEYS[k + i - 1]) or '0') end
+  local conc_key = KEYS[k + 6]
+  redis.call('ZREMRANGEBYSCORE', conc_key, '-inf', now)
+  local inflight = redis.call('ZCARD', conc_key)
+  local checks = {{1, 1, fm}, {3, need, fm}, {5, need, fd}}
+  local refused = 0
+  for i, chk in ipairs(checks) do
+    local limit = tonumber(f[3 + i])
+    if refused == 0 and limit > 0 then
+      local n = math.min(chk[2], limit)
+      if c[chk[1] + 1] * (1 - chk[3]) + c[chk[1]] + n > limit then refused = i end
+    end
   end
+  local conc = tonumber(f[7])
+  if refused == 0 and conc > 0 and inflight + 1 > conc then refused = 4 end
+  local out = table.concat({refused == 0 and 1 or 0, refused, c[1], c[2], c[3], c[4], c[5],
+                            c[6], inflight}, ',')
+  if refused ~= 0 then return out end
+  redis.call('INCRBY', KEYS[k], 1)
+  redis.call('EXPIRE', KEYS[k], f[11])
+  if need > 0 then
+    redis.call('INCRBY', KEYS[k + 2], need)
+    redis.call('EXPIRE', KEYS[k + 2], f[11])
+    redis.call('INCRBY', KEYS[k + 4], need)
+    redis.call('EXPIRE', KEYS[k + 4], f[12])
+  end
+  if conc > 0 then
+    redis.call('ZADD', conc_key, f[10], f[9])
+    redis.call('EXPIRE', conc_key, math.ceil(tonumber(f[10]) - now))
+  end
+  return out
 end
-local conc = tonumber(ARGV[7])
-if refused == 0 and conc > 0 and inflight + 1 > conc then refused = 4 end
-local out = {refused == 0 and 1 or 0, refused, c[1], c[2], c[3], c[4], c[5], c[6], inflight}
-if refused ~= 0 then return out end
-redis.call('INCRBY', KEYS[1], 1)
-redis.call('EXPIRE', KEYS[1], ARGV[11])
-if need > 0 then
-  redis.call('INCRBY', KEYS[3], need)
-  redis.call('EXPIRE', KEYS[3], ARGV[11])
-  redis.call('INCRBY', KEYS[5], need)
-  redis.call('EXPIRE', KEYS[5], ARGV[12])
+local function settle(k, f)
+  local d = tonumber(f[2])
+  for i = 0, 1 do
+    if d ~= 0 and redis.call('EXISTS', KEYS[k + i]) == 1 then
+      local v = redis.call('INCRBY', KEYS[k + i], d)
+      if v < 0 then redis.call('SET', KEYS[k + i], 0, 'KEEPTTL') end
+    end
+  end
+  redis.call('ZREM', KEYS[k + 2], f[3])
 end
-if conc > 0 then
-  redis.call('ZADD', KEYS[7], ARGV[10], ARGV[9])
-  redis.call('EXPIRE', KEYS[7], math.ceil(tonumber(ARGV[10]) - now))
+local out = {redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[1], '+inf')}
+local k = 2
+for a = 2, #ARGV do
+  local f = {}
+  for v in string.gmatch(ARGV[a], '[^,]+') do f[#f + 1] = v end
+  if f[1] == 'a' then
+    out[#out + 1] = admit(k, f)
+    k = k + 7
+  else
+    settle(k, f)
+    k = k + 3
+  end
 end
 return out
 """
-
-# KEYS: tpm key, tpd key (of the reservation's windows), concurrent
-# ARGV: token difference (may be negative), member
-SETTLE = """
-local d = tonumber(ARGV[1])
-for i = 1, 2 do
-  if d ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then
-    local v = redis.call('INCRBY', KEYS[i], d)
-    if v < 0 then redis.call('SET', KEYS[i], 0, 'KEEPTTL') end
-  end
-end
-redis.call('ZREM', KEYS[3], ARGV[2])
-return 1
-"""
+BATCH_MOST = 256  # operations in one script call (Redis runs a script alone)
+SETTLE_WITHIN_S = 0.05  # a settlement waits this long at most for an admission to go with
 
 REFUSED = ("", "requests_per_minute", "tokens_per_minute", "tokens_per_day", "max_concurrent")
 WHAT = {
@@ -330,6 +358,46 @@ class Reservation:
         self._limiter._settle(self, used - self.tokens)
 
 
+def _evalsha(sha: str, keys: list[str], args: list[str]) -> bytes:
+    """EVALSHA as Redis reads it (RESP), from strings. redis-py's pack_command checks and
+    converts each argument and joins its growing buffer again for each: in a profile of
+    a gateway under load it was most of a batch's cost."""
+    parts = [
+        b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n"
+        % (len(keys) + len(args) + 3, len(sha), sha.encode())
+    ]
+    n = str(len(keys)).encode()
+    parts.append(b"$%d\r\n%s\r\n" % (len(n), n))
+    for text in (*keys, *args):
+        data = text.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+class _Op:
+    """One admission or settlement waiting for the next script call."""
+
+    __slots__ = ("arg", "difference", "done", "keys", "member", "need", "reservation")
+
+    def __init__(
+        self,
+        keys: list[str],
+        arg: str,  # the script's argument for it
+        done: asyncio.Future[str] | None,  # an admission's answer; None: a settlement
+        reservation: Reservation | None = None,
+        difference: int = 0,
+        need: int = 0,
+        member: str = "",
+    ):
+        self.keys = keys
+        self.arg = arg
+        self.done = done
+        self.reservation = reservation  # a settlement's, kept if its batch fails
+        self.difference = difference
+        self.need = need  # an admission's tokens and member: given back if it went away
+        self.member = member
+
+
 class Limiter:
     """Every tenant's limits, shared through Redis when there is one."""
 
@@ -351,11 +419,14 @@ class Limiter:
         self.replicas_seen = 1
         self._local: dict[str, _Local] = {}
         self._live: set[Reservation] = set()
-        self._pending: set[asyncio.Task[None]] = set()
         self._unsent: list[tuple[Reservation, int]] = []  # settlements Redis missed
-        self._admit: Any = None if redis is None else redis.register_script(ADMIT)
-        self._settle_script: Any = None if redis is None else redis.register_script(SETTLE)
+        self._batch: Any = None if redis is None else redis.register_script(BATCH)
+        self._ops: list[_Op] = []  # for the next script call
+        self._sender: asyncio.Task[None] | None = None  # sends _ops, one call at a time
+        self._conn: Any = None  # the connection it sends them on
+        self._timer: asyncio.TimerHandle | None = None  # sends settlements that wait alone
         self.id = uuid.uuid4().hex[:12]  # this replica, in Redis
+        self._admitted = 0
         self._gauge = shared_gauge
         self._set_gauge()
 
@@ -405,7 +476,8 @@ class Limiter:
         if tenant.tokens_per_day:
             need = min(need, tenant.tokens_per_day)
         local = self._local_of(tenant.name)
-        member = uuid.uuid4().hex
+        self._admitted += 1
+        member = f"{self.id}-{self._admitted}"  # unique across replicas
         check: Check | None = None
         if self.shared:
             check = await self._admit_shared(tenant, need, now, member)
@@ -447,16 +519,18 @@ class Limiter:
             self._key(name, "concurrent"),
         ]  # fmt: skip
         fm, fd = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
-        args = [
-            repr(now), repr(fm), repr(fd), tenant.requests_per_minute, tenant.tokens_per_minute,
-            tenant.tokens_per_day, tenant.max_concurrent, need, member, repr(now + LEASE_S),
-            int(2 * MINUTE_S + 10), int(2 * DAY_S + 10),
-        ]  # fmt: skip
+        arg = (
+            f"a,{fm!r},{fd!r},{tenant.requests_per_minute},{tenant.tokens_per_minute},"
+            f"{tenant.tokens_per_day},{tenant.max_concurrent},{need},{member},"
+            f"{now + LEASE_S!r},{int(2 * MINUTE_S + 10)},{int(2 * DAY_S + 10)}"
+        )
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._send(_Op(keys, arg, done, need=need, member=member))
         try:
-            out = await self._admit(keys=keys, args=args)
-        except REDIS_ERRORS as exc:
-            self._down(exc)
-            return None
+            answer = await done
+        except REDIS_ERRORS:
+            return None  # the batch failed: Redis is down
+        out = answer.split(",")
         counts = Counts(
             (float(out[3]), float(out[2])), (float(out[5]), float(out[4])),
             (float(out[7]), float(out[6])), int(out[8]),
@@ -488,9 +562,7 @@ class Limiter:
             if self._outage.down:
                 self._unsent_settle(r, difference)
                 return
-            task = asyncio.get_running_loop().create_task(self._settle_shared(r, difference))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            self._settle_shared(r, difference)
 
     def _unsent_settle(self, r: Reservation, difference: int) -> None:
         """Kept to be sent when Redis answers again (its slot would otherwise stay
@@ -498,15 +570,110 @@ class Limiter:
         if len(self._unsent) < MAX_UNSENT:
             self._unsent.append((r, difference))
 
-    async def _settle_shared(self, r: Reservation, difference: int) -> None:
+    def _settle_shared(self, r: Reservation, difference: int) -> _Op:
+        """Goes out with the next batch; kept for later if that batch fails."""
         name = r.tenant.name
         keys = [self._key(name, f"tpm:{r.minute}"), self._key(name, f"tpd:{r.day}"),
                 self._key(name, "concurrent")]  # fmt: skip
+        op = _Op(keys, f"s,{difference},{r.member}", None, r, difference)
+        self._ops.append(op)
+        if self._timer is None and (self._sender is None or self._sender.done()):
+            self._timer = asyncio.get_running_loop().call_later(SETTLE_WITHIN_S, self._start)
+        return op
+
+    # -- the batches to Redis --------------------------------------------------------
+
+    def _send(self, op: _Op) -> None:
+        """Queue ``op`` for the next script call, which goes at once. One call is in
+        flight at a time: what arrives while it is on its way goes in the next one, so
+        the round trips to Redis grow with the load only until one call carries
+        everything that waited. A settlement waits up to SETTLE_WITHIN_S for an
+        admission to ride with (``_settle_shared``)."""
+        self._ops.append(op)
+        self._start()
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._ops and (self._sender is None or self._sender.done()):
+            self._sender = asyncio.get_running_loop().create_task(self._send_loop())
+
+    async def _send_loop(self) -> None:
+        while self._ops:
+            ops, self._ops = self._ops[:BATCH_MOST], self._ops[BATCH_MOST:]
+            now = self._clock()
+            keys, args = [f"{self._prefix}:gateways"], [repr(now)]
+            for op in ops:
+                keys += op.keys
+                args.append(op.arg)
+            try:
+                out = await self._call(keys, args)
+            except asyncio.CancelledError:
+                for op in ops:
+                    if op.done is not None and not op.done.done():
+                        op.done.cancel()
+                raise
+            except Exception as exc:
+                if not isinstance(exc, REDIS_ERRORS):  # never leave an admission waiting
+                    log.exception("tenant limits: the batch to Redis failed")
+                    exc = RedisError(f"{type(exc).__name__}: {exc}")
+                self._down(exc)
+                for op in ops:
+                    if op.done is None:
+                        assert op.reservation is not None
+                        self._unsent_settle(op.reservation, op.difference)
+                    elif not op.done.done():
+                        op.done.set_exception(exc)
+                continue
+            self.replicas_seen = max(1, int(out[0]))
+            i = 1
+            for op in ops:
+                if op.done is None:
+                    continue
+                result = out[i]
+                i += 1
+                if not op.done.done():
+                    op.done.set_result(result)
+                elif op.done.cancelled() and result[0] == "1":
+                    # The request went away while Redis admitted it: give the tokens
+                    # and its slot back.
+                    keys = [op.keys[2], op.keys[4], op.keys[6]]  # tpm, tpd, concurrent
+                    self._ops.append(_Op(keys, f"s,{-op.need},{op.member}", None))
+
+    async def _call(self, keys: list[str], args: list[str]) -> Any:
+        """EVALSHA of the batch script on a connection this limiter keeps to itself (one
+        call is in flight at a time): redis-py's per-command machinery (pool, retries,
+        timing) costs more than the call itself. SCRIPT LOAD where Redis lacks it."""
+        redis = self._redis
+        assert redis is not None
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = await redis.connection_pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            await self._settle_script(keys=keys, args=[difference, r.member])
-        except REDIS_ERRORS as exc:
-            self._down(exc)
-            self._unsent_settle(r, difference)
+            await conn.send_packed_command(_evalsha(self._batch.sha, keys, args), False)
+            return await conn.read_response()
+        except NoScriptError:
+            await conn.send_command("SCRIPT", "LOAD", BATCH, check_health=False)
+            await conn.read_response()
+            await conn.send_packed_command(_evalsha(self._batch.sha, keys, args), False)
+            return await conn.read_response()
+        except BaseException:
+            await self._drop_conn()
+            raise
+
+    async def _drop_conn(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and self._redis is not None:
+            with contextlib.suppress(Exception):
+                await conn.disconnect()
+            await self._redis.connection_pool.release(conn)
+
+    async def _flushed(self) -> None:
+        """Until what is queued now has been sent (or failed)."""
+        self._start()
+        while self._sender is not None and not self._sender.done():
+            await asyncio.shield(self._sender)
 
     # -- Redis's health, presence and leases -----------------------------------------
 
@@ -554,16 +721,20 @@ class Limiter:
             return
         self.replicas_seen = max(1, int(results[2]))
         if self._outage.down:
+            await self._drop_conn()  # it may be one Redis closed
             self._outage.recovered()
             self._set_gauge()
         unsent, self._unsent = self._unsent, []
         for r, difference in unsent:
-            await self._settle_shared(r, difference)
+            self._settle_shared(r, difference)
+        await self._flushed()
 
     async def close(self) -> None:
         """Wait for settlements on their way to Redis, and leave the presence set."""
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=2.0)
+        if self._ops or (self._sender is not None and not self._sender.done()):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flushed(), 2.0)
+        await self._drop_conn()
         if self._redis is not None and not self._outage.down:
             with contextlib.suppress(*REDIS_ERRORS):
                 await self._redis.zrem(f"{self._prefix}:gateways", self.id)

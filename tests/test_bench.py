@@ -50,8 +50,9 @@ def test_every_bench_has_a_smoke_run() -> None:
     finally:
         sys.path.remove(str(ROOT))
     needs_vllm = {"vllm_side_by_side"}  # its own venv; run with `bench/all.py --quick`
-    # tests/test_bench_ingress.py and test_bench_tenants.py run these and check them
-    own_test = {"ingress", "tenants"}
+    # tests/test_bench_ingress.py, test_bench_tenants*.py and test_bench_limiter_cost.py
+    # run these and check them
+    own_test = {"ingress", "tenants", "limiter_cost"}
     assert {b.name for b in BENCHES} - needs_vllm - own_test == set(SMOKE)
 
 
@@ -95,3 +96,23 @@ def test_overhead_runs_the_compiled_gateway(tmp_path: Path) -> None:
     ]
     assert statuses and "compiled" in statuses[0]["version"], statuses
     assert any(v["target"].startswith("[unitproxy+compiled] ") for v in report["verdicts"])
+
+
+@pytest.mark.timeout(200)
+def test_overhead_runs_the_gateway_with_tenants(tmp_path: Path) -> None:
+    """Target unitproxy+tenants: this tree's gateway with a tenants file and a Redis of the
+    bench's own, beside unitproxy without; every target's load sends the tenant's key."""
+    out = tmp_path / "overhead.json"
+    argv = [sys.executable, "bench/overhead/run.py", "--quick", "--out", str(out),
+            "--targets", "unitproxy,unitproxy+tenants", "--scenarios", "completions,grpc",
+            "--concurrency", "2", "--duration", "0.5", "--warmup", "0.2"]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=190, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    report = json.loads(out.read_text())
+    rows = [r for r in report["rows"] if r["target"] == "unitproxy+tenants"]
+    assert {r["scenario"] for r in rows} == {"completions", "grpc"}, output[-3000:]
+    assert all(r["requests_per_s"] > 0 and r["error_count"] == 0 for r in rows), rows
+    (status,) = [s for p in report["phases"] for s in p["targets"]
+                 if s["name"] == "unitproxy+tenants"]  # fmt: skip
+    assert "--tenants-file" in status["argv"] and "--redis-url" in status["argv"]

@@ -310,3 +310,90 @@ async def test_without_redis_each_of_n_replicas_enforces_its_share() -> None:
         await limiter.admit(t, 0)
     over = await refused(limiter, t)
     assert "this replica's share: 2" in over.message
+
+
+async def test_many_requests_at_once_share_few_round_trips(cluster: str) -> None:
+    """300 requests admitted at once and settled: Redis counts every one (no replica
+    falls back to its own counts for want of connections), in a few batched calls."""
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=10_000, tokens_per_minute=10**9, max_concurrent=10_000)
+    sent: list[int] = []
+    call = a._call
+
+    async def counting(keys: list[str], args: list[str]) -> object:
+        sent.append(1)
+        return await call(keys, args)
+
+    a._call = counting  # type: ignore[method-assign]
+    try:
+        held = await asyncio.gather(*(a.admit(t, 10) for _ in range(300)))
+        assert all(r.shared for r in held) and a.shared
+        for r in held:
+            r.settle(5)
+        await a.close()
+        assert len(sent) <= 4, len(sent)
+        counts = await a._redis.mget(  # type: ignore[union-attr]
+            a._key("acme", f"rpm:{int(T0 // 60)}"), a._key("acme", f"tpm:{int(T0 // 60)}")
+        )
+        assert counts == ["300", "1500"]
+        assert await a._redis.zcard(a._key("acme", "concurrent")) == 0  # type: ignore[union-attr]
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_each_answer_says_how_many_replicas_are_there(cluster: str) -> None:
+    """A replica learns of one that started after it from its next admission, not only
+    from its next presence renewal: with Redis then lost it enforces the right share."""
+    clock = Clock()
+    a, b = shared_limiter(cluster, clock), shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=100)
+    try:
+        await a.refresh()
+        assert a.replicas == 1
+        await b.refresh()  # b starts after a's presence renewal
+        await a.admit(t, 0)
+        assert a.replicas == 2
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+        await b._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_an_admission_cancelled_on_its_way_gives_its_slot_back(cluster: str) -> None:
+    clock = Clock()
+    a, b = shared_limiter(cluster, clock), shared_limiter(cluster, clock)
+    t = tenant(max_concurrent=1, tokens_per_minute=100)
+    try:
+        task = asyncio.create_task(a.admit(t, 60))
+        await asyncio.sleep(0)  # queued for Redis
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await a._flushed()  # Redis admitted it; the limiter gives it back
+        r = await b.admit(t, 60)  # the slot and the tokens are free
+        assert r.headers["x-ratelimit-remaining-tokens"] == "40"
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+        await b._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_a_batch_that_fails_unexpectedly_leaves_no_admission_waiting(
+    cluster: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever goes wrong in a batch, its admissions are answered (from the replica's
+    own counts, as with Redis down), never left waiting."""
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=10)
+
+    async def broken(keys: list[str], args: list[str]) -> object:
+        raise ValueError("a reply of an unexpected shape")
+
+    a._call = broken  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(5):
+            r = await a.admit(t, 0)
+        assert not r.shared and not a.shared
+        assert "the batch to Redis failed" in caplog.text
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]

@@ -40,14 +40,15 @@ EMBEDDING_DIM = 384  # the simulator's default (--sim-embedding-dim)
 
 
 def open_client(
-    scenario: Scenario, address: str, model: str, concurrency: int
+    scenario: Scenario, address: str, model: str, concurrency: int, api_key: str | None = None
 ) -> AbstractAsyncContextManager[RequestFn]:
-    """``address``: the base HTTP URL, or the gRPC target for the grpc scenario."""
+    """``address``: the base HTTP URL, or the gRPC target for the grpc scenario;
+    ``api_key``: sent as a bearer token (HTTP header, gRPC metadata)."""
     if scenario.protocol == "grpc":
-        return loadgen.grpc_client(address, PROMPT, scenario.max_tokens)
+        return loadgen.grpc_client(address, PROMPT, scenario.max_tokens, api_key)
     if scenario.name == "embeddings":
         body = {"model": model, "input": PROMPT}
-        return loadgen.embeddings_client(address, body, concurrency, EMBEDDING_DIM)
+        return loadgen.embeddings_client(address, body, concurrency, EMBEDDING_DIM, api_key)
     # "model" is in every body: sglang-router refuses a completion without one.
     body = {
         "model": model,
@@ -55,4 +56,4 @@ def open_client(
         "max_tokens": scenario.max_tokens,
         "stream": scenario.stream,
     }
-    return loadgen.http_client(address, body, concurrency)
+    return loadgen.http_client(address, body, concurrency, api_key)

@@ -20,7 +20,9 @@ sidecar would push load reports to it while the other targets run.)
 
 Targets: direct, unitproxy (the gateway, policy lor), vllm-router and sglang-router
 (round_robin: with one worker their cheapest policy), and sglang-router+nodelay (the
-same with TCP_NODELAY forced on its accepted sockets). The peers are PyPI packages in
+same with TCP_NODELAY forced on its accepted sockets); unitproxy+tenants is the gateway
+with tenants (--tenants-file, --tenants-redis), and with it in the run every target's
+load carries the same API key. The peers are PyPI packages in
 their own virtual environments under bench/.venvs, put there by
 
     bash bench/overhead/setup_peers.sh
@@ -43,6 +45,7 @@ client is this process (uvloop, one aiohttp session or one gRPC channel per run)
     .venv/bin/python bench/overhead/run.py --quick     # smoke run: about 2 minutes
     .venv/bin/python bench/overhead/run.py --targets direct,unitproxy --scenarios grpc
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy@main --quick
+    .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy+tenants  # tenants A/B
 
 Writes the table to stdout, JSON to bench/results/overhead.json, a PNG beside it and
 the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
@@ -51,6 +54,7 @@ the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -59,7 +63,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -85,6 +89,8 @@ from bench.overhead import goals, output, report
 from bench.overhead.load import SCENARIOS, Scenario, measure, open_client
 from bench.overhead.targets import (
     ALL_TARGETS,
+    TENANTS,
+    TENANTS_API_KEY,
     Backend,
     Target,
     TargetStatus,
@@ -93,6 +99,7 @@ from bench.overhead.targets import (
     start_backend,
     start_target,
 )
+from bench.redisproc import redis_server, why_not
 from proxy.procutil import ChildFailed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +107,38 @@ DEFAULT_OUT = REPO / "bench" / "results" / "overhead.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
 MIN_SLOTS = 256  # sidecar capacity and sim batch slots: never the bottleneck
 IDLE_TIMEOUT_S = 5.0  # after a run, the sidecar must show 0 outstanding within this
+API_KEY = TENANTS_API_KEY
+BIG = 10**12  # a limit never reached
+# unitproxy+tenants' default tenants: the load's tenant has every limit (each is counted
+# and settled, in Redis), never reached; the others only make the set realistic.
+TENANTS_TOML = f"""\
+[[tenant]]
+name = "bench"
+keys = ["{API_KEY}"]
+requests_per_minute = {BIG}
+tokens_per_minute = {BIG}
+max_concurrent = 1000000
+tokens_per_day = {BIG}
+
+[[tenant]]
+name = "search"
+keys = ["sk-search-1", "sk-search-2"]
+priority = "interactive"
+requests_per_minute = 600
+tokens_per_minute = 200000
+
+[[tenant]]
+name = "agents"
+keys = ["sk-agents-1"]
+max_concurrent = 64
+tokens_per_day = 50000000
+
+[[tenant]]
+name = "nightly"
+keys = ["sk-nightly-1"]
+priority = "batch"
+tokens_per_minute = 1000000
+"""
 T = TypeVar("T")
 
 
@@ -115,6 +154,9 @@ class BenchSettings:
     quick: bool
     out: Path
     gateway_args: tuple[str, ...] = ()
+    tenants_file: str | None = None  # unitproxy+tenants: None, the bench's own file
+    tenants_redis: str | None = None  # None: a redis-server of the bench's own; "none"
+    tenants_args: tuple[str, ...] = ()  # what unitproxy+tenants gets: set by run_all
 
     @property
     def log_dir(self) -> Path:
@@ -161,7 +203,8 @@ async def run_one(
         cpu.update({role: s for role, s in waits.items() if s is not None})
         return cpu
 
-    async with open_client(scenario, address, MODEL, concurrency) as request:
+    api_key = API_KEY if TENANTS in settings.targets else None
+    async with open_client(scenario, address, MODEL, concurrency, api_key) as request:
         window = await measure(
             request,
             concurrency,
@@ -210,8 +253,9 @@ async def run_phase(
             backend = await start_backend(stack, step_ms, slots, settings.log_dir, name)
             backends[name] = backend
             target, status = await start_target(
-                stack, name, backend, settings.log_dir, settings.gateway_args
-            )
+                stack, name, backend, settings.log_dir, settings.gateway_args,
+                settings.tenants_args,
+            )  # fmt: skip
             statuses.append(status)
             if target is None:
                 _progress(f"!!! {name} ({step_ms:g} ms/token backend) is left out: {status.reason}")
@@ -282,6 +326,27 @@ def _mark_failed(target: Target, statuses: list[TargetStatus], reason: str) -> N
 
 async def run_all(settings: BenchSettings) -> dict[str, Any]:
     settings.log_dir.mkdir(parents=True, exist_ok=True)
+    if TENANTS not in settings.targets:
+        return await _run_phases(settings)
+    path = settings.tenants_file
+    if path is None:
+        path = str(settings.log_dir / "tenants.toml")
+        await asyncio.to_thread(Path(path).write_text, TENANTS_TOML)
+    args = ["--tenants-file", path]
+    if settings.tenants_redis == "none":
+        return await _run_phases(replace(settings, tenants_args=tuple(args)))
+    if settings.tenants_redis is not None:
+        args += ["--redis-url", settings.tenants_redis]
+        return await _run_phases(replace(settings, tenants_args=tuple(args)))
+    why = why_not()
+    if why is not None:
+        raise ChildFailed(f"{TENANTS} needs a Redis: {why} (or --tenants-redis URL|none)")
+    async with redis_server(settings.log_dir / "redis.log") as redis:
+        args += ["--redis-url", redis.url]
+        return await _run_phases(replace(settings, tenants_args=tuple(args)))
+
+
+async def _run_phases(settings: BenchSettings) -> dict[str, Any]:
     steps = sorted({SCENARIOS[name].decode_step_ms for name in settings.scenarios})
     runs, phases, done = [], [], [0]
     for step in steps:
@@ -338,8 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="extend",
         metavar="NAME[,NAME...]",
         help=f"of {', '.join(ALL_TARGETS)}, unitproxy@REF (the gateway at a git commit,"
-        " for an A/B) or unitproxy+compiled (this tree built by scripts/compiled_tree.sh)."
-        " Default all but the last two; direct is always run (the baseline).",
+        " for an A/B), unitproxy+compiled (this tree built by scripts/compiled_tree.sh) or"
+        f" {TENANTS} (this tree with tenants, their limits counted in Redis)."
+        " Default all but the last three; direct is always run (the baseline).",
     )
     add(
         "--max-requests",
@@ -359,6 +425,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ARG",
         help="extra argument for the unitproxy gateway (repeatable), e.g. --gateway-arg=--load-source=poll.",
+    )
+    add(
+        "--tenants-file",
+        metavar="PATH",
+        help=f"the tenants file {TENANTS} gets (its load sends the key {API_KEY}, which it "
+        "must hold). Default: one the bench writes, four tenants, the load's with every "
+        "limit set and never reached.",
+    )
+    add(
+        "--tenants-redis",
+        metavar="URL",
+        help=f"the Redis {TENANTS} counts limits in, or 'none' (this gateway counts alone). "
+        "Default: a redis-server of the bench's own on a free port.",
     )
     add(
         "--from-json",
@@ -405,6 +484,8 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
         quick=args.quick,
         out=args.out or (QUICK_OUT if args.quick else DEFAULT_OUT),
         gateway_args=tuple(args.gateway_arg),
+        tenants_file=args.tenants_file,
+        tenants_redis=args.tenants_redis,
     )
 
 

@@ -11,6 +11,11 @@ about 20 % more sidecar CPU per request and 16-21 % less direct throughput).
     unitproxy              python -m proxy gateway --unit u0=HTTP,GRPC (policy lor)
     unitproxy@REF          the same gateway as committed at git REF (a worktree under
                            bench/.worktrees): an A/B of two versions in one run
+    unitproxy+tenants      this tree's gateway with tenants: --tenants-file (a file of a few
+                           tenants with every limit set, never reached, unless the bench's
+                           --tenants-file names another) and --redis-url (a redis-server of
+                           the bench's own unless --tenants-redis names one): the A/B of
+                           tenants on against unitproxy, off, in one run
     unitproxy+compiled     this tree with the gateway's request path compiled by mypyc
                            (scripts/compiled_tree.sh build/compiled: 2-3 minutes the
                            first time, none while the sources stay the same); not in
@@ -189,19 +194,22 @@ ALL_TARGETS = ("direct", "unitproxy", *PEERS)
 PROTOCOLS = {"direct": ("http", "grpc"), "unitproxy": ("http", "grpc")}  # peers: http only
 WORKTREES = REPO / "bench" / ".worktrees"
 COMPILED = "unitproxy+compiled"
+TENANTS = "unitproxy+tenants"
+TENANTS_API_KEY = "sk-bench-0"  # with TENANTS in the run, every target's load sends it
 COMPILED_TREE = REPO / "build" / "compiled"  # where .ci/run builds it too
 COMPILE_TIMEOUT_S = 900.0
 
 
 def is_unitproxy(name: str) -> bool:
-    """``unitproxy`` (this tree), ``unitproxy@REF`` (a commit of it), ``unitproxy+compiled``."""
-    return name in ("unitproxy", COMPILED) or name.startswith("unitproxy@")
+    """``unitproxy`` (this tree), ``unitproxy@REF`` (a commit of it), ``unitproxy+compiled``,
+    ``unitproxy+tenants``."""
+    return name in ("unitproxy", COMPILED, TENANTS) or name.startswith("unitproxy@")
 
 
 def known_target(name: str) -> bool:
     return (
         name in ALL_TARGETS
-        or name == COMPILED
+        or name in (COMPILED, TENANTS)
         or (name.startswith("unitproxy@") and len(name) > len("unitproxy@"))
     )
 
@@ -255,7 +263,7 @@ async def _start_gateway(
     cwd, version = None, "this tree"
     if name == COMPILED:  # python -m proxy runs the code in its cwd: it is sys.path[0]
         cwd, version = await compiled_tree(), "this tree, request path compiled (mypyc)"
-    elif name != "unitproxy":
+    elif name not in ("unitproxy", TENANTS):
         cwd, sha = await checkout(name.partition("@")[2])
         version = f"commit {sha[:12]}"
     http_port, grpc_port = free_ports(2)
@@ -269,7 +277,8 @@ async def _start_gateway(
     child = await stack.enter_async_context(running(name, argv, log, cwd=cwd))
     child.http_url = f"http://{HOST}:{http_port}"
     await child.until_ready(READY_TIMEOUT_S)
-    await child.until(answers(child.http_url), READY_TIMEOUT_S, "answering")
+    key = TENANTS_API_KEY if name == TENANTS else None
+    await child.until(answers(child.http_url, key), READY_TIMEOUT_S, "answering")
     return Target(name, child.http_url, f"{HOST}:{grpc_port}", child, backend, version)
 
 
@@ -291,6 +300,7 @@ async def start_target(
     backend: Backend,
     log_dir: Path,
     gateway_args: Sequence[str] = (),
+    tenants_args: Sequence[str] = (),
 ) -> tuple[Target | None, TargetStatus]:
     """Start one target in front of ``backend``; (None, why) when it cannot run.
 
@@ -302,7 +312,8 @@ async def start_target(
     try:
         env: dict[str, str] = {}
         if is_unitproxy(name):
-            target = await _start_gateway(own, backend, log_dir, gateway_args, name)
+            extra = [*gateway_args, *(tenants_args if name == TENANTS else ())]
+            target = await _start_gateway(own, backend, log_dir, extra, name)
         else:
             target, env = await _start_peer(own, name, backend, log_dir)
     except Unavailable as exc:

@@ -16,12 +16,19 @@ capacity is its slots) and one gateway with a tenants file, as child processes o
                  output, as limits and the fair queue count them) each was served in
                  each 10 s window
 
+Then the limits scenario (bench/tenants/limits.py, its own fleet: two gateway replicas
+sharing a Redis of the bench's own; --limits-only, --skip-limits): a tenant offering 4x
+its tokens_per_minute, tokens served against the limit with Redis and with that Redis
+stopped. Its PNG is <out>_limits.png.
+
 Goals (issue 32): b and c TTFT p99 under the flood <= 1.5x alone, interactive <= 1.2x
 alone (priority); one class <= 0.5 s; Jain's index >= 0.95 in every window; batch
 tokens/s under the interactive load >= 50 % of the fleet's spare capacity.
 
     .venv/bin/python bench/tenants/run.py            # 20 s phases, 30 s of fairness (~2.5 min)
+                                                     # and limits measured 60 s (~4 min)
     .venv/bin/python bench/tenants/run.py --quick    # 4 s phases, 10 s of fairness (~45 s)
+                                                     # and limits measured 15 s (~1.5 min)
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from bench.common import (
     run_loop,
     until_signal,
 )
+from bench.tenants import limits
 from proxy.procutil import python_m, running
 
 REPO = Path(__file__).resolve().parents[2]
@@ -381,6 +389,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--flood", type=int, default=0,
                         help="flood streams (default 10x a fair third of the slots)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result")
+    limits.add_args(parser)
     args = parser.parse_args()
     args.duration = args.duration or (4.0 if args.quick else 20.0)
     args.fair_duration = args.fair_duration or (10.0 if args.quick else 30.0)
@@ -389,12 +398,24 @@ def parse_args() -> argparse.Namespace:
 
 def run() -> int:
     args = parse_args()
-    result = run_loop(until_signal(main(args)))
-    print(table(result))
+    result: dict[str, Any] = {"goals": {}}
+    if not args.limits_only:
+        result = run_loop(until_signal(main(args)))
+        print(table(result))
+    if not args.skip_limits:  # its own fleet: two gateways sharing a Redis of its own
+        with tempfile.TemporaryDirectory(prefix="bench-limits-") as tmp:
+            result["limits"] = run_loop(until_signal(limits.run(args, Path(tmp))))
+        result["goals"].update(result["limits"]["goals"])
+        print(limits.table(result["limits"]))
+        for goal, ok in result["limits"]["goals"].items():
+            print(f"{'met' if ok else 'MISSED'}: {goal}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    why = plot(result, args.out.with_suffix(".png"))
-    print(why or f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    why = no_plot() if args.limits_only else plot(result, args.out.with_suffix(".png"))
+    limits_png = args.out.with_name(args.out.stem + "_limits.png")
+    if why is None and "with_redis" in result.get("limits", {}):
+        limits.plot(result["limits"], limits_png)
+    print(why or f"wrote {args.out} and its PNGs")
     return 0 if all(result["goals"].values()) else 1
 
 

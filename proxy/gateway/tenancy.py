@@ -32,6 +32,8 @@ access_log = logging.getLogger("unitproxy.access")
 # the opened assistant turn.
 MESSAGE_TOKENS = 4
 ASSISTANT_TOKENS = 3
+# The simulator's count, with each piece's count kept (about twice as fast on text).
+count_tokens = tokens.TokenCounter()
 # A request that ended so (HTTP status, gRPC code) had a unit work on its prompt.
 WORKED = frozenset({"200", "499", "OK", "CANCELLED"})
 
@@ -48,16 +50,16 @@ def prompt_tokens_of(req: dict[str, Any]) -> int:
     """The prompt's tokens as the simulator counts them (an estimate for a real model)."""
     messages = req.get("messages")
     if isinstance(messages, list):
-        n = sum(tokens.count(_text(m.get("content"))) + MESSAGE_TOKENS
+        n = sum(count_tokens(_text(m.get("content"))) + MESSAGE_TOKENS
                 for m in messages if isinstance(m, dict))  # fmt: skip
         return n + ASSISTANT_TOKENS
     prompt = req.get("prompt")
     if isinstance(prompt, str):
-        return max(1, tokens.count(prompt))
+        return max(1, count_tokens(prompt))
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, int) for p in prompt):
             return len(prompt)
-        return sum(tokens.count(p) if isinstance(p, str) else len(p) for p in prompt)
+        return sum(count_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
     return 1
 
 
@@ -103,7 +105,7 @@ class Usage:
     def count_output(self, text: str) -> None:
         """Output delivered as text, where the unit reported no usage."""
         if not self.reported:
-            self.completion = tokens.count(text)
+            self.completion = count_tokens(text)
 
     def attempt(self, unit: str) -> None:
         if not self.attempted:
@@ -229,12 +231,12 @@ class TenantGate:
             raise InvalidRequest("the request is not a GenerateRequest") from exc
         which = req.WhichOneof("input")
         if which == "chat":
-            prompt = sum(tokens.count(m.content) + MESSAGE_TOKENS for m in req.chat.messages)
+            prompt = sum(count_tokens(m.content) + MESSAGE_TOKENS for m in req.chat.messages)
             prompt += ASSISTANT_TOKENS
         elif which == "prompt_token_ids":
             prompt = len(req.prompt_token_ids.ids)
         else:
-            prompt = max(1, tokens.count(req.prompt))
+            prompt = max(1, count_tokens(req.prompt))
         has_max = req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 0
         max_tokens = req.sampling.max_tokens if has_max else None
         return await self._admit(tenant, req.model, priority, prompt, max_tokens, started)
@@ -266,14 +268,14 @@ class TenantGate:
 
     def account(self, a: Admission, status: str) -> None:
         m, u = self.metrics, a.usage
-        model = m.model(a.model)
-        m.requests.labels(a.label, model).inc()
+        requests, prompt, completion = m.usage(a.label, m.model(a.model))
+        requests.inc()
         if u.prompt:
-            m.prompt_tokens.labels(a.label, model).inc(u.prompt)
+            prompt.inc(u.prompt)
         if u.completion:
-            m.completion_tokens.labels(a.label, model).inc(u.completion)
+            completion.inc(u.completion)
         if u.attempted:
-            m.wait.labels(a.label).observe(max(0.0, u.attempted - a.started))
+            m.waited(a.label).observe(max(0.0, u.attempted - a.started))
         now = self._clock()
         ttft = f"{u.first_byte - a.started:.4f}" if u.first_byte else "-"
         access_log.info(

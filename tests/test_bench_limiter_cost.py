@@ -1,0 +1,45 @@
+"""bench/limiter_cost.py --quick runs end to end against a redis-server of its own: each
+mode measured, and with Redis every request counted there in fewer round trips than
+requests (batched admissions and settlements). CPU figures depend on the machine's load
+and are in its table, not asserted here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(120)
+async def test_limiter_cost_bench_quick(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH")
+    out = tmp_path / "cost.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "bench/limiter_cost.py", "--quick", "--requests", "600", "--out",
+        str(out), cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(100):
+            output, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 0 and out.exists(), text
+    result = json.loads(out.read_text())
+    assert set(result["median"]) == {"none", "local", "redis"}
+    shared = result["median"]["redis"]
+    # 64 at a time: every admission went to Redis (its scripts ran ~20 commands each),
+    # batched into far fewer calls than requests
+    assert shared["redis_calls"] > 10, text
+    assert 0 < shared["script_calls"] < 0.5, text
+    assert "unreachable" not in text, text
+    assert "sharing through Redis adds" in text
