@@ -50,6 +50,7 @@ from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitC
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Admission, Usage
+from proxy.gateway.traces import RequestTrace, body_model
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     NO_UNIT,
@@ -110,7 +111,7 @@ class Inbound:
 
     __slots__ = (
         "admission", "authorization", "body", "content_type", "method", "migrate", "path",
-        "request_id", "route", "stored", "timeout_s",
+        "request_id", "route", "stored", "timeout_s", "trace", "trace_headers",
     )  # fmt: skip
 
     def __init__(
@@ -126,6 +127,8 @@ class Inbound:
         admission: Admission | None = None,  # its tenant's, with tenants configured
         method: bytes = POST,
         stored: str | None = None,  # the stored response named in the path
+        trace: RequestTrace | None = None,  # its spans, with tracing on
+        trace_headers: dict[str, str] | None = None,  # the client's own, with tracing off
     ):
         self.path = path
         self.route = route
@@ -138,6 +141,8 @@ class Inbound:
         self.admission = admission
         self.method = method
         self.stored = stored
+        self.trace = trace
+        self.trace_headers = trace_headers
 
 
 class Forwarder:
@@ -183,9 +188,12 @@ class Forwarder:
             if previous is not None:
                 want = self.core.pin(want, previous, "previous_response_id")
         job = HttpJob(self, down, req, started)
+        trace = req.trace
+        if trace is not None and trace.sampled:
+            trace.describe(req.route, want.model or body_model(req.body), req.request_id)
         self._gate.enter()
         try:
-            await self.core.run(job, want)
+            await self.core.run(job, want, trace)
             return job.status or down.status
         finally:
             self._gate.exit()
@@ -201,6 +209,10 @@ class Forwarder:
             headers["Authorization"] = authorization
         if req.admission is not None:  # the unit passes the class to its engine
             headers[PRIORITY_HEADER] = req.admission.priority
+        if req.trace is not None:  # its traceparent names the attempt's span
+            headers.update(req.trace.headers())
+        elif req.trace_headers is not None:
+            headers.update(req.trace_headers)
         return headers
 
 

@@ -66,15 +66,17 @@ from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitC
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Admission, TenantGate, Usage
+from proxy.gateway.traces import RequestTrace
 from proxy.gateway.units import Unit
 from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
 from proxy.metrics import GatewayMetrics
-from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
+from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.ratelimit import RateLimited
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
 from proxy.tenants import PRIORITY_HEADER
 from proxy.timers import Deadline, Timer, Wheel
+from proxy.tracing import TRACEPARENT, TRACESTATE, Tracer, from_metadata
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +127,10 @@ class GenerateProxy:
         tenancy: TenantGate | None = None,
         write_timeout_s: float = 60.0,
         resume_key: HintKey | None = None,
+        tracer: Tracer | None = None,
     ):
         self.core = core
+        self.tracer = tracer
         self.settings = settings
         self.write_timeout_s = write_timeout_s
         self.resume_key = resume_key  # None: no migration after the first byte
@@ -174,11 +178,15 @@ class GenerateProxy:
                 admission.finish(exc.grpc_code.name)
             await context.abort(exc.grpc_code, exc.message, refusal_metadata(exc))
         job = GrpcJob(self, request, context, started, admission)
+        trace = job.trace
         self.streams += 1
         error: UnitProxyError | None = None
         try:
             try:
-                await self.core.run(job, self.core.grpc_want(request, admission))
+                want = self.core.grpc_want(request, admission)
+                if trace is not None and trace.sampled:
+                    trace.describe(ROUTE, want.model or request_model(request), "")
+                await self.core.run(job, want, trace)
                 await job.finish()
             except UnitProxyError as exc:
                 error = exc
@@ -199,6 +207,8 @@ class GenerateProxy:
             if admission is not None:
                 job.measure(admission.usage)
                 admission.finish(code)  # settles its tokens, whatever ended it
+            if trace is not None:
+                trace.finish(code, None if error is None else error.message)
         if error is not None:
             # After a stall the status waits behind the messages the client has yet to
             # read: it gets them, then the status, if it ever reads again.
@@ -229,6 +239,18 @@ class GrpcJob:
         # never goes to the unit).
         if admission is not None:
             self._auth = (*self._auth, (PRIORITY_HEADER, admission.priority))
+        self.trace: RequestTrace | None = None
+        # The client's own trace headers, passed on as they came when not tracing here.
+        self._trace_pairs: tuple[tuple[str, str], ...] = ()
+        tracer = proxy.tracer
+        if tracer is not None:
+            parent, state = from_metadata(metadata)
+            self.trace = RequestTrace(tracer.begin(parent, state, METHOD.lstrip("/")))
+        elif any(k == TRACEPARENT for k, _ in metadata):
+            parent, state = from_metadata(metadata)
+            self._trace_pairs = ((TRACEPARENT, parent or ""),)
+            if state is not None:
+                self._trace_pairs += ((TRACESTATE, state),)
         remaining = context.time_remaining()
         if remaining is None:
             remaining = proxy.settings.request_timeout_s
@@ -346,8 +368,16 @@ class GrpcJob:
                     return tried
         return await self._attempt_grpc(unit, request, hint)
 
+    def _traced(self) -> tuple[tuple[str, str], ...]:
+        """The trace metadata of an attempt: a traceparent naming its span."""
+        trace = self.trace
+        if trace is None:
+            return self._trace_pairs
+        return tuple(trace.headers().items())
+
     async def _attempt_grpc(self, unit: Unit, request: bytes, hint: str | None) -> Tried:
         metadata = self._auth if hint is None else (*self._auth, (RESUME_HEADER, hint))
+        metadata = (*metadata, *self._traced())
         timeout = None
         if self._deadline is not None:
             timeout = self._deadline - time.monotonic()
@@ -389,7 +419,7 @@ class GrpcJob:
             "Content-Type": grpcweb.CONTENT_TYPE,
             grpcweb.INTERVAL_HEADER: self._proxy.interval(),
         }
-        for key, value in self._auth:
+        for key, value in (*self._auth, *self._traced()):
             headers["Authorization" if key == "authorization" else key] = value
         if hint is not None:
             headers[RESUME_HEADER] = hint
@@ -713,3 +743,11 @@ def _status_error(status: grpcweb.Status, unit: Unit) -> UnitProxyError:
     if status.error_code is None:
         return cls(f"unit {unit.id} failed: {status.code.name}")
     return cls(status.message or status.code.name, code=status.error_code)
+
+
+def request_model(request: bytes) -> str | None:
+    """The model of a serialized GenerateRequest (for a sampled request's span)."""
+    try:
+        return GenerateRequest.FromString(request).model or None
+    except Exception:  # protobuf's DecodeError; the unit answers INVALID_ARGUMENT
+        return None

@@ -33,6 +33,7 @@ from proxy.gateway.models import ModelCards
 from proxy.gateway.rates import scaled
 from proxy.gateway.router import Router
 from proxy.gateway.tenancy import Admission, TenantGate, error_headers
+from proxy.gateway.traces import RequestTrace
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     DEADLINE_HEADER,
@@ -56,6 +57,7 @@ from proxy.metrics import (
     LoopCount,
     TenantMetrics,
 )
+from proxy.otlp import open_tracer
 from proxy.ratelimit import Limiter
 from proxy.redis_reports import connect
 from proxy.resume import HintKey
@@ -72,6 +74,7 @@ from proxy.settings import Settings, UnitTarget
 from proxy.tenants import PRIORITY_HEADER, TenantSource
 from proxy.timers import Wheel
 from proxy.tls import ClientTLS, ServerTLS, server_tls
+from proxy.tracing import TRACEPARENT, TRACESTATE, Tracer, passed_on
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,7 @@ class Gateway(Service):
         self.api_keys = ApiKeys()
         self.tenancy: TenantGate | None = None  # with gateway.tenants_file
         self._requests: dict[tuple[str, str], LoopCount] = {}
+        self.tracer: Tracer | None = None  # with tracing.otlp_endpoint
         self._client_tls: ClientTLS | None = None  # set at start
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
@@ -150,6 +154,8 @@ class Gateway(Service):
 
     async def _start(self) -> None:
         s, stack = self.settings, self._stack
+        # First in, last out: the spans of the requests a drain waits for go out too.
+        self.tracer = await open_tracer(stack, s.tracing, self.registry, "unitproxy-gateway")
         if s.gateway.tenants_file is None:
             self.api_keys = await ApiKeys.load(s.server)
         else:
@@ -167,7 +173,7 @@ class Gateway(Service):
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
-            self.tenancy, s.server.write_timeout_s, resume_key,
+            self.tenancy, s.server.write_timeout_s, resume_key, self.tracer,
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
@@ -440,6 +446,15 @@ class Gateway(Service):
         code = "500"
         request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
         admission: Admission | None = None
+        trace: RequestTrace | None = None
+        passed: dict[str, str] | None = None
+        if self.tracer is not None:
+            name = f"{method.decode()} {path}"
+            trace = RequestTrace(
+                self.tracer.begin(headers.get(TRACEPARENT), headers.get(TRACESTATE), name)
+            )
+        elif TRACEPARENT in headers:  # not traced here: passed on as it came
+            passed = passed_on(headers)
         try:  # the API key was checked from the head, before the body was read
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
@@ -449,7 +464,7 @@ class Gateway(Service):
             req = Inbound(path, route, body, request_id, headers.get("content-type"),
                           headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
                           headers.get(MIGRATE_HEADER) != "0", admission, method,
-                          stored)  # fmt: skip
+                          stored, trace, passed)  # fmt: skip
             code = str(await self.forwarder.handle(down, req))
         except UnitProxyError as exc:
             code = str(exc.http_status)
@@ -464,6 +479,8 @@ class Gateway(Service):
             self._count(route, code)
             if admission is not None:
                 admission.finish(code)  # settles its tokens, whatever ended it
+            if trace is not None:
+                trace.finish(code)
 
     def _count(self, route: str, code: str) -> None:
         counter = self._requests.get((route, code))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +24,7 @@ from proxy.resume import HintKey, check_signed
 from proxy.sidecar import frontend_resume
 from proxy.sidecar.core import Lease, SidecarCore, engine_priority
 from proxy.tenants import PRIORITY_HEADER
+from proxy.tracing import Trace
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 BY_ID: frozenset[FrontendRoute] = frozenset({"responses_retrieve", "responses_cancel"})
 # The status that the requests metric counts, when it differs from the response's.
 OUTCOME = web.RequestKey("outcome", str)
+TRACE: web.RequestKey[Trace | None] = web.RequestKey("trace")  # its spans, with tracing on
 # Response headers of a stream, as vLLM's server sends them.
 _SSE_HEADERS = {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
 
@@ -63,7 +66,11 @@ async def serve(
         # vLLM's body field, ours whatever the client put there (trusted downwards only)
         fields["priority"] = engine_priority(request.headers.get(PRIORITY_HEADER))
     hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
-    lease = core.admit()
+    trace = request.get(TRACE)
+    lease = core.admit(trace)
+    headers: Mapping[str, str] = request.headers
+    if trace is not None:  # the engine's own spans hang under this request's
+        headers = {**headers, **trace.headers(trace.root)}
     try:
         async with core.tracked(lease, deadline):  # the deadline, and a unit that lets go
             resumed = None
@@ -71,7 +78,7 @@ async def serve(
                 fields, resumed = await _resume(
                     frontend, route, fields, hint, request_id, core.resume_key
                 )
-            fr = FrontendRequest(route, fields, request_id, request.headers)
+            fr = FrontendRequest(route, fields, request_id, headers)
             if isinstance(resumed, FrontendReply):
                 reply, resumed = resumed, None  # nothing left to generate
             elif fields.get("stream") is True:

@@ -37,9 +37,10 @@ from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.sidecar import frontend_http, grpc_api
 from proxy.sidecar.core import SidecarCore, engine_priority, with_priority
-from proxy.sidecar.frontend_http import OUTCOME
+from proxy.sidecar.frontend_http import OUTCOME, TRACE
 from proxy.sidecar.watch import ReportWatch
 from proxy.tenants import PRIORITY_HEADER
+from proxy.tracing import TRACEPARENT, TRACESTATE, finish
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,10 @@ def _inference(route: FrontendRoute) -> Handler:
         metrics = request.app[SERVING_METRICS]
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         code = "500"
+        headers = request.headers
+        trace = core.begin_trace(headers.get(TRACEPARENT), headers.get(TRACESTATE),
+                                 f"{request.method} {request.path}")  # fmt: skip
+        request[TRACE] = trace
         try:
             response = await _serve(request, route, request_id, core)
             code = request.get(OUTCOME) or str(response.status)
@@ -138,6 +143,8 @@ def _inference(route: FrontendRoute) -> Handler:
             raise
         finally:
             metrics.requests.labels(route, code).inc()
+            if trace is not None:
+                finish(trace.root, code)
 
     return handle
 
@@ -170,7 +177,7 @@ async def _serve(
     if hint is not None:
         parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
     deadline = _deadline(request)
-    lease = core.admit()
+    lease = core.admit(request[TRACE])
     if parsed.stream:
         return await _stream(request, parsed, core, lease, deadline)
     return await _complete(parsed, core, lease, deadline)

@@ -50,7 +50,8 @@ MAX_HEADERS = 128
 # The request headers the gateway reads; the others are checked, not kept.
 USED_HEADERS = frozenset(
     {b"content-length", b"content-type", b"authorization", REQUEST_ID_HEADER.encode(),
-     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode(), b"host", b"x-unitproxy-priority"}
+     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode(), b"host", b"x-unitproxy-priority",
+     b"traceparent", b"tracestate"}
 )  # fmt: skip
 HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect"})
 
