@@ -236,11 +236,11 @@ def _check_chain(receiver: Receiver, root_name: str, sidecar_name: str) -> Got:
     """The spans of one request hang together: gateway root, its route and attempt,
     the sidecar's server span under the attempt, admission and engine under that."""
     root = _gateway_root(receiver, root_name)
-    route = receiver.one("gateway.route")
-    attempt = receiver.one("gateway.attempt")
+    route = receiver.one("route")
+    attempt = receiver.one("attempt")
     side = receiver.one(sidecar_name, "unitproxy-sidecar")
-    admission = receiver.one("sidecar.admission")
-    engine = receiver.one("sidecar.engine")
+    admission = receiver.one("admission")
+    engine = receiver.one("engine")
     spans = (root, route, attempt, side, admission, engine)
     assert len({s.trace_id for s in spans}) == 1
     assert root.kind == SERVER and attempt.kind == CLIENT and side.kind == SERVER
@@ -332,7 +332,7 @@ async def test_a_gateway_that_does_not_trace_passes_the_clients_traceparent_on(
         await wait_until(lambda: len(receiver.spans) >= 3, what="the sidecar's spans")
     side = receiver.one(SIDECAR_HTTP, "unitproxy-sidecar")
     assert (side.trace_id, side.parent_id) == (TRACE_ID, PARENT_ID)
-    assert receiver.named("gateway.request") == []
+    assert receiver.named("request") == []
 
 
 # --- the exporter -----------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """A request's spans at the gateway (``proxy.tracing``), around the core's loop.
 
-    gateway.request  SERVER, from the client's traceparent (or a new trace)
-      gateway.route     the routing decision: policy, candidates, chosen unit, the
-                        predicted TTFT (policy latency); the wait in the queue, if any:
-        gateway.queue   the time the request waited for a unit
-      gateway.attempt   CLIENT, one per unit tried: unit, outcome; the unit's
-                        traceparent names this span, so the sidecar's spans hang here
-      gateway.migration between a unit that failed under the request and the next
-                        one that takes it (reason, from, to)
+    POST /v1/...  SERVER, from the client's traceparent (or a new trace)
+      route       the routing decision: policy, candidates, chosen unit, the
+                  predicted TTFT (policy latency); the wait in the queue, if any:
+        queue     the time the request waited for a unit
+      attempt     CLIENT, one per unit tried: unit, outcome; the unit's traceparent
+                  names this span, so the sidecar's spans hang here
+      migration   between a unit that failed under the request and the next one
+                  that takes it (reason, the new unit)
 
 The core calls ``acquire`` and ``attempt`` in place of the router's and the job's when
 a request has a trace, and nothing otherwise. An unsampled trace makes no spans but
@@ -71,11 +71,11 @@ class RequestTrace:
         root.set("unitproxy.request_id", request_id)
 
     async def acquire(self, router: Router, exclude: Collection[str], want: Want) -> Unit:
-        """``router.acquire``, inside a gateway.route span."""
+        """``router.acquire``, inside a route span."""
         trace = self.trace
         if not trace.sampled:
             return await router.acquire(exclude, want)
-        span = trace.start("gateway.route")
+        span = trace.start("route")
         span.set("unitproxy.policy", router.settings.policy)
         span.set("unitproxy.candidates", len(router.candidates(exclude, want.model)))
         queued = router.queued
@@ -87,7 +87,7 @@ class RequestTrace:
             raise
         finally:
             if router.queued != queued:  # it waited in the queue (nothing else moves it)
-                trace.start("gateway.queue", span, start_ns=span.start_ns).end()
+                trace.start("queue", span, start_ns=span.start_ns).end()
             span.end()
         span.set("unitproxy.unit", unit.id)
         predicted = router.policy.predicted_ttft(unit, want, router.ahead(unit))
@@ -96,19 +96,19 @@ class RequestTrace:
         return unit
 
     async def attempt(self, job: Attempting, unit: Unit) -> Tried:
-        """``job.attempt(unit)``, inside a gateway.attempt span (and after a failure
-        under the request, a gateway.migration span up to now)."""
+        """``job.attempt(unit)``, inside an attempt span (and after a failure under the
+        request, a migration span up to now)."""
         trace = self.trace
         if not trace.sampled:
             return await job.attempt(unit)
         last = self._last
         if last is not None and last.next.value == "migrate":
-            moved = trace.start("gateway.migration", start_ns=self._failed_at)
+            moved = trace.start("migration", start_ns=self._failed_at)
             moved.set("unitproxy.migration.reason", last.reason)
             moved.set("unitproxy.unit", unit.id)
             moved.end()
         self._attempts += 1
-        span = self._attempt = trace.start("gateway.attempt", kind=CLIENT)
+        span = self._attempt = trace.start("attempt", kind=CLIENT)
         span.set("unitproxy.unit", unit.id)
         span.set("unitproxy.attempt", self._attempts)
         try:

@@ -168,7 +168,7 @@ class SidecarCore:
         if trace is None or not trace.sampled:
             lease = self._admit()
         else:
-            span = trace.start("sidecar.admission")
+            span = trace.start("admission")
             span.set("unitproxy.outstanding", self.outstanding)
             span.set("unitproxy.capacity", self.capacity)
             try:
@@ -242,7 +242,7 @@ class SidecarCore:
             self.finish(lease, route)
 
     def _engine_span(self, trace: Trace, request: EngineRequest, route: str) -> Span:
-        span = trace.start("sidecar.engine")
+        span = trace.start("engine")
         if span.recording:
             model = request.model or self.engine.model_name
             for target in (span, trace.root):
