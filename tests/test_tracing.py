@@ -4,6 +4,7 @@ with opentelemetry-proto and checks the trace ids and parent links end to end.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator
@@ -194,6 +195,25 @@ def _tracing(receiver: Receiver, ratio: float = 1.0) -> dict[str, Any]:
     return {"otlp_endpoint": receiver.url, "sample_ratio": ratio, "export_interval_s": 0.05}
 
 
+async def _gateway(
+    stack: contextlib.AsyncExitStack,
+    sidecars: list[Sidecar],
+    tracing: dict[str, Any] | None,
+    **gateway: Any,
+) -> Gateway:
+    units = [f"{s.core.unit_id}={s.http_url},{s.grpc_target}" for s in sidecars]
+    settings: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0,
+                   "resume_secret": RESUME_SECRET},
+        "gateway": {"units": units, **gateway},
+    }  # fmt: skip
+    if tracing:
+        settings["tracing"] = tracing
+    gw = await stack.enter_async_context(Gateway(load(settings)))
+    await wait_until(lambda: len(gw.router.serving()) == len(sidecars), what="gateway sees units")
+    return gw
+
+
 async def _cell(
     stack: contextlib.AsyncExitStack,
     start_sidecar: SidecarFactory,
@@ -203,16 +223,7 @@ async def _cell(
 ) -> tuple[Sidecar, Gateway]:
     sections = {"tracing": sidecar_tracing} if sidecar_tracing else {}
     sidecar = await start_sidecar(sidecar={"unit_id": "u0"}, **sections)
-    settings: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0,
-                   "resume_secret": RESUME_SECRET},
-        "gateway": {"units": [f"u0={sidecar.http_url},{sidecar.grpc_target}"], **gateway},
-    }  # fmt: skip
-    if gateway_tracing:
-        settings["tracing"] = gateway_tracing
-    gw = await stack.enter_async_context(Gateway(load(settings)))
-    await wait_until(lambda: len(gw.router.serving()) == 1, what="gateway sees the unit")
-    return sidecar, gw
+    return sidecar, await _gateway(stack, [sidecar], gateway_tracing, **gateway)
 
 
 async def _chat(gw: Gateway, headers: dict[str, str]) -> None:
@@ -333,6 +344,63 @@ async def test_a_gateway_that_does_not_trace_passes_the_clients_traceparent_on(
     side = receiver.one(SIDECAR_HTTP, "unitproxy-sidecar")
     assert (side.trace_id, side.parent_id) == (TRACE_ID, PARENT_ID)
     assert receiver.named("request") == []
+
+
+async def test_a_migration_and_a_wait_in_the_queue_are_spans(
+    receiver: Receiver, start_sidecar: SidecarFactory
+) -> None:
+    tracing = {"tracing": _tracing(receiver)}
+    slow = {"decode_step_ms": 5.0}
+    a = await start_sidecar(sidecar={"unit_id": "a", "capacity": 1}, sim=slow, **tracing)
+    b = await start_sidecar(sidecar={"unit_id": "b", "capacity": 1}, sim=slow, **tracing)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 60}
+    async with contextlib.AsyncExitStack() as stack:
+        gw = await _gateway(stack, [a, b], _tracing(receiver))
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(session.post(f"{gw.http_url}/v1/completions", json=body,
+                                                     headers={"traceparent": SAMPLED}))  # fmt: skip
+            await wait_until(lambda: a.core.outstanding + b.core.outstanding == 1, what="taken")
+            failing = a if a.core.outstanding else b
+            # Both units full: a third request waits in the gateway's queue.
+            second = asyncio.create_task(session.post(f"{gw.http_url}/v1/completions", json=body))
+            third = asyncio.create_task(session.post(f"{gw.http_url}/v1/completions", json=body))
+            await wait_until(lambda: gw.router.waiting == 1, what="a request waiting")
+            await asyncio.sleep(0.05)
+            await failing.engine.stop()  # the first request goes on on the other unit
+            for task in (first, second, third):
+                response = await task
+                await response.read()
+            assert (await first).status == 200
+        await wait_until(
+            lambda: any(s.trace_id == TRACE_ID for s in receiver.named("migration")),
+            what="the traced request's migration",
+        )
+        await wait_until(lambda: len(receiver.named("queue")) >= 1, what="a queue wait")
+    traced = [s for s in receiver.spans if s.trace_id == TRACE_ID]
+    attempts = sorted((s for s in traced if s.name == "attempt"),
+                      key=lambda s: s.attributes["unitproxy.attempt"])  # fmt: skip
+    assert [s.attributes["unitproxy.outcome"] for s in attempts] == ["migrate", "done"]
+    assert attempts[0].error and attempts[0].attributes["unitproxy.unit"] == failing.core.unit_id
+    moved = next(s for s in traced if s.name == "migration")
+    assert moved.attributes["unitproxy.migration.reason"] == "unit_failed"
+    assert moved.attributes["unitproxy.unit"] == attempts[1].attributes["unitproxy.unit"]
+    waited = receiver.named("queue")[0]
+    route = next(s for s in receiver.spans if s.span_id == waited.parent_id)
+    assert route.name == "route"
+
+
+async def test_the_latency_policy_shows_its_prediction(
+    receiver: Receiver, start_sidecar: SidecarFactory
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        _, gw = await _cell(stack, start_sidecar, None, _tracing(receiver), policy="latency")
+        for _ in range(12):  # past the answers the policy needs to learn the unit
+            await _chat(gw, {})
+        await wait_until(lambda: len(receiver.named("route")) == 12, what="twelve routes")
+    predicted = [s.attributes.get("unitproxy.predicted_ttft_s") for s in receiver.named("route")]
+    assert predicted[0] is None  # not learnt yet: no prediction
+    assert isinstance(predicted[-1], float) and predicted[-1] >= 0.0
+    assert {s.attributes["unitproxy.policy"] for s in receiver.named("route")} == {"latency"}
 
 
 # --- the exporter -----------------------------------------------------------------------
