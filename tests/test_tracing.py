@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client import CollectorRegistry
 
+from engine.vllm import OTLP_PROTOCOL_ENV, otlp_protocol
 from proxy.gateway.server import Gateway
 from proxy.metrics import TracingMetrics
 from proxy.otlp import Exporter
@@ -112,6 +114,18 @@ def test_vllm_gets_the_sidecars_collector() -> None:
         "grpc://x:4317"
     )
     assert engine_settings(settings.engine, TracingSettings()) is settings.engine
+
+
+def test_vllm_sends_to_an_http_path_over_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OTLP_PROTOCOL_ENV, raising=False)
+    otlp_protocol({"otlp_traces_endpoint": "grpc-collector:4317"})
+    assert OTLP_PROTOCOL_ENV not in os.environ  # vLLM's default, gRPC, stays
+    monkeypatch.setenv(OTLP_PROTOCOL_ENV, "grpc")
+    otlp_protocol({"otlp_traces_endpoint": "http://c:4318/v1/traces"})
+    assert os.environ[OTLP_PROTOCOL_ENV] == "grpc"  # the operator's choice stands
+    monkeypatch.delenv(OTLP_PROTOCOL_ENV)
+    otlp_protocol({"otlp_traces_endpoint": "http://c:4318/v1/traces"})
+    assert os.environ[OTLP_PROTOCOL_ENV] == "http/protobuf"
 
 
 # --- a receiver -----------------------------------------------------------------------
