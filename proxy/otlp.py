@@ -17,6 +17,7 @@ import asyncio
 import importlib.metadata
 import logging
 from collections import deque
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Self
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 PATH = "/v1/traces"
 CONTENT_TYPE = "application/x-protobuf"
 SCOPE = "unitproxy"
+ENCODE_SLICE = 32  # spans encoded between two turns of the loop
 
 
 def _version() -> str:
@@ -86,8 +88,20 @@ def encode_span(span: Span, out: OtlpSpan) -> None:
         out.status.message = span.error
 
 
-def encode(spans: list[Span], service: str) -> bytes:
-    """One ExportTraceServiceRequest of ``spans``, from ``service``."""
+async def encode(spans: list[Span], service: str) -> bytes:
+    """One ExportTraceServiceRequest of ``spans``, from ``service``. The loop runs
+    between every ENCODE_SLICE spans: a full batch takes milliseconds, which requests
+    must not wait behind."""
+    request, add = _request(service)
+    for i, span in enumerate(spans, 1):
+        encode_span(span, add())
+        if not i % ENCODE_SLICE:
+            await asyncio.sleep(0)
+    data: bytes = request.SerializeToString()
+    return data
+
+
+def _request(service: str) -> tuple[ExportTraceServiceRequest, Callable[[], OtlpSpan]]:
     request = ExportTraceServiceRequest()
     resource_spans = request.resource_spans.add()
     resource_spans.resource.attributes.extend(
@@ -99,11 +113,7 @@ def encode(spans: list[Span], service: str) -> bytes:
     scope_spans = resource_spans.scope_spans.add()
     scope_spans.scope.name = SCOPE
     scope_spans.scope.version = VERSION
-    add = scope_spans.spans.add
-    for span in spans:
-        encode_span(span, add())
-    data: bytes = request.SerializeToString()
-    return data
+    return request, scope_spans.spans.add
 
 
 class Exporter:
@@ -184,7 +194,7 @@ class Exporter:
         return [queue.popleft() for _ in range(n)]
 
     async def _send(self, spans: list[Span]) -> None:
-        body = encode(spans, self._service)
+        body = await encode(spans, self._service)
         assert self._session is not None
         try:
             async with self._session.post(

@@ -355,9 +355,20 @@ async def test_a_gateway_that_does_not_trace_passes_the_clients_traceparent_on(
         _, gw = await _cell(stack, start_sidecar, _tracing(receiver), None)
         await _chat(gw, {"traceparent": SAMPLED})
         await wait_until(lambda: len(receiver.spans) >= 3, what="the sidecar's spans")
+        async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            request = inference_pb2.GenerateRequest(
+                model=MODEL, prompt="x", sampling=inference_pb2.SamplingParams(max_tokens=2)
+            )
+            grpc_parent = f"00-{TRACE_ID:032x}-{PARENT_ID + 1:016x}-01"
+            call = stub.Generate(request, timeout=5, metadata=(("traceparent", grpc_parent),))
+            assert [c async for c in call]
+        await wait_until(lambda: len(receiver.spans) >= 6, what="the sidecar's gRPC spans")
     side = receiver.one(SIDECAR_HTTP, "unitproxy-sidecar")
     assert (side.trace_id, side.parent_id) == (TRACE_ID, PARENT_ID)
-    assert receiver.named("request") == []
+    side_grpc = receiver.one("unitproxy.v1.Inference/Generate", "unitproxy-sidecar")
+    assert (side_grpc.trace_id, side_grpc.parent_id) == (TRACE_ID, PARENT_ID + 1)
+    assert not [s for s in receiver.spans if s.service == "unitproxy-gateway"]
 
 
 async def test_a_migration_and_a_wait_in_the_queue_are_spans(

@@ -449,7 +449,9 @@ class Gateway(Service):
         trace: RequestTrace | None = None
         passed: dict[str, str] | None = None
         if self.tracer is not None:
-            name = f"{method.decode()} {path}"
+            # The route, not the path: a stored response's id is no part of the name.
+            where = path if stored is None else path.replace(stored, "{response_id}")
+            name = f"{method.decode()} {where}"
             trace = RequestTrace(
                 self.tracer.begin(headers.get(TRACEPARENT), headers.get(TRACESTATE), name)
             )

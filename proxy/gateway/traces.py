@@ -68,7 +68,7 @@ class RequestTrace:
         root.set("gen_ai.operation.name", OPERATIONS.get(route, route))
         root.set("gen_ai.request.model", model)
         root.set("unitproxy.route", route)
-        root.set("unitproxy.request_id", request_id)
+        root.set("unitproxy.request_id", request_id or None)
 
     async def acquire(self, router: Router, exclude: Collection[str], want: Want) -> Unit:
         """``router.acquire``, inside a route span."""

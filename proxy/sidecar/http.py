@@ -122,8 +122,11 @@ def _inference(route: FrontendRoute) -> Handler:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         code = "500"
         headers = request.headers
-        trace = core.begin_trace(headers.get(TRACEPARENT), headers.get(TRACESTATE),
-                                 f"{request.method} {request.path}")  # fmt: skip
+        trace = None
+        if core.tracer is not None:  # named by the route, not the path (a response's id)
+            resource = request.match_info.route.resource
+            name = f"{request.method} {request.path if resource is None else resource.canonical}"
+            trace = core.begin_trace(headers.get(TRACEPARENT), headers.get(TRACESTATE), name)
         request[TRACE] = trace
         try:
             response = await _serve(request, route, request_id, core)
