@@ -24,7 +24,7 @@ from proxy.resume import HintKey, check_signed
 from proxy.sidecar import frontend_resume
 from proxy.sidecar.core import Lease, SidecarCore, engine_priority
 from proxy.tenants import PRIORITY_HEADER
-from proxy.tracing import Trace
+from proxy.tracing import TRACEPARENT, TRACESTATE, Trace
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ BY_ID: frozenset[FrontendRoute] = frozenset({"responses_retrieve", "responses_ca
 # The status that the requests metric counts, when it differs from the response's.
 OUTCOME = web.RequestKey("outcome", str)
 TRACE: web.RequestKey[Trace | None] = web.RequestKey("trace")  # its spans, with tracing on
+TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
 # Response headers of a stream, as vLLM's server sends them.
 _SSE_HEADERS = {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
 
@@ -70,7 +71,8 @@ async def serve(
     lease = core.admit(trace)
     headers: Mapping[str, str] = request.headers
     if trace is not None:  # the engine's own spans hang under this request's
-        headers = {**headers, **trace.headers(trace.root)}
+        headers = {k: v for k, v in headers.items() if k.lower() not in TRACE_HEADERS}
+        headers.update(trace.headers(trace.root))
     try:
         async with core.tracked(lease, deadline):  # the deadline, and a unit that lets go
             resumed = None
