@@ -35,13 +35,6 @@ COMPILED = [
     "proxy/gateway/index.py",
     "proxy/gateway/latency.py",
     "proxy/gateway/loadsource.py",
-    "proxy/gateway/policies/base.py",  # not __init__.py: the registry, read by the settings
-    "proxy/gateway/policies/latency.py",
-    "proxy/gateway/policies/lor.py",
-    "proxy/gateway/policies/p2c.py",
-    "proxy/gateway/policies/prefix.py",
-    "proxy/gateway/policies/random.py",
-    "proxy/gateway/policies/round_robin.py",
     "proxy/gateway/prefix.py",
     "proxy/gateway/rates.py",
     "proxy/gateway/request.py",
@@ -62,6 +55,13 @@ COMPILED = [
     "proxy/metrics.py",
     "proxy/prefix_chunks.py",
     "proxy/timers.py",
+    # Every policy's module (a new policy is compiled with no line here), not
+    # __init__.py: it is read by the settings as well.
+    *sorted(
+        f"proxy/gateway/policies/{p.name}"
+        for p in Path(__file__).parent.joinpath("proxy/gateway/policies").glob("*.py")
+        if p.name != "__init__.py"
+    ),
 ]
 
 COMPILE = os.environ.get("UNITPROXY_COMPILE", "") == "1"

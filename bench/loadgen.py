@@ -81,6 +81,20 @@ async def complete(session: aiohttp.ClientSession, url: str, body: bytes, want: 
     return Outcome(ttft, 0)
 
 
+async def embed(session: aiohttp.ClientSession, url: str, body: bytes, want: int) -> Outcome:
+    """A non-streamed embedding of one input; its TTFT is the time to the whole response."""
+    sent = now()
+    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+        if resp.status != 200:
+            return await _http_error(resp)
+        raw = await resp.read()
+    ttft = now() - sent
+    data = json.loads(raw)["data"]
+    if len(data) != 1 or len(data[0]["embedding"]) != want:
+        return Outcome(error=f"embeddings: {len(data)} vectors, not 1 of {want} numbers")
+    return Outcome(ttft, 0)
+
+
 async def stream_completion(
     session: aiohttp.ClientSession, url: str, body: bytes, want: int
 ) -> Outcome:
@@ -155,6 +169,19 @@ async def http_client(
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         yield lambda: send(session, url, data, want)
+
+
+@asynccontextmanager
+async def embeddings_client(
+    base_url: str, body: dict[str, Any], concurrency: int, dim: int
+) -> AsyncIterator[RequestFn]:
+    """POST ``body`` to /v1/embeddings (not streamed), ``concurrency`` connections at most;
+    each answer must hold one vector of ``dim`` numbers."""
+    data, url = json.dumps(body).encode(), f"{base_url}/v1/embeddings"
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield lambda: embed(session, url, data, dim)
 
 
 @asynccontextmanager

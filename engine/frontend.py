@@ -24,7 +24,19 @@ FrontendRoute = Literal[
     "responses", "responses_retrieve", "responses_cancel",
     # the pooling routes
     "embeddings", "pooling", "classify", "score", "rerank",
+    # the audio routes: a multipart form (the body's fields, files as FormFile)
+    "transcriptions", "translations",
 ]  # fmt: skip
+FORM_ROUTES: frozenset[FrontendRoute] = frozenset({"transcriptions", "translations"})
+
+
+@dataclass(frozen=True, slots=True)
+class FormFile:
+    """A file part of a multipart request (the audio routes), as the client sent it."""
+
+    filename: str
+    content_type: str | None
+    data: bytes
 
 
 @dataclass(slots=True)
@@ -37,7 +49,9 @@ class Tokens:
 @dataclass(frozen=True, slots=True)
 class FrontendRequest:
     route: FrontendRoute
-    body: dict[str, Any]  # the request's JSON object, as the client sent it
+    # the request's JSON object, as the client sent it; for the audio routes the form's
+    # fields (text as str, a name given more than once as a list) and files (FormFile)
+    body: dict[str, Any]
     request_id: str
     headers: Mapping[str, str] = field(default_factory=dict)
 

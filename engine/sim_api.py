@@ -1,8 +1,8 @@
 """The simulator's own layer for the routes beyond chat and completions, with vLLM's bodies.
 
 The Responses API (``POST /v1/responses``, streamed with OpenAI's event types or
-whole; ``GET /v1/responses/{id}`` and ``.../cancel`` for the responses it keeps) and the
-pooling routes (``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``,
+whole; ``GET /v1/responses/{id}``, streamed for a streamed background response as
+vLLM's, and ``.../cancel`` for the responses it keeps) and the pooling routes (``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``,
 ``/rerank``). Every request runs in the simulated engine: a response generates as a chat
 request does (its input items are the messages); a pooling input is prefilled (it takes
 a slot, pays the prefill cost, uses the prefix cache) and makes no output.
@@ -15,7 +15,8 @@ rerank relevance are the cosine of the two vectors, as vLLM scores with an embed
 model.
 
 What the simulator cannot honour (tools, structured output, reasoning, logprobs, images,
-files) is a 400 naming the field.
+files) is a 400 naming the field; the audio routes are a 400 saying that it has no
+transcription model.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
 ROUTES: frozenset[FrontendRoute] = frozenset(
     {"responses", "responses_retrieve", "responses_cancel", "embeddings", "pooling",
-     "classify", "score", "rerank"}
+     "classify", "score", "rerank", "transcriptions", "translations"}
 )  # fmt: skip
 UNSERVED = "not supported by the simulator (engines vllm and openai serve it)"
 MAX_UINT32 = 2**32 - 1
@@ -248,6 +249,11 @@ class _Stored:
     response: dict[str, Any]
     messages: tuple[ChatMessage, ...]  # its input, instructions first (for follow-ups)
     task: asyncio.Task[None] | None = None  # a background response still running
+    # A streamed background response's events, kept for streamed retrieves (as vLLM's
+    # event store): each one SSE event, in order (its index is its sequence number).
+    events: list[bytes] | None = None
+    more: asyncio.Event = field(default_factory=asyncio.Event)  # an event came, or the end
+    ended: bool = False  # no more events will come
 
 
 @dataclass(slots=True)
@@ -289,6 +295,8 @@ class SimFrontend(OpenAIFrontend):
             "classify": self._classify,
             "score": self._score,
             "rerank": self._rerank,
+            "transcriptions": self._audio,
+            "translations": self._audio,
         }
 
     async def serve(self, request: FrontendRequest) -> FrontendReply:
@@ -306,6 +314,14 @@ class SimFrontend(OpenAIFrontend):
             f"{', '.join(repr(m) for m in served)})",
             param="model",
             code="model_not_found",
+        )
+
+    async def _audio(self, request: FrontendRequest) -> FrontendReply:
+        # No speech model, and no made-up transcript: a client would take it for one.
+        raise InvalidRequest(
+            f"the simulator has no transcription model: /v1/audio/{request.route} needs "
+            "an engine with a speech-to-text model (engine vllm)",
+            param="model",
         )
 
     # -- pooling ------------------------------------------------------------------------
@@ -463,11 +479,15 @@ class SimFrontend(OpenAIFrontend):
             raise InvalidRequest(
                 "background: can only be used when store is true", param="background"
             )
-        if body.background and body.stream:
-            raise InvalidRequest(
-                "background: streamed background responses are " + UNSERVED, param="background"
-            )
         run = self._start(body, request.request_id)
+        if body.background and body.stream:
+            # As vLLM: the response is made in the background, its events kept; this
+            # stream reads them as a streamed retrieve does (a client gone stops only it).
+            run.response["status"] = "queued"
+            stored = self._keep(run)
+            stored.events = []
+            stored.task = asyncio.create_task(self._background_stream(run, stored))
+            return FrontendReply(200, chunks=self._replay(stored, 0), tokens=run.tokens)
         if body.stream:
             return FrontendReply(200, chunks=self._events(run, body.store), tokens=run.tokens)
         if body.background:
@@ -589,6 +609,14 @@ class SimFrontend(OpenAIFrontend):
 
     async def _events(self, run: _Run, store: bool) -> AsyncGenerator[bytes, None]:
         """The stream of one response, as OpenAI's (and vLLM's) server-sent events."""
+        if store:
+            self._keep(run)  # retrievable while it streams
+        async with aclosing(self._event_lists(run)) as lists:
+            async for events in lists:
+                yield b"".join(events)
+
+    async def _event_lists(self, run: _Run) -> AsyncGenerator[list[bytes], None]:
+        """The events of one response, those ready together in one list."""
         seq = 0
         item_id, response = run.item_id, run.response
 
@@ -599,27 +627,28 @@ class SimFrontend(OpenAIFrontend):
             return f"event: {kind}\ndata: {payload}\n\n".encode()
 
         where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-        if store:
-            self._keep(run)  # retrievable while it streams
         try:
-            yield event("response.created", response=response) + event(
-                "response.in_progress", response=response
-            )
+            response["status"] = "in_progress"
+            yield [event("response.created", response=response),
+                   event("response.in_progress", response=response)]  # fmt: skip
             started = False
             async with aclosing(self._engine.generate(run.request)) as deltas:
                 async for delta in deltas:
-                    head = b""
+                    head = []
                     if not started:
                         started = True
-                        head = event(
-                            "response.output_item.added",
-                            output_index=0,
-                            item=_message(item_id, "", "in_progress", parts=False),
-                        ) + event("response.content_part.added", **where, part=_part(""))
+                        head += [
+                            event(
+                                "response.output_item.added",
+                                output_index=0,
+                                item=_message(item_id, "", "in_progress", parts=False),
+                            ),
+                            event("response.content_part.added", **where, part=_part("")),
+                        ]
                     self._add(run, delta)
                     if delta.text:
-                        head += event("response.output_text.delta", **where, delta=delta.text,
-                                      logprobs=[])  # fmt: skip
+                        head.append(event("response.output_text.delta", **where,
+                                          delta=delta.text, logprobs=[]))  # fmt: skip
                     if head:
                         yield head
         except BaseException:
@@ -627,15 +656,56 @@ class SimFrontend(OpenAIFrontend):
             raise
         text = "".join(run.text)
         item = response["output"][0]
-        yield b"".join((
+        yield [
             event("response.output_text.done", **where, text=text, logprobs=[]),
             event("response.content_part.done", **where, part=_part(text)),
             event("response.output_item.done", output_index=0, item=item),
             event("response.completed", response=response),
-        ))  # fmt: skip
+        ]
+
+    async def _background_stream(self, run: _Run, stored: _Stored) -> None:
+        """Make a streamed background response, keeping each event for its readers."""
+        kept = stored.events
+        assert kept is not None
+        try:
+            async with aclosing(self._event_lists(run)) as lists:
+                async for events in lists:
+                    kept += events
+                    stored.more.set()
+        except asyncio.CancelledError:
+            run.response["status"] = "cancelled"
+        except EngineError as exc:
+            run.response["error"] = {"code": "server_error", "message": exc.message}
+        finally:
+            stored.task = None
+            stored.ended = True
+            stored.more.set()
+
+    async def _replay(self, stored: _Stored, start: int) -> AsyncGenerator[bytes, None]:
+        """A stored response's events from index ``start`` on, as they come, to its end."""
+        kept = stored.events
+        assert kept is not None
+        at = start
+        while True:
+            stored.more.clear()
+            if at < len(kept):
+                yield b"".join(kept[at:])
+                at = len(kept)
+                continue
+            if stored.ended:
+                return
+            await stored.more.wait()
 
     async def _retrieve(self, request: FrontendRequest) -> FrontendReply:
-        return self._whole(self._find(request).response)
+        stored = self._find(request)
+        if request.body.get("stream") is not True:
+            return self._whole(stored.response)
+        response_id = stored.response["id"]
+        if stored.events is None:  # vLLM keeps the events of streamed background ones only
+            raise InvalidRequest(f"Unknown response_id: {response_id}", param="response_id")
+        after = request.body.get("starting_after")
+        start = 0 if after is None else int(after) + 1
+        return FrontendReply(200, chunks=self._replay(stored, max(start, 0)))
 
     async def _cancel(self, request: FrontendRequest) -> FrontendReply:
         stored = self._find(request)

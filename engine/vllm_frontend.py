@@ -9,7 +9,9 @@ models and tokenization for both) on the AsyncLLM that this process already runs
 every route and field vLLM's server has works, with its semantics, its bytes and its
 error bodies: tools and ``tool_choice``, ``response_format`` and structured outputs,
 logprobs, ``n``, ``echo``, ``continuous_usage_stats``, stored responses, /tokenize and
-/detokenize. A route whose serving object vLLM did not build for the model is not served
+/detokenize, the audio routes of a transcription model (multipart forms, whose files
+reach vLLM as in-memory UploadFiles). A route whose serving object vLLM did not build for
+the model is not served
 (the sidecar answers 404, as vLLM's server has no such route then).
 
 The engine client the serving layer sees is the AsyncLLM behind a thin wrapper whose
@@ -26,11 +28,13 @@ engine serves HTTP through unitproxy's own parser, as before.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import importlib
 import inspect
 import json
 import logging
+import typing
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -40,6 +44,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from engine.errors import InvalidRequest, UnitProxyError
 from engine.frontend import (
+    FORM_ROUTES,
+    FormFile,
     FrontendReply,
     FrontendRequest,
     FrontendRoute,
@@ -90,6 +96,11 @@ _PLACES: dict[str, tuple[str, ...]] = {
     "classify": ("vllm.entrypoints.pooling.classify.protocol:ClassificationRequest",),
     "score": ("vllm.entrypoints.pooling.scoring.protocol:ScoreRequest",),
     "rerank": ("vllm.entrypoints.pooling.scoring.protocol:RerankRequest",),
+    "transcriptions": (
+        "vllm.entrypoints.speech_to_text.transcription.protocol:TranscriptionRequest",
+    ),
+    "translations": ("vllm.entrypoints.speech_to_text.translation.protocol:TranslationRequest",),
+    "read_upload": ("vllm.entrypoints.speech_to_text.base.utils:read_upload_with_limit",),
     "error_response": (
         "vllm.entrypoints.serve.exception_handling.error_response:create_error_response",
     ),
@@ -115,6 +126,9 @@ _HANDLERS: dict[FrontendRoute, tuple[tuple[str, ...], str | None]] = {
     "classify": (("serving_classification",), None),
     "score": (("serving_scores",), None),
     "rerank": (("serving_scores",), None),
+    # a transcription model's (multipart forms: engine/frontend.py FormFile)
+    "transcriptions": (("openai_serving_transcription",), "create_transcription"),
+    "translations": (("openai_serving_translation",), "create_translation"),
 }
 # Routes that take the response id from the path, not a body.
 _BY_ID: frozenset[FrontendRoute] = frozenset({"responses_retrieve", "responses_cancel"})
@@ -133,6 +147,8 @@ _PATHS = {
     "classify": "/classify",
     "score": "/score",
     "rerank": "/rerank",
+    "transcriptions": "/v1/audio/transcriptions",
+    "translations": "/v1/audio/translations",
 }
 
 
@@ -263,13 +279,17 @@ class VllmFrontend(OpenAIFrontend):
         self._validation_error = _find_optional("validation_error")
         self._schemas: dict[FrontendRoute, TypeAdapter[Any]] = {}
         self._handlers: dict[FrontendRoute, Any] = {}
+        self._form_lists: dict[FrontendRoute, frozenset[str]] = {}  # a form's list fields
         for route, (attrs, method) in _HANDLERS.items():
             obj = next((getattr(state, a) for a in attrs if getattr(state, a, None)), None)
             if obj is None:
                 continue  # not a task of this model (a pooling model has no chat)
             if route not in _BY_ID:
                 try:
-                    self._schemas[route] = TypeAdapter(_find(route))
+                    schema = _find(route)
+                    self._schemas[route] = TypeAdapter(schema)
+                    if route in FORM_ROUTES:
+                        self._form_lists[route] = _list_fields(schema)
                 except FrontendUnavailable as exc:  # an older vLLM without this route
                     logger.info("engine vllm: %s is not served: %s", route, exc)
                     continue
@@ -319,17 +339,36 @@ class VllmFrontend(OpenAIFrontend):
     async def serve(self, request: FrontendRequest) -> FrontendReply:
         route = request.route
         if route in _BY_ID:
-            call = self._by_id(route, str(request.body.get("response_id", "")))
+            call = self._by_id(route, request.body)
         else:
+            fields = request.body
+            if route in FORM_ROUTES:
+                fields = _form_body(fields, self._form_lists[route])
             try:
-                body = self._schemas[route].validate_python(request.body)
+                body = self._schemas[route].validate_python(fields)
             except ValidationError as exc:
                 return await self._invalid(exc)
-            call = self._handlers[route](body, _raw_request(request))
+            if route in FORM_ROUTES:
+                call = self._audio(route, body, _raw_request(request))
+            else:
+                call = self._handlers[route](body, _raw_request(request))
         context = _Request()
-        token = _CURRENT.set(context)
+        # A background response runs on in vLLM after its request (and its stream) is
+        # done: nothing of it is aborted when the stream closes.
+        background = route == "responses" and request.body.get("background") is True
+        token = _CURRENT.set(None if background else context)
         try:
             result = await call
+            if background and hasattr(result, "__anext__"):
+                # a streamed background response: its stream reads the events its task
+                # keeps, and that task (just made) must run once first to keep them, as
+                # it does in vLLM's server while the stream's head is sent
+                await asyncio.sleep(0)
+            if route == "responses_retrieve" and hasattr(result, "__anext__"):
+                # vLLM's server starts the stream before the generator's first step,
+                # where an id with no kept events raises: its 200 then breaks off. Here
+                # the first event is awaited first, so that is vLLM's own 400.
+                result = _prefixed(await anext(result), result)
         except UnitProxyError:
             raise
         except Exception as exc:
@@ -344,9 +383,19 @@ class VllmFrontend(OpenAIFrontend):
             _CURRENT.reset(token)
         return self._reply(route, result, context)
 
-    def _by_id(self, route: FrontendRoute, response_id: str) -> Any:
+    async def _audio(self, route: FrontendRoute, body: Any, raw: Any) -> Any:
+        """As vLLM's audio routes: the file read within VLLM_MAX_AUDIO_CLIP_FILESIZE_MB."""
+        audio = await _find("read_upload")(body.file)
+        return await self._handlers[route](audio, body, raw)
+
+    def _by_id(self, route: FrontendRoute, fields: dict[str, Any]) -> Any:
+        response_id = str(fields.get("response_id", ""))
         if route == "responses_retrieve":
-            return self._handlers[route](response_id, starting_after=None, stream=False)
+            return self._handlers[route](
+                response_id,
+                starting_after=fields.get("starting_after"),
+                stream=fields.get("stream") is True,
+            )
         return self._handlers[route](response_id)
 
     def _reply(self, route: FrontendRoute, result: Any, context: _Request) -> FrontendReply:
@@ -364,7 +413,7 @@ class VllmFrontend(OpenAIFrontend):
                 else result.model_dump()
             )
             return FrontendReply(200, body=_json_bytes(dumped), tokens=context.tokens)
-        if route == "responses":  # events, which vLLM's router writes as named SSE events
+        if route in ("responses", "responses_retrieve"):  # events, as vLLM's router writes them
             return FrontendReply(
                 200, chunks=self._chunks(_events(result), context), tokens=context.tokens
             )
@@ -422,6 +471,38 @@ def _raw_request(request: FrontendRequest) -> Any:
     return Request(scope)
 
 
+def _form_body(fields: dict[str, Any], lists: frozenset[str]) -> dict[str, Any]:
+    """A form's fields as FastAPI hands them to vLLM's request model: files as starlette
+    UploadFiles in memory, a list field's one value as a list."""
+    import io
+
+    from starlette.datastructures import (  # type: ignore[import-not-found,unused-ignore]
+        Headers,
+        UploadFile,
+    )
+
+    body: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, FormFile):
+            headers = Headers({"content-type": value.content_type or "application/octet-stream"})
+            value = UploadFile(
+                io.BytesIO(value.data), size=len(value.data), filename=value.filename,
+                headers=headers,
+            )  # fmt: skip
+        if name in lists and not isinstance(value, list):
+            value = [value]
+        body[name] = value
+    return body
+
+
+def _list_fields(schema: Any) -> frozenset[str]:
+    """The names (aliases where set) of a request model's list fields."""
+    fields = getattr(schema, "model_fields", {})
+    return frozenset(
+        f.alias or name for name, f in fields.items() if typing.get_origin(f.annotation) is list
+    )
+
+
 # What vLLM's validation handler reads of a request: ``app.state.args.log_error_stack``.
 _APP_REQUEST = SimpleNamespace(
     app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False)))
@@ -452,6 +533,16 @@ async def _events(events: Any) -> AsyncGenerator[str, None]:
             yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {data}\n\n"
     finally:
         await events.aclose()
+
+
+async def _prefixed(first: Any, rest: Any) -> AsyncGenerator[Any, None]:
+    """``first``, then what ``rest`` yields (an async generator that gave ``first``)."""
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 def _is_dead(exc: Exception) -> bool:

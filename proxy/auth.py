@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy.errors import Unauthenticated
-from proxy.httputil import Handler, error_response
+from proxy.httputil import REQUEST_ID_HEADER, Handler, error_response, id_to_answer
 from proxy.ingress import guard_of
 from proxy.settings import ServerSettings
 
@@ -26,14 +26,16 @@ class ApiKeys:
         self,
         keys: Iterable[str] = (),
         identify: Callable[[str | None], object] | None = None,
+        unit_id: str | None = None,
     ):
         self._keys = tuple(k.encode() for k in keys if k)
         # With tenants (proxy/tenants.py): their lookup decides instead of the flat list.
         self._identify = identify
+        self.unit_id = unit_id  # the x-unitproxy-unit of a refusal from the head
 
     @classmethod
-    async def load(cls, server: ServerSettings) -> ApiKeys:
-        return cls(await flat_keys(server))
+    async def load(cls, server: ServerSettings, unit_id: str | None = None) -> ApiKeys:
+        return cls(await flat_keys(server), unit_id=unit_id)
 
     @property
     def enabled(self) -> bool:
@@ -67,7 +69,8 @@ class ApiKeys:
             guard = guard_of(request)
             if guard is not None:
                 guard.refused()
-            response = error_response(exc, None)
+            request_id = id_to_answer(request.headers.get(REQUEST_ID_HEADER))
+            response = error_response(exc, request_id, self.unit_id)
             response.force_close()
             return response
         expect = request.headers.get("Expect", "")

@@ -104,6 +104,7 @@ ENGINE = (
 SIDECAR = (
     Flag("--unit-id", "sidecar.unit_id", "ID"),
     Flag("--capacity", "sidecar.capacity", "N"),
+    Flag("--priority-headroom", "sidecar.priority_headroom", "N"),
     Flag("--report-interval", "sidecar.report_interval_s", "SECONDS"),
     Flag("--report-prefix-blocks", "sidecar.prefix_report_blocks", "N"),
     Flag("--report-chunk-chars", "sidecar.prefix_chunk_chars", "N"),

@@ -7,6 +7,7 @@ import ipaddress
 import json
 import logging
 import math
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,6 +38,11 @@ MIGRATE_HEADER = "x-unitproxy-migrate"  # client to gateway: "0" opts out of mig
 # A stream's content type, as vLLM's server sends it: clients that decode by the declared
 # charset (``requests``, aiohttp's ``text()``) would take a bare one for ISO-8859-1.
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+
+
+def new_request_id() -> str:
+    """An id for a request that came without one (128 random bits, hex)."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def timeout_s(raw: str | None) -> float | None:
@@ -109,6 +115,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Bodies a browser may send cross-site without a preflight; the API takes JSON only.
 MAX_REQUEST_ID = 256
 FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
+# The routes whose body is a multipart form (an audio file and its fields), as vLLM's.
+FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
 def error_middleware(unit_id: str | None = None) -> Any:
@@ -121,10 +129,10 @@ def error_middleware(unit_id: str | None = None) -> Any:
             _check_request(request, request_id)
             return await handler(request)
         except UnitProxyError as exc:
-            return error_response(exc, _id_to_echo(request_id), unit_id)
+            return error_response(exc, id_to_answer(request_id), unit_id)
         except web.HTTPException as refusal:
             err = _from_http_exception(request, refusal)
-            response = error_response(err, _id_to_echo(request_id), unit_id)
+            response = error_response(err, id_to_answer(request_id), unit_id)
             if isinstance(refusal, web.HTTPMethodNotAllowed):
                 response.headers["Allow"] = ", ".join(sorted(refusal.allowed_methods))
             return response
@@ -132,7 +140,7 @@ def error_middleware(unit_id: str | None = None) -> Any:
             err = InvalidRequest(
                 f"request body could not be read: {unreadable.__cause__ or unreadable}"
             )
-            return error_response(err, _id_to_echo(request_id), unit_id)
+            return error_response(err, id_to_answer(request_id), unit_id)
 
     return errors
 
@@ -140,6 +148,13 @@ def error_middleware(unit_id: str | None = None) -> Any:
 def _check_request(request: web.Request, request_id: str | None) -> None:
     if request_id is not None and (problem := bad_request_id(request_id)) is not None:
         raise InvalidRequest(problem)
+    if request.path in FORM_PATHS:
+        if request.headers.get("Origin") is not None and request.content_type in FORM_TYPES:
+            # a form a web page posts cross-site with no preflight; SDKs send no Origin
+            raise Forbidden(
+                "a form body from a browser (Origin header) is refused", code="browser_request"
+            )
+        return
     if request.path.startswith("/v1/") and request.content_type in FORM_TYPES:
         raise InvalidRequest(
             f"content-type {request.content_type} is not accepted: send application/json"
@@ -155,6 +170,12 @@ def bad_request_id(request_id: str) -> str | None:
         # It is echoed in every streamed chunk: keep it short.
         return f"header {REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID} characters"
     return None
+
+
+def id_to_answer(request_id: str | None) -> str | None:
+    """The x-request-id of an answer to a request that came with ``request_id``: that
+    one, a new one if it came with none, None if it cannot go back in a header."""
+    return new_request_id() if request_id is None else _id_to_echo(request_id)
 
 
 def _id_to_echo(request_id: str | None) -> str | None:

@@ -44,7 +44,13 @@ from proxy.errors import (
     UnitProxyError,
     VersionNotSupported,
 )
-from proxy.httputil import Handler
+from proxy.httputil import (
+    REQUEST_ID_HEADER,
+    UNIT_HEADER,
+    Handler,
+    bad_request_id,
+    new_request_id,
+)
 from proxy.metrics import IngressMetrics
 from proxy.settings import ServerSettings
 from proxy.timers import Timer, Wheel
@@ -88,7 +94,17 @@ LISTEN_BACKLOG = 1024
 class Limits:
     """The limits of one HTTP port, its count of open connections, and its timers."""
 
-    def __init__(self, server: ServerSettings, wheel: Wheel, metrics: IngressMetrics, role: str):
+    def __init__(
+        self,
+        server: ServerSettings,
+        wheel: Wheel,
+        metrics: IngressMetrics,
+        role: str,
+        unit: str | None = None,
+    ):
+        # The x-unitproxy-unit of the port's own answers to a request (a 408), which then
+        # carry an x-request-id too; None: neither.
+        self.unit = unit
         self.head_timeout_s = server.head_timeout_s
         self.body_timeout_s = server.body_timeout_s
         self.keepalive_s = server.keepalive_timeout_s
@@ -112,6 +128,16 @@ class Limits:
         self.open = 0
         self._refusing = 0  # connections refused since the cap was reached; 0: not at it
         self._loop = asyncio.get_running_loop()
+
+    def own_headers(self, request_id: str | None) -> tuple[str, ...]:
+        """The x-request-id and x-unitproxy-unit lines of the port's own answer to a
+        request: the client's id if its head came with one that can be echoed, else a
+        new one."""
+        if self.unit is None:
+            return ()
+        if request_id is None or bad_request_id(request_id) is not None:
+            request_id = new_request_id()
+        return f"{REQUEST_ID_HEADER}: {request_id}", f"{UNIT_HEADER}: {self.unit}"
 
     def admit(self, transport: asyncio.BaseTransport) -> str | None:
         """Count a new connection in and return its client's address (for ``release``);
@@ -255,6 +281,7 @@ class Guard(asyncio.Protocol):
         self._read_timer: Timer | None = None
         self._write_timer: Timer | None = None
         self._held = 0  # bytes of the body coming in, held in the limits' body budget
+        self._request_id: str | None = None  # of the request whose body is coming
 
     @property
     def limits(self) -> Limits:
@@ -329,7 +356,8 @@ class Guard(asyncio.Protocol):
 
     # -- phases, told by the middlewares -----------------------------------------------
 
-    def head_done(self, has_body: bool) -> None:
+    def head_done(self, has_body: bool, request_id: str | None = None) -> None:
+        self._request_id = request_id
         if has_body:
             self._phase = "body"
             self._set_read_timer(self._limits.body_timeout_s, self._body_expired)
@@ -409,14 +437,16 @@ class Guard(asyncio.Protocol):
             self.transport.close()
         elif self._phase == "head" and self.transport is not None:
             self._limits.timed_out("head_timeout")
-            self.transport.write(request_timeout_response("head"))
+            own = self._limits.own_headers(None)
+            self.transport.write(request_timeout_response("head", own))
             self.transport.close()
 
     def _body_expired(self) -> None:
         self._read_timer = None
         if self._phase == "body" and self.transport is not None:
             self._limits.timed_out("body_timeout")
-            self.transport.write(request_timeout_response("body"))
+            own = self._limits.own_headers(self._request_id)
+            self.transport.write(request_timeout_response("body", own))
             self.transport.close()  # aiohttp would linger, reading the rest
 
     def _close_quietly(self) -> None:
@@ -431,8 +461,8 @@ class Guard(asyncio.Protocol):
             self.transport.abort()  # close() would wait for the client to read
 
 
-def request_timeout_response(phase: str) -> bytes:
-    return error_response(RequestTimeout(f"the request {phase} took too long"))
+def request_timeout_response(phase: str, headers: tuple[str, ...] = ()) -> bytes:
+    return error_response(RequestTimeout(f"the request {phase} took too long"), *headers)
 
 
 def version_not_supported(request: web.Request) -> web.Response:
@@ -465,7 +495,7 @@ def phase_middleware() -> Middleware:
         guard = guard_of(request)
         if guard is None:
             return await handler(request)
-        guard.head_done(request.can_read_body)
+        guard.head_done(request.can_read_body, request.headers.get(REQUEST_ID_HEADER))
         try:
             return await handler(request)
         finally:

@@ -36,6 +36,12 @@ class NodeStatus:
 # Bounds on a report's named metrics: how many, and how long a name may be.
 MAX_NAMED_METRICS = 32
 MAX_METRIC_NAME = 64
+# Named metrics a sidecar reports so that a gateway sends a higher class over capacity
+# as the unit admits it (sidecar.priority_headroom): the allowance, and the requests
+# outstanding of each class below interactive (the rest are interactive).
+PRIORITY_HEADROOM = "priority_headroom"
+OUTSTANDING_STANDARD = "outstanding_standard"
+OUTSTANDING_BATCH = "outstanding_batch"
 
 
 def named_metrics(given: Mapping[str, Any]) -> dict[str, float]:

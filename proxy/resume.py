@@ -58,7 +58,8 @@ class ResumeHint:
 
 
 class HintKey:
-    """``server.resume_secret``: signs hints at a gateway and checks them at a unit."""
+    """``server.resume_secret``: signs hints (and a request's ``interactive`` class) at a
+    gateway and checks them at a unit."""
 
     __slots__ = ("_secret",)
 
@@ -77,6 +78,17 @@ class HintKey:
 
     def valid(self, hint: ResumeHint, delivered: str | Sequence[int]) -> bool:
         return hint.sig is not None and hmac.compare_digest(hint.sig, self._mac(hint, delivered))
+
+    def sign_priority(self, request_id: str, priority: str) -> str:
+        """The ``x-unitproxy-priority-sig`` of a request a gateway sends a unit in class
+        ``priority`` (``x-unitproxy-priority``) under ``request_id`` (``x-request-id``):
+        a unit grants ``interactive`` only with it."""
+        message = f"unitproxy-priority-v1\n{request_id}\n{priority}".encode(errors="surrogatepass")
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def valid_priority(self, request_id: str, priority: str, sig: str) -> bool:
+        # compare_digest takes str of ASCII only: a client's header may be anything
+        return sig.isascii() and hmac.compare_digest(sig, self.sign_priority(request_id, priority))
 
     def _mac(self, hint: ResumeHint, delivered: str | Sequence[int]) -> str:
         counts = (hint.created, hint.delivered_chars, hint.delivered_tokens)

@@ -103,7 +103,7 @@ class ServerSettings(_Section):
     )
     resume_secret: SecretStr | None = Field(
         None,
-        description="Secret shared by a fleet's gateways and sidecars, never by clients: a gateway signs the resume hint of a stream it moves to another unit after its unit failed, and a sidecar takes only hints signed with it (any other is 403), so a client cannot move its prompt tokens into completion tokens. unitproxy up makes one for its cell. Without it a gateway does not move streams after their first byte, and a sidecar refuses every hint. A secret: give it in the environment (UNITPROXY_SERVER__RESUME_SECRET) or the config file. Default none.",
+        description="Secret shared by a fleet's gateways and sidecars, never by clients: a gateway signs the resume hint of a stream it moves to another unit after its unit failed, and a sidecar takes only hints signed with it (any other is 403), so a client cannot move its prompt tokens into completion tokens. With tenants a gateway also signs the interactive class it sends a unit (x-unitproxy-priority-sig: HMAC over the request id and the class), and a sidecar grants interactive only so signed (else standard). unitproxy up makes one for its cell. Without it a gateway does not move streams after their first byte, and a sidecar refuses every hint and grants no request interactive. A secret: give it in the environment (UNITPROXY_SERVER__RESUME_SECRET) or the config file. Default none.",
     )
     tls_cert_file: Path | None = Field(
         None,
@@ -240,7 +240,12 @@ class SidecarSettings(_Section):
     capacity: int | None = Field(
         None,
         gt=0,
-        description="Most requests admitted at once (outstanding); more get 429. Gateways send a unit at most this many at once and hold the rest in their fair queue. Default: the engine's slots, the requests it runs at once (engine_slots in the load report: the simulator's and vLLM's max_num_seqs), so that nothing waits in the engine's own FIFO; 64 where the engine does not say (engine openai).",
+        description="Most requests admitted at once (outstanding); more get 429. Gateways send a unit at most this many at once and hold the rest in their fair queue. Default: the engine's slots, the requests it runs at once (engine_slots in the load report: the simulator's and vLLM's max_num_seqs), so that nothing waits in the engine's own FIFO; 64 where the engine does not say (engine openai). A higher class may go over it by priority_headroom.",
+    )
+    priority_headroom: int | None = Field(
+        None,
+        ge=0,
+        description="Requests a unit at capacity still takes for a higher priority class than the lowest it runs: a request is admitted over capacity, up to capacity + this, while the requests of its class and above number fewer than capacity, and the engine gives it the slot of a running request of a lower class (that stream pauses and resumes, it never fails). The unit reports it; gateways send within it. Interactive is granted only to a request a gateway signed with server.resume_secret. 0: none. Only with an engine that schedules by priority (the simulator; vLLM with scheduling_policy priority), else 0. Default: a quarter of the capacity, at least 1.",
     )
     report_interval_s: float = Field(
         1.0,

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 BEARER = "Bearer "
 PRIORITY_HEADER = "x-unitproxy-priority"
+# A gateway's credential for PRIORITY_HEADER interactive: HMAC under server.resume_secret
+# over the request's x-request-id and the class (HintKey.sign_priority).
+PRIORITY_SIG_HEADER = "x-unitproxy-priority-sig"
 # Highest first: a lower rank is served first.
 PRIORITIES = ("interactive", "standard", "batch")
 RANK = {name: rank for rank, name in enumerate(PRIORITIES)}

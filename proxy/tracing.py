@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -216,7 +216,13 @@ class Tracer:
         """The trace of a request that came in with these headers, its root span (kind
         ``kind``, named ``name``) started now; a bad ``traceparent`` starts a new trace
         (and its ``tracestate`` is dropped with it)."""
-        parent = parse_traceparent(traceparent)
+        return self.start(parse_traceparent(traceparent), trace_state(tracestate), name, kind)
+
+    def start(
+        self, parent: Parent | None, state: str | None, name: str, kind: int = SERVER
+    ) -> Trace:
+        """``begin`` with the headers already read (``parse_traceparent``,
+        ``trace_state``): a new trace where ``parent`` is None."""
         if parent is None:
             trace_id = self._rng.getrandbits(128) or 1
             sampled = self.ratio >= 1.0 or self._rng.random() < self.ratio
@@ -224,14 +230,15 @@ class Tracer:
             parent_id = 0
         else:
             trace_id, sampled, parent_id = parent.trace_id, parent.sampled, parent.span_id
-            state = _state(tracestate)
         trace = Trace(self, trace_id, sampled, state)
         if sampled:
             trace.root = Span(trace, name, kind, self.new_span_id(), parent_id, self.clock_ns())
         return trace
 
 
-def _state(value: str | bytes | None) -> str | None:
+def trace_state(value: str | bytes | None) -> str | None:
+    """A ``tracestate`` value to pass on, None when it is absent or unfit (too long,
+    not printable)."""
     if value is None:
         return None
     if isinstance(value, bytes):
@@ -267,19 +274,6 @@ def from_metadata(metadata: object) -> tuple[str | None, str | None]:
         elif key == TRACESTATE:
             state = value if isinstance(value, str) else value.decode("latin-1")
     return parent, state
-
-
-def passed_on(headers: Mapping[str, str]) -> dict[str, str]:
-    """A client's own trace headers, as they came (a process that does not trace
-    passes them on: W3C asks as much of an intermediary)."""
-    found = {}
-    parent = headers.get(TRACEPARENT)
-    if parent is not None:
-        found[TRACEPARENT] = parent
-        state = headers.get(TRACESTATE)
-        if state is not None:
-            found[TRACESTATE] = state
-    return found
 
 
 def engine_settings(engine: EngineSettings, tracing: TracingSettings) -> EngineSettings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,12 +11,15 @@ from typing import Any
 
 import aiohttp
 import pytest
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from proxy.gateway.server import Gateway
 from proxy.resume import HintKey, ResumeHint
 from proxy.settings import Settings, load
 from proxy.sidecar.server import Sidecar
-from tests.procs import RESUME_SECRET, Procs
+from tests.procs import RESUME_SECRET, BlackHole, Procs
+from tests.redisenv import NO_REDIS, REDIS_URL
 
 SidecarFactory = Callable[..., Awaitable[Sidecar]]
 
@@ -33,6 +37,7 @@ class Cell:
 
 
 GatewayFactory = Callable[..., Awaitable[Gateway]]
+BlackHoleFactory = Callable[[], Awaitable[BlackHole]]
 
 
 def sidecar_settings(**sections: dict[str, Any]) -> Settings:
@@ -143,3 +148,47 @@ async def start_gateway() -> AsyncIterator[GatewayFactory]:
     yield start
     for gw in reversed(running):
         await gw.__aexit__(None, None, None)
+
+
+# --- Redis: the server at REDIS_URL (tests/redisenv.py); skip, naming it, where none answers ---
+
+
+@pytest.fixture
+async def redis() -> AsyncIterator[Redis]:
+    client = Redis.from_url(
+        REDIS_URL, socket_timeout=2, socket_connect_timeout=2, decode_responses=True
+    )
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        await client.aclose()
+        pytest.skip(f"{NO_REDIS} ({REDIS_URL}: {exc})")
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def cluster(redis: Redis) -> AsyncIterator[str]:
+    """A cluster name of this test's own; its keys are deleted afterwards."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = [k async for k in redis.scan_iter(match=f"unitproxy:{name}:*")]
+    if keys:
+        await redis.delete(*keys)
+
+
+@pytest.fixture
+async def black_hole() -> AsyncIterator[BlackHoleFactory]:
+    """Started BlackHoles (TCP servers that accept and never write); every one closes,
+    with each connection it accepted, when the test ends."""
+    holes: list[BlackHole] = []
+
+    async def start() -> BlackHole:
+        hole = BlackHole()
+        holes.append(hole)
+        await hole.start()
+        return hole
+
+    yield start
+    for hole in holes:
+        await hole.close()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+import socket
 from pathlib import Path
 
 from proxy import procutil
@@ -70,3 +73,69 @@ class Procs:
     async def stop_all(self) -> None:
         for proc in reversed(self.started):
             await proc.stop(STOP_TIMEOUT_S)
+
+
+class BlackHole:
+    """A TCP server that accepts connections and reads them, and never writes a byte.
+
+    Its own accept loop on a plain socket, not ``asyncio.start_server``: there, a
+    connection the loop accepted just before ``Server.close()`` gets its handler (and
+    its writer) only a few loop turns later, and Python 3.11's ``wait_closed`` does not
+    wait for it, so such a connection outlived the test and its loop. Here every
+    accepted socket is in ``_conns`` the moment the accept returns, and ``close``
+    ends the accept loop itself before closing the listener."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self._listener = socket.socket()
+        self._conns: list[socket.socket] = []
+        self._readers: list[asyncio.Task[None]] = []
+        self._accepting: asyncio.Task[None] | None = None
+        self._closing = False
+
+    async def start(self) -> str:
+        self._listener.bind((HOST, 0))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._accepting = asyncio.create_task(self._accept())
+        return f"{HOST}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.getsockname()[1])
+
+    async def _accept(self) -> None:
+        # Never cancelled: a cancelled sock_accept may drop a socket it had accepted.
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            self._conns.append(conn)
+            if self._closing:
+                return
+            self.accepted += 1
+            self._readers.append(asyncio.create_task(self._swallow(conn)))
+
+    async def _swallow(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ConnectionError):
+            while await loop.sock_recv(conn, 65536):
+                pass
+
+    async def close(self) -> None:
+        if self._accepting is None:  # never started
+            self._listener.close()
+            return
+        self._closing = True
+        # Wake the accept loop with one more connection; it sees _closing and ends.
+        loop = asyncio.get_running_loop()
+        with socket.socket() as poke:
+            poke.setblocking(False)
+            await loop.sock_connect(poke, self._listener.getsockname())
+            await self._accepting
+        # Connections still in the backlog go with the listener, never seen by Python.
+        self._listener.close()
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for conn in self._conns:
+            conn.close()

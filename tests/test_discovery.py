@@ -20,11 +20,9 @@ from proxy.load import LoadReport, UnitState
 from proxy.redis_reports import Keys
 from proxy.settings import GatewaySettings, UnitTarget
 from tests.conftest import SidecarFactory, wait_until
+from tests.redisenv import REDIS_URL
 from tests.test_redis import (  # noqa: F401 (fixtures)
-    REDIS_URL,
     GatewayStarter,
-    cluster,
-    redis,
     start_gateway_on_redis,
     start_unit,
 )
@@ -89,8 +87,8 @@ def test_a_refusal_is_counted_each_time_and_logged_once(caplog: pytest.LogCaptur
 
 
 async def test_a_gateway_routes_only_to_allowed_units_from_redis(
-    redis: Redis,  # noqa: F811
-    cluster: str,  # noqa: F811
+    redis: Redis,
+    cluster: str,
     start_sidecar: SidecarFactory,
     start_gateway_on_redis: GatewayStarter,  # noqa: F811
 ) -> None:

@@ -4,14 +4,11 @@ sidecar's change stream of text-chunk hashes, and every gateway replica routing 
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from engine.base import ChatMessage, EngineRequest
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -27,7 +24,7 @@ from proxy.prefix_chunks import chunk_hashes
 from proxy.settings import load
 from proxy.sidecar.blocks import HeldChunks
 from tests.conftest import SidecarFactory, wait_until
-from tests.test_redis import NO_REDIS, REDIS_URL, redis_section
+from tests.redisenv import REDIS_URL, redis_section
 
 SOURCES = ["watch", "watch-http", "poll", "redis"]
 WORDS = [
@@ -155,22 +152,6 @@ def test_a_gateways_view_applies_only_changes_that_follow_on() -> None:
     assert view.apply("u", PrefixBlocks(2, 0, 1, True, (1,), (), 512)), "a new epoch"
     assert view.held("u") == {1}
     assert [d for d, _ in view.matches([1, 2])] == [1]
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[str]:
-    client = Redis.from_url(REDIS_URL, socket_timeout=2, decode_responses=True)
-    try:
-        await client.ping()
-    except (RedisError, OSError) as exc:
-        await client.aclose()
-        pytest.skip(f"{NO_REDIS} ({REDIS_URL}: {exc})")
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = [k async for k in client.scan_iter(match=f"unitproxy:{name}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 def _views(gw: Gateway) -> dict[str, frozenset[int]]:

@@ -149,3 +149,15 @@ def test_first_skips_the_waiters_the_test_refuses_in_fair_order() -> None:
     assert q.first(lambda w: w.rank == RANK["batch"]) is None
     assert list(q.ahead(RANK["interactive"])) == [i]
     assert sorted(w.seq for w in q) == [i.seq, s1.seq, s2.seq]
+
+
+def test_it_tells_whether_a_tenant_waits_in_a_class() -> None:
+    q = queue(Clock())
+    plain, _ = push(q, "", "standard")  # no tenants: every request is tenant ""
+    assert not q.tenants_waiting(RANK["standard"])
+    chat, _ = push(q, "chat", "standard")
+    assert q.tenants_waiting(RANK["standard"]) and not q.tenants_waiting(RANK["interactive"])
+    q.remove(plain)
+    assert q.tenants_waiting(RANK["standard"])
+    q.remove(chat)
+    assert not q.tenants_waiting(RANK["standard"])

@@ -30,7 +30,7 @@ import pytest
 from proxy.httputil import DEADLINE_HEADER, UNIT_HEADER
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
-from tests.procs import HOST, Proc, Procs, free_ports
+from tests.procs import HOST, BlackHole, Proc, Procs, free_ports
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -335,68 +335,6 @@ async def test_engine_error_mid_stream(procs: Procs) -> None:
 
 
 # -- a unit whose ports accept connections and never answer ---------------------------
-
-
-class BlackHole:
-    """A TCP server that accepts connections and reads them, and never writes a byte.
-
-    Its own accept loop on a plain socket, not ``asyncio.start_server``: there, a
-    connection the loop accepted just before ``Server.close()`` gets its handler (and
-    its writer) only a few loop turns later, and Python 3.11's ``wait_closed`` does not
-    wait for it, so such a connection outlived the test and its loop. Here every
-    accepted socket is in ``_conns`` the moment the accept returns, and ``close``
-    ends the accept loop itself before closing the listener."""
-
-    def __init__(self) -> None:
-        self.accepted = 0
-        self._listener = socket.socket()
-        self._conns: list[socket.socket] = []
-        self._readers: list[asyncio.Task[None]] = []
-        self._accepting: asyncio.Task[None] | None = None
-        self._closing = False
-
-    async def start(self) -> str:
-        self._listener.bind((HOST, 0))
-        self._listener.listen(128)
-        self._listener.setblocking(False)
-        self._accepting = asyncio.create_task(self._accept())
-        return f"{HOST}:{self._listener.getsockname()[1]}"
-
-    async def _accept(self) -> None:
-        # Never cancelled: a cancelled sock_accept may drop a socket it had accepted.
-        loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            self._conns.append(conn)
-            if self._closing:
-                return
-            self.accepted += 1
-            self._readers.append(asyncio.create_task(self._swallow(conn)))
-
-    async def _swallow(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(ConnectionError):
-            while await loop.sock_recv(conn, 65536):
-                pass
-
-    async def close(self) -> None:
-        if self._accepting is None:  # never started
-            self._listener.close()
-            return
-        self._closing = True
-        # Wake the accept loop with one more connection; it sees _closing and ends.
-        loop = asyncio.get_running_loop()
-        with socket.socket() as poke:
-            poke.setblocking(False)
-            await loop.sock_connect(poke, self._listener.getsockname())
-            await self._accepting
-        # Connections still in the backlog go with the listener, never seen by Python.
-        self._listener.close()
-        for reader in self._readers:
-            reader.cancel()
-        await asyncio.gather(*self._readers, return_exceptions=True)
-        for conn in self._conns:
-            conn.close()
 
 
 async def test_black_hole_closes_every_connection_when_it_closes() -> None:

@@ -15,7 +15,7 @@ import pytest
 from proxy.gateway.server import Gateway
 from proxy.load import UnitState
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
-from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from tests.conftest import BlackHoleFactory, GatewayFactory, SidecarFactory, wait_until
 from tests.procs import Procs, free_ports
 
 pytestmark = pytest.mark.timeout(30)
@@ -411,19 +411,13 @@ async def test_errors_mid_stream_count_toward_ejection(
 
 
 async def test_a_unit_that_never_answers_gets_504_and_is_ejected(
-    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+    start_sidecar: SidecarFactory,
+    http: aiohttp.ClientSession,
+    black_hole: BlackHoleFactory,
 ) -> None:
-    import contextlib
-
     from proxy.settings import load
 
-    held: list[asyncio.StreamWriter] = []
-
-    async def accept_and_say_nothing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    wedged = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
-    port = wedged.sockets[0].getsockname()[1]
+    port = (await black_hole()).port  # takes requests and says nothing
     reports = await start_sidecar(sidecar={"unit_id": "a"})  # its gRPC says SERVING
     settings = load({
         "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
@@ -441,30 +435,19 @@ async def test_a_unit_that_never_answers_gets_504_and_is_ejected(
                 assert "no response within 0.3 s" in (await resp.json())["error"]["message"]
         assert gw.router.units["a"].ejected_until > 0
         assert gw.router.units["a"].inflight == 0
-    for writer in held:
-        writer.close()
-    wedged.close()
-    with contextlib.suppress(Exception):
-        await wedged.wait_closed()
 
 
 async def test_clients_that_give_up_on_a_silent_unit_count_as_its_failures(
-    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+    start_sidecar: SidecarFactory,
+    http: aiohttp.ClientSession,
+    black_hole: BlackHoleFactory,
 ) -> None:
     # The unit takes requests and never answers while it reports SERVING; the response
     # timeout (300 s) never passes. A client that left after gave_up_failure_s with no
     # byte is a failure of the unit (HTTP and gRPC alike); one that left sooner is not.
-    import contextlib
-
     from proxy.settings import load
 
-    held: list[asyncio.StreamWriter] = []
-
-    async def accept_and_say_nothing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    wedged = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
-    port = wedged.sockets[0].getsockname()[1]
+    port = (await black_hole()).port  # takes requests and says nothing
     reports = await start_sidecar(sidecar={"unit_id": "a"})  # its gRPC says SERVING
     settings = load({
         "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
@@ -498,31 +481,20 @@ async def test_clients_that_give_up_on_a_silent_unit_count_as_its_failures(
         async with http.get(f"{gw.http_url}/units") as resp:
             shown = (await resp.json())["units"][0]
         assert shown["ejected_for_s"] > 0 and shown["ejections"] == 1
-    for writer in held:
-        writer.close()
-    wedged.close()
-    with contextlib.suppress(Exception):
-        await wedged.wait_closed()
 
 
 async def test_a_request_waiting_on_a_unit_that_is_ejected_goes_on_elsewhere(
-    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+    start_sidecar: SidecarFactory,
+    http: aiohttp.ClientSession,
+    black_hole: BlackHoleFactory,
 ) -> None:
     # a takes requests and says nothing (its reports come from a real sidecar's gRPC);
     # a request waiting there for a head moves to b once a is ejected, not after the
     # 300 s response timeout.
-    import contextlib
-
     from proxy.gateway.router import Outcome
     from proxy.settings import load
 
-    held: list[asyncio.StreamWriter] = []
-
-    async def accept_and_say_nothing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    wedged = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
-    port = wedged.sockets[0].getsockname()[1]
+    port = (await black_hole()).port  # takes requests and says nothing
     reports = await start_sidecar(sidecar={"unit_id": "a"})
     b = await start_sidecar(sidecar={"unit_id": "b"})
     settings = load({
@@ -552,11 +524,6 @@ async def test_a_request_waiting_on_a_unit_that_is_ejected_goes_on_elsewhere(
         assert resp.status == 200 and resp.headers["x-unitproxy-unit"] == "b"
         resp.release()
         assert counter_value(gw, "unitproxy_migrations_total", reason="unit_lost") == 1
-    for writer in held:
-        writer.close()
-    wedged.close()
-    with contextlib.suppress(Exception):
-        await wedged.wait_closed()
 
 
 async def test_load_over_http_watch_routes_and_drops_a_stopped_unit_at_once(

@@ -7,6 +7,7 @@ logged. Real sidecars and gateways on loopback, the openai client, real gRPC cha
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,11 +21,13 @@ import pytest
 
 from proxy.gateway.server import Gateway
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
+from proxy.resume import HintKey
 from proxy.settings import load
 from proxy.sidecar.server import Sidecar
 from tests.conftest import GatewayFactory, SidecarFactory, wait_until
+from tests.procs import RESUME_SECRET
+from tests.redisenv import NO_REDIS, REDIS_URL
 from tests.test_migration import SLOW_SIM, read_events, sidecar_of
-from tests.test_redis import NO_REDIS, REDIS_URL
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -275,6 +278,7 @@ async def test_grpc_authorization_metadata_names_the_tenant(
         assert trailing["x-unitproxy-code"] == "rate_limited"
         assert int(trailing["retry-after"]) >= 1
         assert trailing["x-ratelimit-remaining-requests"] == "0"
+        assert trailing["x-unitproxy-unit"] == "none" and len(trailing["x-request-id"]) == 32
 
 
 async def test_the_tenant_label_is_bounded(
@@ -427,10 +431,11 @@ priority = "interactive"
 async def one_slot(
     start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, **kw: Any
 ) -> Gateway:
-    """A gateway with PRIORITY_TENANTS in front of one unit that takes one request at once."""
+    """A gateway with PRIORITY_TENANTS in front of one unit that takes one request at
+    once, of any class (no allowance over capacity: what waits, waits in the gateway)."""
     path = tmp_path / "priority.toml"
     path.write_text(PRIORITY_TENANTS)
-    sidecar = await start_sidecar(sim=SLOW_SIM, sidecar={"capacity": 1})
+    sidecar = await start_sidecar(sim=SLOW_SIM, sidecar={"capacity": 1, "priority_headroom": 0})
     return await start_gateway([sidecar], tenants_file=str(path), **kw)
 
 
@@ -545,3 +550,221 @@ async def test_a_sidecar_trusts_a_priority_header_only_downwards(
     await send(None, 2)
     assert engine.preemptions == 1, "standard goes before a request that said batch"
     await batch
+
+
+async def test_a_sidecar_takes_interactive_over_capacity_only_signed_by_a_gateway(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    # One slot, capacity 1 (the slots), an allowance of 1 over it for a higher class.
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1})
+    engine: Any = sidecar.engine
+    key = HintKey(RESUME_SECRET)
+    url = f"{sidecar.http_url}/v1/completions"
+
+    async def send(headers: dict[str, str], max_tokens: int) -> tuple[int, Any]:
+        body = {"model": "unitproxy-sim", "prompt": "p", "max_tokens": max_tokens}
+        async with http.post(url, json=body, headers=headers) as resp:
+            return resp.status, await resp.json()
+
+    standard = asyncio.create_task(send({}, 30))
+    await wait_until(lambda: engine.stats().running == 1, what="the standard one running")
+    status, body = await send({"x-unitproxy-priority": "interactive"}, 2)
+    assert (status, body["error"]["code"]) == (429, "unit_at_capacity"), "a client's claim"
+    forged = {"x-unitproxy-priority": "interactive", "x-request-id": "r1",
+              "x-unitproxy-priority-sig": key.sign_priority("r2", "interactive")}  # fmt: skip
+    assert (await send(forged, 2))[0] == 429, "a signature for another request"
+    signed = {"x-unitproxy-priority": "interactive", "x-request-id": "r1",
+              "x-unitproxy-priority-sig": key.sign_priority("r1", "interactive")}  # fmt: skip
+    status, body = await send(signed, 2)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert engine.preemptions == 1, "it took the standard request's slot"
+    status, body = await standard
+    assert status == 200 and body["usage"]["completion_tokens"] == 30, "paused, not failed"
+
+    # gRPC: the same metadata
+    async with grpc.aio.insecure_channel(sidecar.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        def call(max_tokens: int, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+            request = inference_pb2.GenerateRequest(
+                model="unitproxy-sim", prompt="p",
+                sampling=inference_pb2.SamplingParams(max_tokens=max_tokens),
+            )  # fmt: skip
+            return stub.Generate(request, metadata=metadata)
+
+        async def collect(stream: Any) -> int:
+            return sum(len(c.token_ids) for c in [c async for c in stream])
+
+        running = asyncio.create_task(collect(call(30)))  # standard
+        await wait_until(lambda: engine.stats().running == 1, what="the standard one running")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(call(2, (("x-unitproxy-priority", "interactive"),)))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        sig = key.sign_priority("g1", "interactive")
+        meta = (("x-unitproxy-priority", "interactive"), ("x-request-id", "g1"),
+                ("x-unitproxy-priority-sig", sig))  # fmt: skip
+        assert await collect(call(2, meta)) == 2
+        assert engine.preemptions == 2
+        assert await running == 30
+
+
+async def test_interactive_goes_over_a_full_unit_and_the_batch_stream_resumes(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    # The unit runs one request at once and admits one (its capacity is its slot): the
+    # gateway sends an interactive request over it, by the unit's allowance, on both
+    # wires; the batch stream it preempts pauses and resumes, whole.
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS)
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1})
+    gw = await start_gateway([sidecar], tenants_file=str(path))
+    engine: Any = sidecar.engine
+    unit = next(iter(gw.router.units.values()))
+    await wait_until(lambda: unit.capacity == 1, what="the unit's report")
+    stream = await client(gw, "sk-bulk").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=300, stream=True
+    )
+    text = [(await anext(aiter(stream))).choices[0].text]
+    answer = await asyncio.wait_for(
+        client(gw, "sk-chat").completions.create(model="unitproxy-sim", prompt="hi", max_tokens=3),
+        1.0,  # the batch stream takes 1.5 s: the answer does not wait for it
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    assert engine.preemptions == 1
+    request = inference_pb2.GenerateRequest(
+        model="unitproxy-sim", prompt="hi", sampling=inference_pb2.SamplingParams(max_tokens=3)
+    )
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(request, metadata=(("authorization", "Bearer sk-chat"),))
+        chunks = await asyncio.wait_for(_all(call), 1.0)
+    assert sum(len(c.token_ids) for c in chunks) == 3
+    assert engine.preemptions == 2
+    # a batch request meanwhile waits in the gateway: batch outranks nothing
+    waiting = asyncio.create_task(
+        client(gw, "sk-bulk").completions.create(model="unitproxy-sim", prompt="x", max_tokens=2)
+    )
+    await wait_until(lambda: gw.router.waiting == 1, what="the batch request waiting")
+    async for chunk in stream:
+        text.append(chunk.choices[0].text if chunk.choices else "")
+    assert (await waiting).usage is not None
+    alone = await client(gw, "sk-bulk").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=300
+    )
+    assert "".join(text) == alone.choices[0].text, "paused twice and resumed, never cut"
+
+
+async def _all(call: Any) -> list[Any]:
+    return [c async for c in call]
+
+
+async def test_a_gateway_signs_interactive_so_that_it_outranks_standard_work(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    # Standard work fills the unit: only a class the unit grants as interactive, which
+    # takes the gateway's signature, goes over it, on both wires.
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS + '\n[[tenant]]\nname = "std"\nkeys = ["sk-std"]\n')
+    sidecar = await start_sidecar(sim={**SLOW_SIM, "max_num_seqs": 1})
+    gw = await start_gateway([sidecar], tenants_file=str(path))
+    engine: Any = sidecar.engine
+    unit = next(iter(gw.router.units.values()))
+    await wait_until(lambda: unit.capacity == 1, what="the unit's report")
+    stream = await client(gw, "sk-std").completions.create(
+        model="unitproxy-sim", prompt="a long one", max_tokens=300, stream=True
+    )
+    text = [(await anext(aiter(stream))).choices[0].text]
+    answer = await asyncio.wait_for(
+        client(gw, "sk-chat").completions.create(model="unitproxy-sim", prompt="hi", max_tokens=3),
+        1.0,
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    request = inference_pb2.GenerateRequest(
+        model="unitproxy-sim", prompt="hi", sampling=inference_pb2.SamplingParams(max_tokens=3)
+    )
+    async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        call = stub.Generate(request, metadata=(("authorization", "Bearer sk-chat"),))
+        assert sum(len(c.token_ids) for c in await asyncio.wait_for(_all(call), 1.0)) == 3
+    assert engine.preemptions == 2, "each took the standard stream's slot"
+    async for chunk in stream:
+        text.append(chunk.choices[0].text if chunk.choices else "")
+    assert len("".join(text)) > 0 and stream.response.status_code == 200
+
+
+async def test_interactive_waits_in_the_gateway_for_a_unit_that_cannot_grant_it(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, tmp_path: Path, client: Client
+) -> None:
+    # The unit has no server.resume_secret: it grants interactive as standard, which
+    # does not outrank the standard stream it runs, so the gateway keeps the request in
+    # its queue (no 429 from the unit) until the slot frees.
+    path = tmp_path / "priority.toml"
+    path.write_text(PRIORITY_TENANTS + '\n[[tenant]]\nname = "std"\nkeys = ["sk-std"]\n')
+    sidecar = await start_sidecar(
+        sim={**SLOW_SIM, "max_num_seqs": 1}, server={"resume_secret": None}
+    )
+    gw = await start_gateway([sidecar], tenants_file=str(path))
+    engine: Any = sidecar.engine
+    unit = next(iter(gw.router.units.values()))
+    await wait_until(lambda: unit.capacity == 1, what="the unit's report")
+    running = asyncio.create_task(
+        client(gw, "sk-std").completions.create(
+            model="unitproxy-sim", prompt="a long one", max_tokens=60
+        )
+    )
+    await wait_until(lambda: unit.inflight == 1, what="the unit busy")
+    answer = await client(gw, "sk-chat").completions.create(
+        model="unitproxy-sim", prompt="hi", max_tokens=3
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    assert running.done(), "it waited for the standard request's slot"
+    assert engine.preemptions == 0
+    assert sample(gw, "unitproxy_retries_total", reason="429") == 0
+
+
+async def test_an_audio_form_is_admitted_by_its_model_field(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    url = f"{gw.http_url}/v1/audio/transcriptions"
+    statuses = []
+    for key, model in (("sk-beta", "unitproxy-sim"), ("sk-beta", "other"),
+                       ("sk-alpha", "unitproxy-sim")):  # fmt: skip
+        form = aiohttp.FormData()
+        form.add_field("model", model)
+        form.add_field("file", b"RIFF", filename="a.wav")
+        headers = {"Authorization": f"Bearer {key}"}
+        async with http.post(url, data=form, headers=headers) as resp:
+            statuses.append(resp.status)
+            if resp.status == 400:  # the unit's: the simulator has no transcription model
+                assert resp.headers["x-unitproxy-unit"] != "none"
+    # beta's allow list holds for a form's model as for a JSON body's
+    assert statuses == [400, 403, 400]
+    await wait_until(lambda: in_flight(gw, "beta") == 0, what="its slot freed")
+    assert sample(gw, "unitproxy_tenant_requests_total", tenant="alpha", model="unitproxy-sim") == 1
+
+
+async def test_a_stored_response_is_retrieved_by_its_tenant_streamed_or_not(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    headers = {"Authorization": "Bearer sk-beta"}  # a tenant with an allow list
+    body = {"model": "unitproxy-sim", "input": "hi", "max_output_tokens": 3,
+            "background": True, "stream": True}  # fmt: skip
+    async with http.post(f"{gw.http_url}/v1/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        made = await resp.text()
+    rid = json.loads(made.split("data: ", 2)[1].split("\n")[0])["response"]["id"]
+    for query in ("", "?stream=true"):
+        async with http.get(f"{gw.http_url}/v1/responses/{rid}{query}", headers=headers) as r:
+            assert r.status == 200, await r.text()
+            got = await r.text()
+        assert got == made if query else json.loads(got)["id"] == rid
+    async with http.get(f"{gw.http_url}/v1/responses/{rid}") as resp:
+        assert resp.status == 401, "the tenants' keys hold for it"

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from engine.base import ENGINE_SLOTS, EngineStats
 from proxy.gateway.server import Gateway
@@ -31,28 +27,11 @@ from proxy.load import (
 )
 from proxy.settings import load
 from tests.conftest import SidecarFactory, wait_until
-from tests.test_redis import NO_REDIS, REDIS_URL, redis_section
+from tests.redisenv import REDIS_URL, redis_section
 
 pytestmark = pytest.mark.timeout(30)
 
 SOURCES = ["watch", "watch-http", "poll", "redis"]
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[str]:
-    """A Redis cluster name of this test's own (skips without Redis); keys deleted after."""
-    client = Redis.from_url(REDIS_URL, socket_timeout=2, decode_responses=True)
-    try:
-        await client.ping()
-    except (RedisError, OSError) as exc:
-        await client.aclose()
-        pytest.skip(f"{NO_REDIS} ({REDIS_URL}: {exc})")
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = [k async for k in client.scan_iter(match=f"unitproxy:{name}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 @pytest.mark.parametrize("source", SOURCES)

@@ -7,12 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
-from redis.asyncio import Redis
 
 from proxy.ratelimit import (
     LEASE_S,
@@ -26,7 +23,7 @@ from proxy.redis_reports import connect
 from proxy.settings import RedisSettings
 from proxy.tenants import Tenant
 from tests.procs import free_ports
-from tests.test_redis import NO_REDIS, REDIS_URL
+from tests.redisenv import REDIS_URL
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -133,23 +130,6 @@ async def test_a_tenant_without_limits_counts_nothing() -> None:
 
 
 # -- Redis ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[str]:
-    """A cluster name of this test's own in the shared Redis; its keys go afterwards."""
-    name = f"t{uuid.uuid4().hex[:10]}"
-    client = Redis.from_url(REDIS_URL, decode_responses=True)
-    try:
-        await client.ping()
-    except OSError:
-        await client.aclose()
-        pytest.skip(NO_REDIS)
-    yield name
-    keys = [k async for k in client.scan_iter(match=f"unitproxy:{name}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 def shared_limiter(cluster: str, clock: Clock, url: str = REDIS_URL, **kw: object) -> Limiter:

@@ -14,10 +14,8 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
@@ -35,14 +33,10 @@ from proxy.settings import load
 from proxy.sidecar.server import Sidecar
 from tests.conftest import SidecarFactory, wait_until
 from tests.procs import free_ports
+from tests.redisenv import REDIS_URL, redis_section
 
 pytestmark = pytest.mark.timeout(30)
 
-REDIS_URL = os.environ.get("UNITPROXY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-NO_REDIS = (
-    "needs a Redis server: start one with `redis-server --port 6379` "
-    "(Debian/Ubuntu: apt-get install redis-server) or set UNITPROXY_TEST_REDIS_URL"
-)
 SLOW_STREAM = {"prompt": "x", "max_tokens": 100_000, "stream": True}
 SLOW_SIM = {"decode_step_ms": 20.0}  # long streams that cost little CPU
 
@@ -61,41 +55,6 @@ class AheadClock:
 
 
 # --- fixtures -------------------------------------------------------------------
-
-
-@pytest.fixture
-async def redis() -> AsyncIterator[Redis]:
-    client = Redis.from_url(
-        REDIS_URL, socket_timeout=2, socket_connect_timeout=2, decode_responses=True
-    )
-    try:
-        await client.ping()
-    except (RedisError, OSError) as exc:
-        await client.aclose()
-        pytest.skip(f"{NO_REDIS} ({REDIS_URL}: {exc})")
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-async def cluster(redis: Redis) -> AsyncIterator[str]:
-    """A cluster name of this test's own; its keys are deleted afterwards."""
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = [k async for k in redis.scan_iter(match=f"unitproxy:{name}:*")]
-    if keys:
-        await redis.delete(*keys)
-
-
-def redis_section(url: str, cluster: str) -> dict[str, Any]:
-    # Short timeouts and backoff, so outages are noticed and ridden out quickly.
-    return {
-        "url": url,
-        "cluster": cluster,
-        "timeout_s": 0.5,
-        "backoff_initial_s": 0.05,
-        "backoff_max_s": 0.3,
-    }
 
 
 @pytest.fixture

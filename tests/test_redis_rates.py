@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from proxy.broadcast import Broadcast
 from proxy.gateway.loadsource import RedisSource
@@ -21,31 +17,9 @@ from proxy.redis_reports import Keys, asked_s
 from proxy.settings import GatewaySettings, RedisSettings, UnitTarget
 from proxy.sidecar.publisher import ReportPublisher
 from tests.conftest import wait_until
+from tests.redisenv import REDIS_URL
 
 pytestmark = pytest.mark.timeout(30)
-
-REDIS_URL = os.environ.get("UNITPROXY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-@pytest.fixture
-async def redis() -> AsyncIterator[Redis]:
-    client = Redis.from_url(REDIS_URL, socket_timeout=2, decode_responses=True)
-    try:
-        await client.ping()
-    except (RedisError, OSError) as exc:
-        await client.aclose()
-        pytest.skip(f"needs a Redis server at {REDIS_URL}: {exc}")
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-async def cluster(redis: Redis) -> AsyncIterator[str]:
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    keys = [k async for k in redis.scan_iter(match=f"unitproxy:{name}:*")]
-    if keys:
-        await redis.delete(*keys)
 
 
 class Unit1:

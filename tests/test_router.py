@@ -291,6 +291,96 @@ async def test_a_new_request_waits_behind_a_higher_class_that_may_take_the_free_
     assert retried.done() and retried.result().id == "b"
 
 
+# -- the allowance over capacity for a higher class -------------------------------------
+
+
+def full(r: Router, uid: str, standard: int, batch: int, headroom: int = 2,
+         capacity: int = 4, seq: int = 2) -> None:  # fmt: skip
+    """``uid`` reports itself full: ``standard`` and ``batch`` requests of those classes
+    (the rest interactive), ``headroom`` over capacity for a higher class."""
+    named = {"priority_headroom": float(headroom), "outstanding_standard": float(standard),
+             "outstanding_batch": float(batch)}  # fmt: skip
+    report(r, uid, capacity, capacity=capacity, seq=seq, named_metrics=named)
+
+
+async def test_a_full_unit_takes_a_higher_class_over_capacity_and_never_batch() -> None:
+    r = router("a")
+    full(r, "a", standard=1, batch=3)
+    batch = asyncio.create_task(r.acquire(want=want("bulk", "batch")))
+    await settle()
+    assert not batch.done() and r.waiting == 1, "batch outranks nothing: it waits"
+    unit = await asyncio.wait_for(r.acquire(want=want("chat", "interactive")), 1)
+    assert unit.id == "a" and r.view.estimate(unit) == 5  # over capacity, by the allowance
+    # standard outranks the 3 batch requests: its class and above hold 2 < 4
+    assert (await asyncio.wait_for(r.acquire(want=want("s", "standard")), 1)).id == "a"
+    late = asyncio.create_task(r.acquire(want=want("chat", "interactive")))
+    await settle()
+    assert not late.done(), "capacity 4 + headroom 2 reached: it waits"
+    r.release(unit, Outcome.OK)  # 5 held again: the interactive waiter goes first
+    await settle()
+    assert late.done() and late.result().id == "a" and not batch.done()
+    batch.cancel()
+    await settle()
+    assert r.waiting == 0
+
+
+async def test_no_allowance_past_what_the_lower_classes_hold_or_without_tenants() -> None:
+    r = router("a")
+    full(r, "a", standard=0, batch=1, headroom=4)
+    assert (await r.acquire(want=want("chat", "interactive"))).id == "a"
+    # interactive now holds 4 of the 4 slots: one more would wait in the engine
+    late = asyncio.create_task(r.acquire(want=want("chat", "interactive")))
+    plain = asyncio.create_task(r.acquire())  # no tenants: no class, no allowance
+    await settle()
+    assert not late.done() and not plain.done() and r.waiting == 2
+    for task in (late, plain):
+        task.cancel()
+    await settle()
+
+
+async def test_a_unit_that_grants_no_interactive_counts_only_batch_below_it() -> None:
+    r = router("a")
+    # no outstanding_standard: a unit without server.resume_secret, whose 4 requests
+    # are standard (it grants interactive as standard)
+    named = {"priority_headroom": 2.0, "outstanding_batch": 0.0}
+    report(r, "a", 4, capacity=4, named_metrics=named)
+    waiting = asyncio.create_task(r.acquire(want=want("chat", "interactive")))
+    await settle()
+    assert not waiting.done()
+    report(r, "a", 4, capacity=4, seq=3, named_metrics={**named, "outstanding_batch": 1.0})
+    await settle()
+    assert waiting.done() and waiting.result().id == "a"
+
+
+async def test_unsigned_interactive_counts_as_standard_at_the_unit() -> None:
+    r = router("a")
+    full(r, "a", standard=4, batch=0)
+    r.signs_interactive = False  # no server.resume_secret: the unit grants standard
+    waiting = asyncio.create_task(r.acquire(want=want("chat", "interactive")))
+    await settle()
+    assert not waiting.done(), "standard does not outrank the standard work it holds"
+    r.signs_interactive = True
+    full(r, "a", standard=4, batch=0, seq=3)  # the report wakes the queue
+    await settle()
+    assert waiting.done() and waiting.result().id == "a"
+
+
+async def test_a_report_of_room_over_capacity_wakes_a_higher_class_past_batch_waiters() -> None:
+    r = router("a")
+    full(r, "a", standard=0, batch=0, headroom=2)  # all interactive: no allowance
+    batch = [asyncio.create_task(r.acquire(want=want("bulk", "batch"))) for _ in range(2)]
+    chat = asyncio.create_task(r.acquire(want=want("chat", "interactive")))
+    await settle()
+    assert r.waiting == 3
+    full(r, "a", standard=0, batch=2, seq=3)  # two of them are batch after all
+    await settle()
+    assert chat.done() and chat.result().id == "a"
+    assert not any(t.done() for t in batch) and r.waiting == 2
+    for task in batch:
+        task.cancel()
+    await settle()
+
+
 # -- staleness ---------------------------------------------------------------------
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import math
 import struct
 from typing import Any
 
 import aiohttp
+import langchain_openai
 import openai
 import pytest
 
@@ -364,11 +366,13 @@ async def test_the_gateway_routes_every_route_by_model(
     async with http.post(f"{gw.http_url}/v1/embeddings", json={"model": "x", "input": "a"}) as r:
         assert r.status == 404
         assert (await r.json())["error"]["code"] == "model_not_found"
-    # the simulator has no tokenizer routes: the unit's own 404 comes back, from the unit
+    # the simulator has no tokenizer routes: the unit's own 404 comes back, from the unit,
+    # with the body vLLM's server gives for a route it has not for the model (FastAPI's)
     async with http.post(f"{gw.http_url}/tokenize",
                          json={"model": "embedder", "prompt": "a"}) as resp:  # fmt: skip
         assert resp.status == 404 and resp.headers["x-unitproxy-unit"] == "b"
-        assert "/tokenize is not served by this engine" in (await resp.json())["error"]["message"]
+        assert resp.headers["content-type"] == "application/json"
+        assert await resp.json() == {"detail": "Not Found"}
 
 
 async def test_a_responses_stream_through_the_gateway(
@@ -518,3 +522,206 @@ async def post_json_sdk(oa: openai.AsyncOpenAI, text: str) -> list[float]:
     floats = await oa.embeddings.create(model="unitproxy-sim", input=text,
                                         encoding_format="float")  # fmt: skip
     return floats.data[0].embedding
+
+
+# --- streamed retrieve of a streamed background response ------------------------------------
+
+
+async def read_events(resp: aiohttp.ClientResponse) -> list[tuple[str, dict[str, Any]]]:
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["content-type"] == "text/event-stream; charset=utf-8"
+    return sse_events(await resp.text())
+
+
+async def test_a_streamed_background_response_is_retrieved_as_a_stream(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    units = [await start_sidecar(sidecar={"unit_id": f"u{i}"}, sim={"decode_step_ms": 5.0})
+             for i in range(2)]  # fmt: skip
+    gw = await start_gateway(units, policy="round_robin")
+    body = {"input": "hi", "background": True, "stream": True, "max_output_tokens": 6}
+    async with http.post(f"{gw.http_url}/v1/responses", json=body) as resp:
+        made = await read_events(resp)
+        home = resp.headers["x-unitproxy-unit"]
+    assert list(dict.fromkeys(k for k, _ in made)) == STREAM_EVENTS
+    assert [d["sequence_number"] for _, d in made] == list(range(len(made)))
+    rid = made[0][1]["response"]["id"]
+    assert unit_of(rid) == home
+    for _ in range(2):  # round robin would alternate; the id names the unit
+        async with http.get(f"{gw.http_url}/v1/responses/{rid}?stream=true") as resp:
+            assert resp.headers["x-unitproxy-unit"] == home
+            assert await read_events(resp) == made, "every event again, as it was"
+    async with http.get(f"{gw.http_url}/v1/responses/{rid}?stream=true&starting_after=3") as r:
+        assert await read_events(r) == made[4:]
+    async with http.get(f"{gw.http_url}/v1/responses/{rid}") as resp:
+        assert (await resp.json())["status"] == "incomplete"
+    assert counter(gw, "unitproxy_requests_total", route="responses_retrieve", code="200") == 4
+
+
+async def test_a_streamed_retrieve_follows_a_response_still_being_made(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(sim={"decode_step_ms": 20.0})
+    url = sidecar.http_url
+    body = {"input": "hi", "background": True, "stream": True, "max_output_tokens": 30}
+    async with http.post(f"{url}/v1/responses", json=body) as made:
+        first = (await made.content.readuntil(b"\n\n")).decode()
+        rid = sse_events(first)[0][1]["response"]["id"]
+        # the creating stream closes early: the response goes on in the background
+    async with http.get(f"{url}/v1/responses/{rid}?stream=1&starting_after=0") as resp:
+        events = await read_events(resp)
+    assert events[0][0] == "response.in_progress" and events[-1][0] == "response.completed"
+    assert sum(k == "response.output_text.delta" for k, _ in events) == 30
+    assert events[-1][1]["response"]["usage"]["output_tokens"] == 30
+
+
+async def test_a_streamed_retrieve_of_what_kept_no_events_is_vllms_400(
+    start_sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar()
+    url = sidecar.http_url
+    whole = await post_json(http, f"{url}/v1/responses", {"input": "x", "max_output_tokens": 1})
+    async with http.get(f"{url}/v1/responses/{whole['id']}?stream=true") as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == "response_id" and whole["id"] in error["message"]
+    for query, param in (("stream=maybe", "stream"), ("stream=true&starting_after=x",
+                                                      "starting_after")):  # fmt: skip
+        async with http.get(f"{url}/v1/responses/{whole['id']}?{query}") as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == param
+    async with http.get(f"{url}/v1/responses/{whole['id']}?stream=false") as resp:
+        assert resp.status == 200 and (await resp.json())["id"] == whole["id"]
+
+
+# --- the audio routes (multipart forms) ----------------------------------------------------
+
+WAV = b"RIFF" + bytes(range(256))  # the simulator reads none of it; not UTF-8
+
+
+def audio_form(model: str | None, **fields: str) -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    if model is not None:
+        form.add_field("model", model)
+    for name, value in fields.items():
+        form.add_field(name, value)
+    form.add_field("file", WAV, filename="a.wav", content_type="audio/wav")
+    return form
+
+
+async def test_audio_routes_are_routed_by_the_forms_model_field(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, engine={"served_model_name": "chat-model"})
+    b = await start_sidecar(sidecar={"unit_id": "b"}, engine={"served_model_name": "speech"})
+    gw = await start_gateway([a, b], policy="round_robin")
+    for route in ("transcriptions", "translations"):
+        for _ in range(3):
+            form = audio_form("speech", language="en")
+            async with http.post(f"{gw.http_url}/v1/audio/{route}", data=form) as resp:
+                assert resp.status == 400, await resp.text()
+                assert resp.headers["x-unitproxy-unit"] == "b"
+                error = (await resp.json())["error"]
+            assert "the simulator has no transcription model" in error["message"]
+            assert error["param"] == "model"
+        assert counter(gw, "unitproxy_requests_total", route=route, code="400") == 3
+    # the model field comes after the file: still found
+    form = aiohttp.FormData()
+    form.add_field("file", WAV, filename="a.wav", content_type="audio/wav")
+    form.add_field("model", "chat-model")
+    async with http.post(f"{gw.http_url}/v1/audio/transcriptions", data=form) as resp:
+        assert resp.status == 400 and resp.headers["x-unitproxy-unit"] == "a"
+    # a model no unit serves: the gateway's 404, as for any route
+    async with http.post(f"{gw.http_url}/v1/audio/transcriptions",
+                         data=audio_form("nobody")) as resp:  # fmt: skip
+        assert resp.status == 404
+        assert (await resp.json())["error"]["code"] == "model_not_found"
+
+
+async def test_an_audio_body_that_does_not_parse_is_the_gateways_400(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    gw = await start_gateway([await start_sidecar()])
+    url = f"{gw.http_url}/v1/audio/transcriptions"
+    cases = [
+        ("application/json", b'{"model": "unitproxy-sim"}', "content-type must be"),
+        ("multipart/form-data", b"--x\r\n", "no valid boundary"),
+        ("multipart/form-data; boundary=x", b"no boundary here", "no opening boundary"),
+        ("multipart/form-data; boundary=x",
+         b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nunitproxy-sim',
+         "not closed by the boundary"),
+        ("multipart/form-data; boundary=x",
+         b"--x\r\n" + b"X-Pad: 1\r\n" * 20 + b"\r\nv\r\n--x--", "more than 16 headers"),
+        ("multipart/form-data; boundary=x",
+         b"".join(b'--x\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nv\r\n' % i
+                  for i in range(65)) + b"--x--", "more than 64 parts"),
+    ]  # fmt: skip
+    for ctype, body, message in cases:
+        async with http.post(url, data=body, headers={"Content-Type": ctype}) as resp:
+            assert resp.status == 400, (ctype, await resp.text())
+            assert resp.headers["x-unitproxy-unit"] == "none", "no unit was asked"
+            error = (await resp.json())["error"]
+        assert message in error["message"], (message, error)
+        assert error["type"] == "invalid_request_error"
+    # what a web page posts cross-site: refused, as the admin routes refuse it
+    headers = {"Origin": "https://example.test"}
+    async with http.post(url, data=audio_form("unitproxy-sim"), headers=headers) as resp:
+        assert resp.status == 403
+        assert (await resp.json())["error"]["code"] == "browser_request"
+    # the body bound holds for forms as for JSON
+    big = aiohttp.FormData()
+    big.add_field("model", "unitproxy-sim")
+    big.add_field("file", io.BytesIO(bytes(5 * 1024 * 1024)), filename="a.wav",
+                  content_type="audio/wav")  # fmt: skip
+    async with http.post(url, data=big) as resp:
+        assert resp.status == 413
+
+
+async def test_audio_requests_retry_on_another_unit_before_the_first_byte(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    b = await start_sidecar(sidecar={"unit_id": "b"})
+    gw = await start_gateway([a, b], policy="round_robin", load_source="poll",
+                             poll_interval_s=60, stale_after_s=120)  # fmt: skip
+    await a.__aexit__(None, None, None)
+    for _ in range(2):
+        async with http.post(f"{gw.http_url}/v1/audio/translations",
+                             data=audio_form("unitproxy-sim")) as resp:  # fmt: skip
+            assert resp.status == 400 and resp.headers["x-unitproxy-unit"] == "b"
+            assert "no transcription model" in (await resp.json())["error"]["message"]
+    assert counter(gw, "unitproxy_retries_total", reason="connect") >= 1
+
+
+async def test_the_openai_sdks_audio_call_gets_the_simulators_400(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway([await start_sidecar()])
+    async with openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0) as oa:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await oa.audio.transcriptions.create(
+                model="unitproxy-sim", file=("a.wav", WAV, "audio/wav"), language="en"
+            )
+    assert "the simulator has no transcription model" in str(refused.value)
+
+
+# --- langchain's Responses path ----------------------------------------------------------
+
+
+async def test_langchain_openai_on_the_responses_api(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway([await start_sidecar()])
+    async with openai.DefaultAsyncHttpxClient() as client:  # closed here, not at exit
+        llm = langchain_openai.ChatOpenAI(
+            model="unitproxy-sim", base_url=f"{gw.http_url}/v1", api_key="k",
+            use_responses_api=True, max_tokens=4, max_retries=0, timeout=10,
+            http_async_client=client,
+        )  # fmt: skip
+        whole = await llm.ainvoke("Say hello")
+        assert len(whole.text.split()) == 4
+        assert whole.response_metadata["model_name"] == "unitproxy-sim"
+        assert whole.usage_metadata is not None and whole.usage_metadata["output_tokens"] == 4
+        pieces = [chunk async for chunk in llm.astream("Say hello")]
+        assert len("".join(c.text for c in pieces).split()) == 4
+    assert counter(gw, "unitproxy_requests_total", route="responses", code="200") == 2

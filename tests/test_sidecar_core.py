@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.base import EngineRequest, SamplingParams, TokenDelta
+from engine.base import PRIORITY_RANK, EngineRequest, SamplingParams, TokenDelta
 from engine.settings import SimSettings
 from engine.sim import SimEngine
 from proxy.broadcast import Broadcast
 from proxy.errors import DeadlineExceeded, EngineDeadError, Overloaded, Unavailable, UnitFailed
-from proxy.load import UnitState
+from proxy.load import OUTSTANDING_BATCH, OUTSTANDING_STANDARD, PRIORITY_HEADROOM, UnitState
 from proxy.metrics import HealthMetrics, ServingMetrics, UnitMetrics
-from proxy.sidecar.core import Lease, SidecarCore
+from proxy.resume import HintKey
+from proxy.sidecar.core import Lease, SidecarCore, engine_priority
 from proxy.sidecar.health import UnitHealth
 
 pytestmark = pytest.mark.timeout(10)
@@ -50,7 +51,13 @@ class Unit:
 async def make_unit() -> AsyncIterator[Callable[..., Awaitable[Unit]]]:
     engines: list[SimEngine] = []
 
-    async def make(capacity: int = 2, serving: bool = True, **sim: Any) -> Unit:
+    async def make(
+        capacity: int = 2,
+        serving: bool = True,
+        headroom: int | None = None,
+        key: HintKey | None = None,
+        **sim: Any,
+    ) -> Unit:
         knobs = {"decode_step_ms": 0, "prefill_ms_per_token": 0, "decode_ms_per_seq": 0}
         engine = SimEngine(SimSettings(**(knobs | sim)))
         await engine.start()
@@ -63,7 +70,7 @@ async def make_unit() -> AsyncIterator[Callable[..., Awaitable[Unit]]]:
         metrics = ServingMetrics(registry)
         core = SidecarCore(unit_id="u", engine=engine, health=health, metrics=metrics,
                            changes=changes, capacity=capacity, retry_after_s=3,
-                           clock=clock)  # fmt: skip
+                           clock=clock, priority_headroom=headroom, resume_key=key)  # fmt: skip
         return Unit(core, health, clock, changes, metrics)
 
     yield make
@@ -111,6 +118,82 @@ async def test_admits_up_to_capacity_then_refuses_with_429(make_unit: Any) -> No
     assert unit.core.outstanding == 1
     unit.core.admit()  # room again
     assert unit.core.outstanding == 2
+
+
+INTERACTIVE, STANDARD, BATCH = (PRIORITY_RANK[c] for c in ("interactive", "standard", "batch"))
+
+
+async def test_a_full_unit_takes_a_higher_class_over_capacity_within_the_headroom(
+    make_unit: Any,
+) -> None:
+    unit: Unit = await make_unit(capacity=4, headroom=2, key=HintKey("s3cret"))
+    core = unit.core
+    batch = [core.admit(BATCH) for _ in range(3)]
+    core.admit(STANDARD)
+    with pytest.raises(Overloaded):
+        core.admit(BATCH)  # at capacity: batch outranks nothing
+    # standard: the classes at or above it hold 1 < 4, so a batch request's slot is its
+    standard = core.admit(STANDARD)
+    assert core.outstanding == 5
+    core.admit(INTERACTIVE)
+    assert core.outstanding == 6
+    with pytest.raises(Overloaded):
+        core.admit(INTERACTIVE)  # capacity + headroom reached
+    report = core.report()
+    assert report.named_metrics[PRIORITY_HEADROOM] == 2
+    assert report.named_metrics[OUTSTANDING_BATCH] == 3
+    assert report.named_metrics[OUTSTANDING_STANDARD] == 2
+    standard.release()
+    for lease in batch:
+        lease.release()
+    assert core.outstanding == 2 and core.report().named_metrics[OUTSTANDING_BATCH] == 0
+
+
+async def test_over_capacity_only_while_the_higher_classes_hold_fewer_than_capacity(
+    make_unit: Any,
+) -> None:
+    unit: Unit = await make_unit(capacity=2, headroom=4)
+    core = unit.core
+    core.admit(BATCH)
+    core.admit(INTERACTIVE)
+    core.admit(INTERACTIVE)  # over: it takes the batch request's slot in the engine
+    with pytest.raises(Overloaded):
+        core.admit(INTERACTIVE)  # interactive holds every slot: it would wait in the engine
+    assert core.outstanding == 3
+    # no server.resume_secret here: it grants no interactive, so a gateway must count
+    # standard work as a class it cannot go over (no outstanding_standard)
+    named = core.report().named_metrics
+    assert named[OUTSTANDING_BATCH] == 1 and OUTSTANDING_STANDARD not in named
+
+
+async def test_no_headroom_where_set_to_0_or_the_engine_ignores_priority(
+    make_unit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unit: Unit = await make_unit(capacity=1, headroom=0)
+    unit.core.admit(BATCH)
+    with pytest.raises(Overloaded):
+        unit.core.admit(INTERACTIVE)
+    default: Unit = await make_unit(capacity=8)
+    assert default.core.headroom == 2  # a quarter of the capacity
+    # an engine that does not schedule by priority: the request would queue in its FIFO
+    monkeypatch.setattr(default.core.engine, "takes_priority", lambda: False)
+    assert default.core.headroom == 0
+    assert PRIORITY_HEADROOM not in default.core.report().named_metrics
+
+
+def test_a_unit_grants_interactive_only_to_a_class_signed_by_a_gateway() -> None:
+    key = HintKey("s3cret")
+    sig = key.sign_priority("req-1", "interactive")
+    assert engine_priority("interactive", sig, "req-1", key) == INTERACTIVE
+    assert engine_priority(b"interactive", sig.encode(), b"req-1", key) == INTERACTIVE
+    assert engine_priority("interactive", None, "req-1", key) == STANDARD  # unsigned
+    assert engine_priority("interactive", sig, "req-2", key) == STANDARD  # another request
+    assert engine_priority("interactive", sig, "req-1", HintKey("other")) == STANDARD
+    assert engine_priority("interactive", sig, "req-1", None) == STANDARD  # no secret here
+    assert engine_priority("interactive", "\u00e9" * 64, "req-1", key) == STANDARD
+    assert engine_priority("batch", None, None, None) == BATCH
+    assert engine_priority("standard", key.sign_priority("r", "standard"), "r", key) == STANDARD
+    assert engine_priority(None, None, None, key) == STANDARD
 
 
 async def test_a_lease_is_released_once(make_unit: Any) -> None:

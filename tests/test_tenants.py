@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from redis.asyncio import Redis
 from proxy.errors import Forbidden, InvalidRequest, Unauthenticated
 from proxy.tenants import Tenant, Tenants, TenantsError, TenantSource, parse_file
 from tests.conftest import wait_until
-from tests.test_redis import NO_REDIS, REDIS_URL
+from tests.redisenv import REDIS_URL
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -176,17 +175,6 @@ async def test_a_bad_first_file_is_an_error(tmp_path: Path) -> None:
     _write(path, '[[tenant]]\nname = "a"\n')
     with pytest.raises(TenantsError, match="tenant a"):
         await TenantSource(path).load()
-
-
-@pytest.fixture
-async def redis() -> AsyncIterator[Redis]:
-    client = Redis.from_url(REDIS_URL, decode_responses=True)
-    try:
-        await client.ping()
-    except OSError:
-        pytest.skip(NO_REDIS)
-    yield client
-    await client.aclose()
 
 
 async def test_tenants_from_redis_join_and_override_the_file(tmp_path: Path, redis: Redis) -> None:

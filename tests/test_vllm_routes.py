@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import langchain_openai
 import openai
 import pytest
 import pytest_asyncio
@@ -314,6 +315,35 @@ def _fill(body: dict[str, Any] | None, response_id: str) -> dict[str, Any] | Non
 
 
 @with_vllm
+async def test_a_streamed_background_response_is_retrieved_as_a_stream(
+    vllm_generate: str, gateway: str
+) -> None:
+    """GET /v1/responses/{id}?stream=true replays a streamed background response's events
+    (after starting_after), as vLLM's server does; the gateway asks the unit in the id."""
+    body = {**RESPONSE, "background": True, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        made = []
+        for url in (vllm_generate, gateway):
+            async with http.post(f"{url}/v1/responses", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                text = await resp.text()
+            made.append((text, json.loads(text.split("data: ", 2)[1].split("\n")[0])))
+        assert stream(made[0][0]) == stream(made[1][0])
+        ids = [data["response"]["id"] for _, data in made]
+        assert unit_of(ids[1]) == "unit-gen"
+        for query in ("stream=true", "stream=true&starting_after=2"):
+            got = [
+                await answer(http, "GET", f"{url}/v1/responses/{rid}?{query}")
+                for url, rid in zip((vllm_generate, gateway), ids, strict=True)
+            ]
+            assert got[0] == got[1], query
+            assert got[1][0] == 200 and got[1][1].startswith("text/event-stream"), got[1]
+        # the whole stream again, as it came: every event, in order
+        async with http.get(f"{gateway}/v1/responses/{ids[1]}?stream=true") as resp:
+            assert await resp.text() == made[1][0]
+
+
+@with_vllm
 async def test_openai_sdk_responses_create(gateway: str) -> None:
     async with openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="-", max_retries=0) as oa:
         made = await oa.responses.create(
@@ -334,11 +364,33 @@ async def test_openai_sdk_responses_create(gateway: str) -> None:
         # vLLM ends every stream with response.completed, whatever the status
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
         assert "".join(texts) == made.output_text
+        # the SDK's stream helper: its events, then the response it assembles
+        async with oa.responses.stream(
+            model=MODEL_NAME, input="Say hello", max_output_tokens=5, temperature=0
+        ) as helper:
+            deltas = [e.delta async for e in helper if e.type == "response.output_text.delta"]
+            final = await helper.get_final_response()
+        assert final.output_text == "".join(deltas) == made.output_text
+
+
+@with_vllm
+async def test_langchain_openai_on_the_responses_api(gateway: str) -> None:
+    async with openai.DefaultAsyncHttpxClient() as client:
+        llm = langchain_openai.ChatOpenAI(
+            model=MODEL_NAME, base_url=f"{gateway}/v1", api_key="-", use_responses_api=True,
+            max_tokens=5, temperature=0, max_retries=0, http_async_client=client,
+        )  # fmt: skip
+        whole = await llm.ainvoke("Say hello")
+        pieces = [chunk async for chunk in llm.astream("Say hello")]
+    assert whole.text and whole.response_metadata["model_name"] == MODEL_NAME
+    assert whole.usage_metadata is not None and whole.usage_metadata["output_tokens"] == 5
+    assert "".join(c.text for c in pieces) == whole.text, "temperature 0: the same text"
 
 
 # -- the pooling model -------------------------------------------------------------------
 
 TEXTS = ["The cat sat on the mat", "Dogs bark at night"]
+RERANK = {"model": MODEL_NAME, "query": "q", "documents": ["d"]}
 
 
 @with_vllm
@@ -379,11 +431,27 @@ async def test_a_route_the_model_has_no_task_for_is_404_on_both(
     async with aiohttp.ClientSession() as http:
         for url, unit, path, body in (
             (vllm_pooling, pool.http_url, "/v1/chat/completions", {**CHAT, "model": POOL_NAME}),
+            (vllm_pooling, pool.http_url, "/v1/responses", {**RESPONSE, "model": POOL_NAME}),
             (vllm_generate, gen.http_url, "/v1/embeddings", {"model": MODEL_NAME, "input": "x"}),
+            (vllm_generate, gen.http_url, "/rerank", RERANK),
         ):
             theirs = await answer(http, "POST", url + path, body)
-            ours = await answer(http, "POST", unit + path, body)
-            assert theirs[0] == ours[0] == 404, (path, theirs, ours)
+            # the unit's answer and the gateway's (which routes by the model) are vLLM's:
+            # status, content type and body
+            for ours in (unit, gateway):
+                assert await answer(http, "POST", ours + path, body) == theirs, (ours, path)
+            assert theirs[0] == 404, theirs
+        # the audio routes, on models with no transcription task
+        for url, unit, model in ((vllm_generate, gen.http_url, MODEL_NAME),
+                                 (vllm_pooling, pool.http_url, POOL_NAME)):  # fmt: skip
+            got = []
+            for base in (url, unit, gateway):
+                form = aiohttp.FormData()
+                form.add_field("model", model)
+                form.add_field("file", b"RIFF" + bytes(40), filename="a.wav")
+                async with http.post(f"{base}/v1/audio/transcriptions", data=form) as resp:
+                    got.append((resp.status, resp.headers["Content-Type"], await resp.json()))
+            assert got[0][0] == 404 and got[1:] == [got[0], got[0]], got
         # a stored response the unit does not have: vLLM's 404, naming the id
         path = "/v1/responses/resp_none"
         theirs = await answer(http, "GET", vllm_generate + path)
@@ -391,3 +459,40 @@ async def test_a_route_the_model_has_no_task_for_is_404_on_both(
         assert ours == theirs and ours[0] == 404, (ours, theirs)
         assert ours[2]["error"]["param"] == "response_id"
     assert gen.core.outstanding == pool.core.outstanding == 0
+
+
+# -- the audio routes ---------------------------------------------------------------------
+# No transcription model can be made here (a Whisper needs its tokenizer and feature
+# extractor files from a model hub): what is checked against vLLM is the form as vLLM's
+# own request model and upload reader take it, and the 404 of a model without the task.
+
+
+@with_vllm
+async def test_a_form_reaches_vllms_transcription_request_as_fastapi_hands_it() -> None:
+    from pydantic import TypeAdapter
+
+    from engine import vllm_frontend
+    from proxy.sidecar.frontend_http import form_fields
+
+    audio = b"RIFF" + bytes(range(256)) * 4
+    form = aiohttp.FormData()
+    form.add_field("model", "whisper")
+    form.add_field("language", "en")
+    form.add_field("temperature", "0.2")
+    form.add_field("response_format", "verbose_json")
+    form.add_field("timestamp_granularities[]", "word")
+    form.add_field("file", audio, filename="a.wav", content_type="audio/wav")
+    writer = form()
+    fields = form_fields(await writer.as_bytes(), writer.content_type)
+    for route in ("transcriptions", "translations"):
+        schema = vllm_frontend._find(route)
+        body = vllm_frontend._form_body(fields, vllm_frontend._list_fields(schema))
+        if route == "translations":  # no language or granularities there: ignored
+            body = {k: v for k, v in body.items() if k not in ("timestamp_granularities[]",)}
+        request = TypeAdapter(schema).validate_python(body)
+        assert (request.model, request.temperature) == ("whisper", 0.2)
+        assert request.response_format == "verbose_json"
+        if route == "transcriptions":
+            assert (request.language, request.timestamp_granularities) == ("en", ["word"])
+        assert request.file.filename == "a.wav"
+        assert await vllm_frontend._find("read_upload")(request.file) == audio

@@ -33,8 +33,10 @@ SCENARIOS = {
         Scenario("stream-5ms", "SSE POST /v1/completions, 64 tokens, 5 ms/token", 5.0, "http", True, 64),
         Scenario("completions", "POST /v1/completions, max_tokens 16, not streamed", 0.0, "http", False, 16),
         Scenario("grpc", "gRPC Inference/Generate, 64 tokens, 0 ms/token", 0.0, "grpc", True, 64),
+        Scenario("embeddings", "POST /v1/embeddings, one short input, not streamed", 0.0, "http", False, 0),
     )
 }  # fmt: skip
+EMBEDDING_DIM = 384  # the simulator's default (--sim-embedding-dim)
 
 
 def open_client(
@@ -43,6 +45,9 @@ def open_client(
     """``address``: the base HTTP URL, or the gRPC target for the grpc scenario."""
     if scenario.protocol == "grpc":
         return loadgen.grpc_client(address, PROMPT, scenario.max_tokens)
+    if scenario.name == "embeddings":
+        body = {"model": model, "input": PROMPT}
+        return loadgen.embeddings_client(address, body, concurrency, EMBEDDING_DIM)
     # "model" is in every body: sglang-router refuses a completion without one.
     body = {
         "model": model,

@@ -97,8 +97,8 @@ def print_report(rep: dict[str, Any]) -> None:
     print()
     print(report.table(rep["rows"]))
     print(
-        "\nx direct: chunks/s ratio (completions: req/s), pooled over repeats, (min-max per repeat)."
-        "\nCPU-bound x: direct's (client + sidecar) CPU per chunk (completions: per request) over"
+        "\nx direct: chunks/s ratio (completions, embeddings: req/s), pooled over repeats, (min-max per repeat)."
+        "\nCPU-bound x: direct's (client + sidecar) CPU per chunk (completions, embeddings: per request) over"
         " the target's (client + router + sidecar): the ratio once these processes alone fill"
         " the cores, robust to other work on the machine."
         "\nTTFT: client-side, send to first SSE event / gRPC message; completions: the whole"

@@ -28,9 +28,13 @@ def _per(value: float, count: int, scale: float) -> float | None:
     return value * scale / count if count else None
 
 
+# The scenarios whose answers are whole (no chunks): their throughput is requests.
+WHOLE = frozenset({"completions", "embeddings"})
+
+
 def _main_count(scenario: str) -> str:
-    """The throughput that matters: requests for non-streamed completions, else chunks."""
-    return "requests" if scenario == "completions" else "chunks"
+    """The throughput that matters: requests for non-streamed answers, else chunks."""
+    return "requests" if scenario in WHOLE else "chunks"
 
 
 def aggregate(runs: Sequence[Run]) -> list[Row]:

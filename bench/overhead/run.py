@@ -15,6 +15,8 @@ sidecar would push load reports to it while the other targets run.)
     completions  POST /v1/completions, max_tokens 16, not streamed 0 ms/token
     grpc         gRPC Inference/Generate, 64 tokens (direct and    0 ms/token
                  unitproxy only: the peers have no gRPC front)
+    embeddings   POST /v1/embeddings, one short input (a pooling  0 ms/token
+                 request: prefill, no output), not streamed
 
 Targets: direct, unitproxy (the gateway, policy lor), vllm-router and sglang-router
 (round_robin: with one worker their cheapest policy), and sglang-router+nodelay (the
@@ -37,7 +39,7 @@ fewer cores than busy processes, that is time a request waits on top of the work
 client is this process (uvloop, one aiohttp session or one gRPC channel per run).
 "Saturation" is the highest concurrency run.
 
-    .venv/bin/python bench/overhead/run.py             # full: about 17 minutes on 2 cores
+    .venv/bin/python bench/overhead/run.py             # full: about 21 minutes on 2 cores
     .venv/bin/python bench/overhead/run.py --quick     # smoke run: about 2 minutes
     .venv/bin/python bench/overhead/run.py --targets direct,unitproxy --scenarios grpc
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy@main --quick

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -112,6 +113,9 @@ async def fleet(args: argparse.Namespace, workdir: Path) -> AsyncIterator[str]:
     path = workdir / "tenants.toml"
     tenants_file(path)
     ports = free_ports(2 * args.units + 2)
+    # The secret the fleet shares, as unitproxy up makes one: units grant interactive
+    # only to requests a gateway signed with it.
+    env = {"UNITPROXY_SERVER__RESUME_SECRET": secrets.token_hex(16)}
     async with AsyncExitStack() as stack:
         units = []
         for i in range(args.units):
@@ -121,7 +125,7 @@ async def fleet(args: argparse.Namespace, workdir: Path) -> AsyncIterator[str]:
                     "--sim-decode-step-ms", str(args.step_ms), "--sim-decode-ms-per-seq", "0",
                     "--sim-prefill-ms-per-token", "0.02", "--log-level", "warning"]  # fmt: skip
             unit = await stack.enter_async_context(
-                running(f"u{i}", python_m(*argv), workdir / f"u{i}.log", cwd=REPO)
+                running(f"u{i}", python_m(*argv), workdir / f"u{i}.log", env=env, cwd=REPO)
             )
             unit.http_url = f"http://{HOST}:{http}"
             units.append(f"u{i}=http://{HOST}:{http},{HOST}:{grpc}")
@@ -133,7 +137,7 @@ async def fleet(args: argparse.Namespace, workdir: Path) -> AsyncIterator[str]:
         for u in units:
             argv += ["--unit", u]
         gw = await stack.enter_async_context(
-            running("gateway", python_m(*argv), workdir / "gateway.log", cwd=REPO)
+            running("gateway", python_m(*argv), workdir / "gateway.log", env=env, cwd=REPO)
         )
         gw.http_url = f"http://{HOST}:{g_http}"
         await gw.until_ready(START_TIMEOUT_S)

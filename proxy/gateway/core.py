@@ -33,9 +33,8 @@ from enum import Enum
 from typing import Any, Protocol
 
 from proxy.errors import DeadlineExceeded, NotFound, Unavailable, UnitProxyError
-from proxy.gateway.request import Want, for_tenant, grpc_want, json_want, pinned
-from proxy.gateway.router import NO_WANT, NoUnit, Outcome, Router
-from proxy.gateway.tenancy import Admission
+from proxy.gateway.request import NO_WANT, Context, Want, for_tenant, grpc_want, json_want, pinned
+from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.traces import RequestTrace
 from proxy.gateway.units import Unit
 from proxy.httputil import DEADLINE_HEADER, timeout_header
@@ -237,16 +236,23 @@ class GatewayCore:
     def active(self) -> int:
         return len(self._active)
 
-    def json_want(self, body: bytes, admission: Admission | None = None) -> Want:
-        """What choosing a unit needs of an HTTP request body, when it needs anything
-        (a policy that reads prompts; units serving different models; with tenants, the
-        request's tenant and priority class); raises NotFound for a model that no unit
-        serves."""
-        return self._want(json_want, body, admission)
+    def json_want(self, ctx: Context, body: bytes) -> Want:
+        """What choosing a unit needs of an HTTP request (its body's model and prompt,
+        when a policy reads prompts or units do not all serve the same models; with
+        tenants, its tenant and priority class), kept as ``ctx.want``; raises NotFound
+        for a model that no unit serves."""
+        ctx.want = self._want(json_want, body, ctx)
+        return ctx.want
 
-    def grpc_want(self, request: bytes, admission: Admission | None = None) -> Want:
+    def form_want(self, ctx: Context, model: str | None) -> Want:
+        """The same for a multipart form (the audio routes): its model field alone."""
+        ctx.want = self._want(lambda _raw, _blocks: Want(model or None), b"", ctx)
+        return ctx.want
+
+    def grpc_want(self, ctx: Context, request: bytes) -> Want:
         """The same for a serialized GenerateRequest."""
-        return self._want(grpc_want, request, admission)
+        ctx.want = self._want(grpc_want, request, ctx)
+        return ctx.want
 
     def pin(self, want: Want, response_id: str, param: str | None) -> Want:
         """``want``, sent to the unit that stores the response ``response_id`` (its id
@@ -274,13 +280,14 @@ class GatewayCore:
             )
         return pinned(want, known)
 
-    def _want(self, parse: Any, raw: bytes, admission: Admission | None) -> Want:
+    def _want(self, parse: Any, raw: bytes, ctx: Context) -> Want:
         router = self._router
         want = NO_WANT
         if router.reads_requests:
             policy = router.policy
             want = parse(raw, policy.prompt_blocks if policy.reads_prompt else None)
             router.check_model(want.model)
+        admission = ctx.admission
         if admission is not None:
             want = for_tenant(want, admission.tenant.name, admission.priority, admission.cost)
         return want

@@ -111,6 +111,12 @@ class FairQueue:
     def waiting(self, priority: str) -> int:
         return self._counts[RANK[priority]]
 
+    def tenants_waiting(self, rank: int) -> bool:
+        """Whether a request of a tenant waits in class ``rank`` (without tenants every
+        request is tenant "")."""
+        waiters = self._classes[rank]
+        return bool(waiters) and (len(waiters) > 1 or "" not in waiters)
+
     # -- the virtual token counter -------------------------------------------------------
 
     def served(self, tenant: str) -> float:

@@ -47,10 +47,11 @@ from proxy.gateway.core import (
 )
 from proxy.gateway.http1.front import Producer
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
+from proxy.gateway.request import Context, Want, passed
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
-from proxy.gateway.tenancy import Admission, Usage
-from proxy.gateway.traces import RequestTrace, body_model
+from proxy.gateway.tenancy import Usage
+from proxy.gateway.traces import body_model
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     NO_UNIT,
@@ -62,13 +63,12 @@ from proxy.httputil import (
 from proxy.metrics import GatewayMetrics, LoopBuckets
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
 
 PASSED_HEADERS = (("content-type", "Content-Type"), ("retry-after", "Retry-After"))
-POST = b"POST"
 # The routes whose streams a unit that fails can continue (their SSE carries the text);
 # a stream of another route (the Responses API's events, with their ids and sequence
 # numbers) ends with an error event instead. Before the first byte every route retries.
@@ -106,45 +106,6 @@ class Downstream(Protocol):
         awaited."""
 
 
-class Inbound:
-    """What the gateway takes from the client's request (a plain class: see Tried)."""
-
-    __slots__ = (
-        "admission", "authorization", "body", "content_type", "method", "migrate", "path",
-        "request_id", "route", "stored", "timeout_s", "trace", "trace_headers",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        path: str,
-        route: str,
-        body: bytes,
-        request_id: str,
-        content_type: str | None = None,
-        authorization: str | None = None,
-        timeout_s: float | None = None,  # from DEADLINE_HEADER, already checked
-        migrate: bool = True,  # False: the client opted out (x-unitproxy-migrate: 0)
-        admission: Admission | None = None,  # its tenant's, with tenants configured
-        method: bytes = POST,
-        stored: str | None = None,  # the stored response named in the path
-        trace: RequestTrace | None = None,  # its spans, with tracing on
-        trace_headers: dict[str, str] | None = None,  # the client's own, with tracing off
-    ):
-        self.path = path
-        self.route = route
-        self.body = body
-        self.request_id = request_id
-        self.content_type = content_type
-        self.authorization = authorization
-        self.timeout_s = timeout_s
-        self.migrate = migrate
-        self.admission = admission
-        self.method = method
-        self.stored = stored
-        self.trace = trace
-        self.trace_headers = trace_headers
-
-
 class Forwarder:
     """What every HTTP job shares: the core, the unit pools, metrics and timers."""
 
@@ -175,60 +136,73 @@ class Forwarder:
             route: metrics.serving.request_duration.labels(route) for route in routes
         }
 
-    async def handle(self, down: Downstream, req: Inbound) -> int:
-        """Answer ``req`` through ``down``; return the status the request counts as.
+    async def handle(
+        self, down: Downstream, ctx: Context, body: bytes, want: Want | None = None
+    ) -> int:
+        """Answer the request of ``ctx`` and ``body`` through ``down``; return the status
+        the request counts as. ``want``: what routes it, when its body is not JSON (a
+        form's model field).
 
         Raises UnitProxyError when no unit could be tried and nothing was sent."""
         started = time.monotonic()
-        want = self.core.json_want(req.body, req.admission)
-        if req.stored is not None:
-            want = self.core.pin(want, req.stored, None)
-        elif req.route == "responses":
-            previous = previous_response_id(req.body)
+        if want is None:
+            want = self.core.json_want(ctx, body)
+        if ctx.stored is not None:
+            want = ctx.want = self.core.pin(want, ctx.stored, None)
+        elif ctx.route == "responses":
+            previous = previous_response_id(body)
             if previous is not None:
-                want = self.core.pin(want, previous, "previous_response_id")
-        job = HttpJob(self, down, req, started)
-        trace = req.trace
+                want = ctx.want = self.core.pin(want, previous, "previous_response_id")
+        job = HttpJob(self, down, ctx, body, started)
+        trace = ctx.trace
         if trace is not None and trace.sampled:
-            trace.describe(req.route, want.model or body_model(req.body), req.request_id)
+            trace.describe(ctx.route, want.model or body_model(body), ctx.request_id)
         self._gate.enter()
         try:
             await self.core.run(job, want, trace)
             return job.status or down.status
         finally:
             self._gate.exit()
-            self._duration[req.route].observe(time.monotonic() - started)
-            if req.admission is not None:
-                job.measure(req.admission.usage)
+            self._duration[ctx.route].observe(time.monotonic() - started)
+            if ctx.admission is not None:
+                job.measure(ctx.admission.usage)
 
-    def unit_headers(self, req: Inbound) -> dict[str, str]:
-        headers = {"Content-Type": req.content_type or "application/json",
-                   REQUEST_ID_HEADER: req.request_id}  # fmt: skip
-        authorization = self._unit_auth or req.authorization
+    def unit_headers(self, ctx: Context) -> dict[str, str]:
+        """The head of an attempt: the client's end-to-end headers as they came
+        (``request.passed``), and the gateway's own (with its trace context in place of
+        the client's when it traces the request)."""
+        headers = passed(ctx.headers, ctx.trace is not None)
+        if "content-type" not in headers:
+            headers["content-type"] = "application/json"
+        headers[REQUEST_ID_HEADER] = ctx.request_id
+        authorization = self._unit_auth or ctx.authorization
         if authorization:
-            headers["Authorization"] = authorization
-        if req.admission is not None:  # the unit passes the class to its engine
-            headers[PRIORITY_HEADER] = req.admission.priority
-        if req.trace is not None:  # its traceparent names the attempt's span
-            headers.update(req.trace.headers())
-        elif req.trace_headers is not None:
-            headers.update(req.trace_headers)
+            headers["authorization"] = authorization
+        if ctx.admission is not None:  # the unit passes the class to its engine
+            priority = headers[PRIORITY_HEADER] = ctx.admission.priority
+            if priority == "interactive" and self.resume_key is not None:
+                # the unit grants interactive only to what a gateway signed
+                headers[PRIORITY_SIG_HEADER] = self.resume_key.sign_priority(
+                    ctx.request_id, priority
+                )
+        if ctx.trace is not None:  # its traceparent names the attempt's span
+            headers.update(ctx.trace.headers())
         return headers
 
 
 class HttpJob:
     """One client request over HTTP, across the units it is tried on."""
 
-    def __init__(self, fw: Forwarder, down: Downstream, req: Inbound, started: float):
+    def __init__(self, fw: Forwarder, down: Downstream, ctx: Context, body: bytes, started: float):
         self._fw = fw
         self._down = down
-        self._req = req
+        self._ctx = ctx
+        self._body = body
         self._started = started
-        timeout = fw.settings.request_timeout_s if req.timeout_s is None else req.timeout_s
-        self._deadline = None if timeout is None else started + timeout
+        self._deadline = ctx.deadline(started, fw.settings.request_timeout_s)
         self._loop = fw.wheel.loop  # not get_running_loop(): a getpid() system call each
         self.status = 0  # set when the requests metric must not count down.status
-        self._next: tuple[bytes, str | None] | None = (req.body, None)  # body, resume hint
+        self._next: tuple[bytes, str | None] | None = (body, None)  # body, resume hint
         self._transcript: SseTranscript | None = None
         self._conn: UnitConnection | None = None
         self._tail = b""  # the start of an event whose end has not come yet
@@ -252,7 +226,7 @@ class HttpJob:
 
     @property
     def migratable(self) -> bool:
-        return self._req.migrate and not self._stopping and self._next is not None
+        return self._ctx.migrate and not self._stopping and self._next is not None
 
     def unanswered_s(self) -> float:
         return 0.0 if self._answered else self._loop.time() - self._asked_at
@@ -290,10 +264,10 @@ class HttpJob:
             # The gateway's own answer (a deadline, a unit that sent nothing in time):
             # it names the unit tried last, as a unit's answer names that unit.
             error = last.error or Unavailable("no unit could serve the request")
-            down.respond(*error_parts(error, self._req.request_id, self._unit_id))
+            down.respond(*error_parts(error, self._ctx.request_id, self._unit_id))
             return
         error = last.error or Unavailable("no unit could serve the request")
-        log.warning("request %s: %s", self._req.request_id, error.message)
+        log.warning("request %s: %s", self._ctx.request_id, error.message)
         await self._end_with(openai_api.sse_error(error.body()), error.http_status)
 
     def measure(self, usage: Usage) -> None:
@@ -308,10 +282,10 @@ class HttpJob:
         assert self._next is not None
         self._unit_id = unit.id
         body, hint = self._next
-        admission = self._req.admission
+        admission = self._ctx.admission
         if admission is not None:
             admission.usage.attempt(unit.id)
-        headers = self._fw.unit_headers(self._req)
+        headers = self._fw.unit_headers(self._ctx)
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._begin()
@@ -330,7 +304,7 @@ class HttpJob:
                 self._scope = scope
                 try:
                     conn = await self._fw.pools[unit.id].request(
-                        self._req.method, self._req.path, headers, body
+                        self._ctx.method, self._ctx.path, headers, body
                     )
                 except ConnectFailed as failed:
                     return self._unreachable(unit, failed)
@@ -374,7 +348,7 @@ class HttpJob:
         health = Outcome.FAILED if status >= 500 else Outcome.OK
         if self._down.started:  # a continuation the unit would not take
             return Tried(Next.DONE, health, error=unit_error(status, data, unit))
-        admission = self._req.admission
+        admission = self._ctx.admission
         if admission is not None:
             admission.usage.read_body(data)
             admission.usage.first_byte = time.monotonic()
@@ -411,7 +385,7 @@ class HttpJob:
         if self._lost is not None:  # the router's verdict, not something this one saw
             reason, health = "unit_lost", Outcome.CANCELLED
             message = f"unit {unit.id} is {self._lost}: the request goes on elsewhere"
-        log.warning("request %s: %s", self._req.request_id, message)
+        log.warning("request %s: %s", self._ctx.request_id, message)
         if self._failed_at is None:
             self._failed_at = time.monotonic()
         self._next = self._continuation()
@@ -420,8 +394,8 @@ class HttpJob:
 
     def _continuation(self) -> tuple[bytes, str | None] | None:
         if not self._down.started:
-            return self._req.body, None  # nothing went out: the request as it came
-        if self._req.route not in RESUMABLE:
+            return self._body, None  # nothing went out: the request as it came
+        if self._ctx.route not in RESUMABLE:
             return None
         transcript, key = self._transcript, self._fw.resume_key
         if transcript is None or key is None:
@@ -429,7 +403,7 @@ class HttpJob:
         text = transcript.text()
         if not transcript.resumable or transcript.finished:
             return None
-        body = resume_body(self._req.route, self._req.body, text)
+        body = resume_body(self._ctx.route, self._body, text)
         if body is None:
             return None
         return body, resume_hint(key, transcript.created, text)
@@ -437,8 +411,8 @@ class HttpJob:
     def _headers(self, conn: UnitConnection, unit: Unit) -> dict[str, str]:
         headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}
         headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit.id)
-        headers[REQUEST_ID_HEADER] = self._req.request_id
-        admission = self._req.admission
+        headers[REQUEST_ID_HEADER] = self._ctx.request_id
+        admission = self._ctx.admission
         if admission is not None:
             headers.update(admission.headers)  # x-ratelimit-* of a limited tenant
         return headers
@@ -510,8 +484,8 @@ class HttpJob:
         transcript = self._transcript
         assert transcript is not None
         if not self._down.started:
-            self._fw.ttft[self._req.route].observe(time.monotonic() - self._started)
-            admission = self._req.admission
+            self._fw.ttft[self._ctx.route].observe(time.monotonic() - self._started)
+            admission = self._ctx.admission
             if admission is not None:
                 admission.usage.first_byte = time.monotonic()
         if self._failed_at is not None:

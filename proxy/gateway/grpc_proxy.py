@@ -63,22 +63,25 @@ from proxy.gateway.core import (
     unit_error,
 )
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
+from proxy.gateway.request import Context, grpc_context
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Admission, TenantGate, Usage
 from proxy.gateway.traces import RequestTrace
 from proxy.gateway.units import Unit
-from proxy.httputil import MIGRATE_HEADER, RESUME_HEADER
+from proxy.httputil import NO_UNIT, REQUEST_ID_HEADER, RESUME_HEADER, UNIT_HEADER
 from proxy.metrics import GatewayMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.ratelimit import RateLimited
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
-from proxy.tracing import TRACEPARENT, TRACESTATE, Tracer, from_metadata
+from proxy.tracing import TRACEPARENT, TRACESTATE, Tracer
 
 log = logging.getLogger(__name__)
+
+TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
 
 SERVICE = "unitproxy.v1.Inference"
 METHOD = f"/{SERVICE}/Generate"
@@ -164,28 +167,33 @@ class GenerateProxy:
 
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         started = time.monotonic()
+        ctx = grpc_context(context.invocation_metadata(), ROUTE, METHOD, context.time_remaining())
         code = "OK"
-        admission: Admission | None = None
         try:
             if self.tenancy is not None:
-                admission = await admit(self.tenancy, request, context)
+                ctx.admission = await admit(self.tenancy, request, ctx, context)
             else:
-                self._api_keys.check_metadata(context.invocation_metadata())
+                self._api_keys.check(ctx.authorization)
             self._gate.enter()
         except UnitProxyError as exc:
             self.metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
-            if admission is not None:
-                admission.finish(exc.grpc_code.name)
-            await context.abort(exc.grpc_code, exc.message, refusal_metadata(exc))
-        job = GrpcJob(self, request, context, started, admission)
-        trace = job.trace
+            if ctx.admission is not None:
+                ctx.admission.finish(exc.grpc_code.name)
+            await context.abort(exc.grpc_code, exc.message, refusal_metadata(exc, ctx.request_id))
+        admission = ctx.admission
+        tracer = self.tracer
+        if tracer is not None:
+            name = METHOD.lstrip("/")
+            ctx.trace = RequestTrace(tracer.start(ctx.traceparent, ctx.tracestate, name))
+        trace = ctx.trace
+        job = GrpcJob(self, ctx, request, context, started)
         self.streams += 1
         error: UnitProxyError | None = None
         try:
             try:
-                want = self.core.grpc_want(request, admission)
+                want = self.core.grpc_want(ctx, request)
                 if trace is not None and trace.sampled:
-                    trace.describe(ROUTE, want.model or request_model(request), "")
+                    trace.describe(ROUTE, want.model or request_model(request), ctx.request_id)
                 await self.core.run(job, want, trace)
                 await job.finish()
             except UnitProxyError as exc:
@@ -212,7 +220,8 @@ class GenerateProxy:
         if error is not None:
             # After a stall the status waits behind the messages the client has yet to
             # read: it gets them, then the status, if it ever reads again.
-            await context.abort(error.grpc_code, error.message, ((GRPC_CODE_KEY, error.code),))
+            own = ((REQUEST_ID_HEADER, ctx.request_id), (UNIT_HEADER, job.unit_id))
+            await context.abort(error.grpc_code, error.message, ((GRPC_CODE_KEY, error.code), *own))
 
 
 class GrpcJob:
@@ -221,40 +230,31 @@ class GrpcJob:
     def __init__(
         self,
         proxy: GenerateProxy,
+        ctx: Context,
         request: bytes,
         context: grpc.aio.ServicerContext,
         started: float,
-        admission: Admission | None = None,
     ):
         self._proxy = proxy
-        self._admission = admission
+        self._admission = admission = ctx.admission
         self._context = context
         self._started = started
         self._request = request
         self._next: tuple[bytes, str | None] | None = (request, None)
-        metadata = [(k, v) for k, v in context.invocation_metadata() or ()]
-        self._migrate = all(not (k == MIGRATE_HEADER and v == "0") for k, v in metadata)
-        self._auth = _authorization(metadata, proxy.unit_auth)
+        self._migrate = ctx.migrate
+        self._auth = _authorization(ctx.authorization, proxy.unit_auth)
         # The unit passes the class to its engine (with tenants; the client's own header
         # never goes to the unit).
         if admission is not None:
-            self._auth = (*self._auth, (PRIORITY_HEADER, admission.priority))
-        self.trace: RequestTrace | None = None
-        # The client's own trace headers, passed on as they came when not tracing here.
-        self._trace_pairs: tuple[tuple[str, str], ...] = ()
-        tracer = proxy.tracer
-        if tracer is not None:
-            parent, state = from_metadata(metadata)
-            self.trace = RequestTrace(tracer.begin(parent, state, METHOD.lstrip("/")))
-        elif any(k == TRACEPARENT for k, _ in metadata):
-            parent, state = from_metadata(metadata)
-            self._trace_pairs = ((TRACEPARENT, parent or ""),)
-            if state is not None:
-                self._trace_pairs += ((TRACESTATE, state),)
-        remaining = context.time_remaining()
-        if remaining is None:
-            remaining = proxy.settings.request_timeout_s
-        self._deadline = None if remaining is None else started + remaining
+            self._auth = (
+                *self._auth,
+                *_priority(admission.priority, ctx.request_id, proxy.resume_key),
+            )
+        self.trace: RequestTrace | None = ctx.trace
+        headers = ctx.headers
+        self._client_trace = tuple((k, headers[k]) for k in TRACE_HEADERS if k in headers)
+        self._deadline = ctx.deadline(started, proxy.settings.request_timeout_s)
+        self.unit_id = NO_UNIT  # the unit tried last
         self._loop = asyncio.get_running_loop()
         self._out = Coalescer(context.write, merge_chunks)
         self._transcript = GrpcTranscript()
@@ -355,6 +355,7 @@ class GrpcJob:
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None
         self._reset_lost()
+        self.unit_id = unit.id
         request, hint = self._next
         admission = self._admission
         if admission is not None:
@@ -369,10 +370,11 @@ class GrpcJob:
         return await self._attempt_grpc(unit, request, hint)
 
     def _traced(self) -> tuple[tuple[str, str], ...]:
-        """The trace metadata of an attempt: a traceparent naming its span."""
+        """The trace metadata of an attempt: a traceparent naming its span (not traced
+        here: the client's own)."""
         trace = self.trace
         if trace is None:
-            return self._trace_pairs
+            return self._client_trace
         return tuple(trace.headers().items())
 
     async def _attempt_grpc(self, unit: Unit, request: bytes, hint: str | None) -> Tried:
@@ -691,32 +693,39 @@ class GrpcJob:
 
 
 async def admit(
-    tenancy: TenantGate, request: bytes, context: grpc.aio.ServicerContext
+    tenancy: TenantGate, request: bytes, ctx: Context, context: grpc.aio.ServicerContext
 ) -> Admission:
     """The tenant's admission of a call; a limited tenant's x-ratelimit-* go out as
     initial metadata."""
-    admission = await tenancy.admit_grpc(context.invocation_metadata(), request)
+    admission = await tenancy.admit_grpc(request, ctx.authorization, ctx.priority)
     if admission.headers:
         await context.send_initial_metadata(tuple(admission.headers.items()))
     return admission
 
 
-def refusal_metadata(exc: UnitProxyError) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata of a refused call: a rate limit's headers and retry-after."""
+def refusal_metadata(exc: UnitProxyError, request_id: str) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of a call refused before a unit was chosen: the request id and
+    no unit, and a rate limit's headers and retry-after."""
+    own = ((REQUEST_ID_HEADER, request_id), (UNIT_HEADER, NO_UNIT))
     if isinstance(exc, RateLimited):
         return ((GRPC_CODE_KEY, exc.code), ("retry-after", str(exc.retry_after_s)),
-                *exc.headers.items())  # fmt: skip
-    return ()
+                *exc.headers.items(), *own)  # fmt: skip
+    return own
 
 
-def _authorization(
-    metadata: list[tuple[str, str | bytes]], unit_auth: str | None
-) -> tuple[tuple[str, str], ...]:
+def _priority(priority: str, request_id: str, key: HintKey | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that gives the unit the request's class: interactive with this
+    gateway's signature over the request's id (the unit grants interactive only so)."""
+    if priority != "interactive" or key is None:
+        return ((PRIORITY_HEADER, priority),)
+    return ((PRIORITY_HEADER, priority), (REQUEST_ID_HEADER, request_id),
+            (PRIORITY_SIG_HEADER, key.sign_priority(request_id, priority)))  # fmt: skip
+
+
+def _authorization(given: str | None, unit_auth: str | None) -> tuple[tuple[str, str], ...]:
     """What the unit gets: this gateway's unit key, or the client's own authorization."""
-    if unit_auth is not None:
-        return (("authorization", unit_auth),)
-    given = [(k, v) for k, v in metadata if k == "authorization"]
-    return tuple((k, v if isinstance(v, str) else v.decode()) for k, v in given)
+    authorization = unit_auth or given
+    return () if authorization is None else (("authorization", authorization),)
 
 
 def _trailer_code(exc: grpc.aio.AioRpcError) -> str | None:

@@ -1,22 +1,39 @@
-"""What choosing a unit sees of a request: ``Want``, read once from the request's body
-by the wire that received it (``json_want``, ``grpc_want``) and handed to the policy
-at each choice (a retry or a wait chooses again with the same one).
+"""A request as the gateway sees it: its ``Context``, built once at the front from the
+head (``http_context``, ``grpc_context``: the one place where the fields the gateway
+interprets are read), and the ``Want`` it holds, which is what choosing a unit sees:
+read once from the body by the wire that received it (``json_want``, ``grpc_want``)
+and handed to the policy at each choice (a retry or a wait chooses again with the
+same one).
 
-One object, so that what a policy may read of a request (its tenant, its priority
-class; later: hints) is a field here rather than one more argument through every layer.
-With tenants configured, the wire's admission adds the tenant's fields (``for_tenant``);
-without, every request is the same tenant ("") of class standard.
+The context carries every request header (lower-case names, the hop-by-hop ones
+removed), so a new header needs no allow-list anywhere: its field is read in the
+builders, and the forwarder passes what is end to end to the unit by one rule
+(``passed``). With tenants configured, the wire's admission adds the tenant's fields
+to the Want (``for_tenant``); without, every request is the same tenant ("") of class
+standard.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.errors import InvalidRequest
+from proxy.gateway.tenancy import Admission
+from proxy.gateway.traces import RequestTrace
+from proxy.httputil import (
+    DEADLINE_HEADER,
+    MIGRATE_HEADER,
+    REQUEST_ID_HEADER,
+    bad_request_id,
+    new_request_id,
+    timeout_s,
+)
 from proxy.pb.unitproxy.v1 import inference_pb2
-from proxy.tenants import PRIORITIES, RANK
+from proxy.tenants import PRIORITIES, PRIORITY_HEADER, RANK
+from proxy.tracing import TRACEPARENT, TRACESTATE, Parent, parse_traceparent, trace_state
 
 STANDARD = RANK["standard"]
 
@@ -44,6 +61,159 @@ class Want:
     @property
     def priority(self) -> str:
         return PRIORITIES[self.rank]
+
+
+NO_WANT = Want()
+
+# Hop-by-hop fields (RFC 9110 section 7.6.1): they describe one connection, so the
+# context does not keep them and no unit gets them; a Connection header names more.
+HOP_BY_HOP = frozenset(
+    {"connection", "proxy-connection", "keep-alive", "te", "transfer-encoding", "upgrade"}
+)
+# End-to-end fields the gateway does not pass on as they came: it frames the request to
+# the unit itself (host, length; a body aiohttp decoded has no encoding left), answers
+# with no content coding (so it asks the unit for none), and sets the unit's
+# authorization and the request id itself.
+NOT_PASSED = frozenset(
+    {"host", "content-length", "content-encoding", "accept-encoding", "expect",
+     "authorization", REQUEST_ID_HEADER}
+)  # fmt: skip
+# The prefix of unitproxy's own control headers (deadline, priority, migration, resume):
+# the gateway reads the client's, and writes its own to the unit, never the client's.
+OWN_PREFIX = "x-unitproxy-"
+# A request the gateway traces goes to the unit with the gateway's W3C trace context
+# (naming its attempt span) in place of the client's.
+NOT_PASSED_TRACED = NOT_PASSED | {TRACEPARENT, TRACESTATE}
+POST = b"POST"
+
+
+class Context:
+    """One client request, from the front to each attempt (a plain class: see
+    core.Tried). Built by ``http_context`` or ``grpc_context``; the wire fills in
+    ``admission`` (with tenants) and ``want`` once the body is read."""
+
+    __slots__ = ("admission", "headers", "invalid", "method", "migrate", "path", "priority",
+                 "request_id", "route", "stored", "timeout_s", "trace", "traceparent", "tracestate",
+                 "want")  # fmt: skip
+
+    def __init__(
+        self,
+        route: str,  # the route label of the metrics
+        path: str,
+        headers: dict[str, str],  # every request header: lower-case names, end to end only
+        request_id: str,  # the client's x-request-id, or a new one
+        method: bytes = POST,
+        stored: str | None = None,  # the stored response named in the path
+    ):
+        self.route = route
+        self.path = path
+        self.headers = headers
+        self.request_id = request_id
+        self.method = method
+        self.stored = stored
+        self.timeout_s: float | None = None  # the client's time budget (None: none given)
+        self.migrate = True  # False: the client opted out (x-unitproxy-migrate: 0)
+        self.priority: str | None = None  # the class the client asked for, if any
+        # The client's W3C trace context: its traceparent (None: none, or malformed) and
+        # the tracestate that goes with it.
+        self.traceparent: Parent | None = None
+        self.tracestate: str | None = None
+        self.trace: RequestTrace | None = None  # its spans, set when the gateway traces
+        # A header the gateway cannot take (answered 400 once the key is checked, as
+        # the body's own errors are).
+        self.invalid: InvalidRequest | None = None
+        self.admission: Admission | None = None  # its tenant's, with tenants configured
+        self.want = NO_WANT
+
+    @property
+    def authorization(self) -> str | None:
+        return self.headers.get("authorization")
+
+    def deadline(self, start: float, default_s: float | None) -> float | None:
+        """When the request's time is up, for a request served from ``start``: its own
+        budget, else ``default_s``; None: never."""
+        budget = default_s if self.timeout_s is None else self.timeout_s
+        return None if budget is None else start + budget
+
+
+def http_context(
+    headers: dict[str, str],
+    route: str,
+    path: str,
+    method: bytes = POST,
+    stored: str | None = None,
+) -> Context:
+    """The context of an HTTP request whose ``headers`` are ``end_to_end``. Every header
+    the gateway interprets is read here, once."""
+    ctx = Context(route, path, headers, headers.get(REQUEST_ID_HEADER) or new_request_id(),
+                  method, stored)  # fmt: skip
+    _read_fields(ctx, headers)
+    try:
+        ctx.timeout_s = timeout_s(headers.get(DEADLINE_HEADER))
+    except InvalidRequest as exc:
+        ctx.invalid = exc
+    return ctx
+
+
+def grpc_context(
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+    route: str,
+    path: str,
+    time_remaining: float | None,
+) -> Context:
+    """The context of a gRPC call: its metadata as headers (binary ``-bin`` values left
+    out), its deadline as the time budget. A request id that could not go back in a
+    header is replaced, as one that is missing."""
+    headers = end_to_end((k, v) for k, v in metadata or () if isinstance(v, str))
+    request_id = headers.get(REQUEST_ID_HEADER)
+    if not request_id or bad_request_id(request_id) is not None:
+        request_id = new_request_id()
+    ctx = Context(route, path, headers, request_id)
+    _read_fields(ctx, headers)
+    ctx.timeout_s = time_remaining
+    return ctx
+
+
+def _read_fields(ctx: Context, headers: Mapping[str, str]) -> None:
+    """The fields both wires read alike."""
+    ctx.migrate = headers.get(MIGRATE_HEADER) != "0"
+    ctx.priority = headers.get(PRIORITY_HEADER)
+    parent = headers.get(TRACEPARENT)
+    if parent is not None:
+        ctx.traceparent = parse_traceparent(parent)
+        if ctx.traceparent is not None:  # a tracestate means nothing without its parent
+            ctx.tracestate = trace_state(headers.get(TRACESTATE))
+
+
+def end_to_end(fields: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Request header ``fields`` as a context keeps them: names in lower case, the
+    first value of a repeated name (as aiohttp's ``headers.get`` reads it; the lean
+    path hands such a request to aiohttp), and without the hop-by-hop ones (RFC 9110
+    section 7.6.1)."""
+    headers: dict[str, str] = {}
+    for name, value in fields:
+        headers.setdefault(name.lower(), value)
+    return drop_hop_by_hop(headers)
+
+
+def drop_hop_by_hop(headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` (lower-case names) without the hop-by-hop fields, changed in place."""
+    connection = headers.get("connection")
+    if connection is not None:
+        for token in connection.split(","):
+            headers.pop(token.strip().lower(), None)
+    for name in HOP_BY_HOP:
+        headers.pop(name, None)
+    return headers
+
+
+def passed(headers: Mapping[str, str], traced: bool = False) -> dict[str, str]:
+    """What of a request's ``headers`` goes to the unit as it came: every end-to-end
+    field but unitproxy's own and those in NOT_PASSED; ``traced``: nor the client's
+    trace context, which the gateway's replaces."""
+    dropped = NOT_PASSED_TRACED if traced else NOT_PASSED
+    return {name: value for name, value in headers.items()
+            if name not in dropped and not name.startswith(OWN_PREFIX)}  # fmt: skip
 
 
 def for_tenant(want: Want, tenant: str, priority: str, cost: int) -> Want:

@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.fairqueue import FairQueue, Waiter
 from proxy.gateway.policies.base import Candidates, Policy, Shared, create
-from proxy.gateway.request import Want
-from proxy.gateway.units import AS_REPORTED, CORRECTED, Unit, reason
+from proxy.gateway.request import NO_WANT, Want
+from proxy.gateway.units import AS_REPORTED, CORRECTED, LoadView, Unit, reason
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import GatewayMetrics, UnitView
 from proxy.settings import GatewaySettings, UnitTarget
-from proxy.tenants import PRIORITIES
+from proxy.tenants import PRIORITIES, RANK
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class NoUnit(Unavailable):
     """No SERVING unit is left to try (apart from those excluded)."""
 
 
-NO_WANT = Want()
+INTERACTIVE, STANDARD, BATCH = RANK["interactive"], RANK["standard"], RANK["batch"]
 
 
 class Router:
@@ -82,6 +82,10 @@ class Router:
             clock=clock,
         )
         self._on_change = on_change
+        # Whether the units grant this gateway's interactive requests their class (it
+        # signs them with server.resume_secret; the server sets it): without, a unit
+        # admits interactive as standard, and so does the allowance over capacity.
+        self.signs_interactive = True
         self._aging_paused_at: float | None = None
         # How many units list each model, and how many list none (serve any): the
         # gateway reads a request's model only when the units differ.
@@ -206,12 +210,43 @@ class Router:
         model = want.model
         candidates.model = None if model is None or len(self._model_sets) < 2 else model
         unit = self.policy.choose(want, candidates)
+        if unit is None and want.rank < BATCH and want.tenant:
+            unit = self._over_capacity(exclude, want)
         if unit is not None:
             unit.inflight += 1
             unit.started_since_report += 1
             unit.routed += 1
             self.policy.moved(unit)
         return unit
+
+    def _rank_at_unit(self, rank: int) -> int:
+        """The class a unit grants a request of class ``rank`` from this gateway."""
+        return max(rank, STANDARD) if not self.signs_interactive else rank
+
+    def over_capacity(
+        self, rank: int, exclude: Collection[str] = (), model: str | None = None
+    ) -> list[Unit]:
+        """The SERVING units full to capacity that still take a request of class
+        ``rank`` (above batch) over it: their engine gives it the slot of a request of a
+        lower class (``Unit.over_capacity_for``, sidecar.priority_headroom)."""
+        rank = self._rank_at_unit(rank)
+        if rank >= BATCH:
+            return []
+        now, s, estimate = self._clock(), self.settings, self.view.estimate
+        age_at = self._age_at(now)
+        return [
+            u
+            for u in self.units.values()
+            if u.id not in exclude
+            and u.serving(now, s.stale_after_s, age_at)
+            and u.serves(model)
+            and u.over_capacity_for(rank, estimate(u))
+        ]
+
+    def _over_capacity(self, exclude: Collection[str], want: Want) -> Unit | None:
+        """A unit for ``want`` over capacity (``over_capacity``): the least loaded."""
+        units = self.over_capacity(want.rank, exclude, want.model)
+        return least_loaded(units, self._rng, self.view) if units else None
 
     async def acquire(self, exclude: Collection[str] = (), want: Want = NO_WANT) -> Unit:
         """A unit for one attempt; waits while every SERVING unit it may take is full.
@@ -297,9 +332,30 @@ class Router:
         if not queue.total:
             return
         free = self.candidates()
+        # Full units that take a class above batch over capacity, found once per class.
+        over: dict[int, list[Unit]] = {}
         if not free:
-            return
-        waiter = queue.first(lambda w: _ready(w) and any(_may_take(w, u) for u in free))
+            # Only a waiting class above batch may go, and only where some unit lets it
+            # over: else nothing to do (not a pass over every waiter at each report).
+            for rank in (INTERACTIVE, STANDARD):
+                if queue.tenants_waiting(rank):
+                    over[rank] = self.over_capacity(rank)
+            if not any(over.values()):
+                return
+
+        def may_go(w: Waiter) -> bool:
+            if not _ready(w):
+                return False
+            if any(_may_take(w, u) for u in free):
+                return True
+            if w.rank >= BATCH or not w.tenant:
+                return False
+            units = over.get(w.rank)
+            if units is None:  # a waiter that may not take the free units
+                units = over[w.rank] = self.over_capacity(w.rank)
+            return any(_may_take(w, u) for u in units)
+
+        waiter = queue.first(may_go)
         if waiter is not None and waiter.future is not None:
             queue.remove(waiter)
             waiter.future.set_result(None)
@@ -537,6 +593,15 @@ class Router:
     def _changed(self, unit: Unit) -> None:
         if self._on_change is not None:
             self._on_change(unit)
+
+
+def least_loaded(units: list[Unit], rng: random.Random, view: LoadView) -> Unit:
+    """The least estimated outstanding / capacity of ``units`` (not empty); ties at
+    random."""
+    loads = [view.load(u) for u in units]
+    lowest = min(loads)
+    tied = [u for u, load in zip(units, loads, strict=True) if load == lowest]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def _may_take(waiter: Waiter, unit: Unit) -> bool:

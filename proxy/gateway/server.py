@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import aiohttp
@@ -17,29 +16,27 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proxy import build, ingress, openai_api
+from proxy import build, ingress, multipart, openai_api
 from proxy.auth import ApiKeys, flat_keys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
 from proxy.gate import Gate
 from proxy.gateway.core import GatewayCore
 from proxy.gateway.discovery import Discovery
-from proxy.gateway.forward import POST, Forwarder, Inbound
+from proxy.gateway.forward import Forwarder
 from proxy.gateway.grpc_proxy import METHOD, SERVICE, GenerateProxy
 from proxy.gateway.http1 import front
 from proxy.gateway.http1.pool import Pool
 from proxy.gateway.loadsource import HttpWatchSource, PollSource, RedisSource, WatchSource
 from proxy.gateway.models import ModelCards
 from proxy.gateway.rates import scaled
+from proxy.gateway.request import Context, end_to_end, http_context
 from proxy.gateway.router import Router
-from proxy.gateway.tenancy import Admission, TenantGate, error_headers
-from proxy.gateway.traces import RequestTrace
+from proxy.gateway.tenancy import TenantGate, error_headers
+from proxy.gateway.traces import RequestTrace, span_name
 from proxy.gateway.units import Unit
 from proxy.httputil import (
-    DEADLINE_HEADER,
-    MIGRATE_HEADER,
     NO_UNIT,
-    REQUEST_ID_HEADER,
     ClientClosed,
     ClientGone,
     admin_drain,
@@ -48,7 +45,6 @@ from proxy.httputil import (
     error_parts,
     json_response,
     quiet_bad_requests,
-    timeout_s,
 )
 from proxy.ingress import Limits
 from proxy.metrics import (
@@ -71,10 +67,10 @@ from proxy.serving import (
     start_grpc,
 )
 from proxy.settings import Settings, UnitTarget
-from proxy.tenants import PRIORITY_HEADER, TenantSource
+from proxy.tenants import TenantSource
 from proxy.timers import Wheel
 from proxy.tls import ClientTLS, ServerTLS, server_tls
-from proxy.tracing import TRACEPARENT, TRACESTATE, Tracer, passed_on
+from proxy.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +97,17 @@ ROUTES = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
+# The routes whose body is a multipart form (an audio file and its fields): aiohttp
+# serves them (the lean front takes JSON bodies), routed by the form's model field.
+FORM_ROUTES = {
+    "/v1/audio/transcriptions": "transcriptions",
+    "/v1/audio/translations": "translations",
+}
 # Routes on a stored response named in the path: sent to the unit that stores it.
 BY_ID_ROUTES = ("responses_retrieve", "responses_cancel")
+FORM_LABELS = frozenset(FORM_ROUTES.values())
+# Every route label the forwarder serves (its metrics' series are made for these).
+ROUTE_LABELS = (*dict.fromkeys(ROUTES.values()), *FORM_ROUTES.values(), *BY_ID_ROUTES)
 UNIT_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -157,10 +162,10 @@ class Gateway(Service):
         # First in, last out: the spans of the requests a drain waits for go out too.
         self.tracer = await open_tracer(stack, s.tracing, self.registry, "unitproxy-gateway")
         if s.gateway.tenants_file is None:
-            self.api_keys = await ApiKeys.load(s.server)
+            self.api_keys = await ApiKeys.load(s.server, NO_UNIT)
         else:
             self.tenancy = await self._start_tenants()
-            self.api_keys = ApiKeys(identify=self.tenancy.authorize)
+            self.api_keys = ApiKeys(identify=self.tenancy.authorize, unit_id=NO_UNIT)
         self._client_tls = await self._load_client_tls()
         tls = await server_tls(s.server)
         stack.push_async_callback(self._close_clients)
@@ -170,6 +175,9 @@ class Gateway(Service):
         stack.callback(self.wheel.close)
         self.core = GatewayCore(self.router, self.gateway_metrics, s.gateway)
         resume_key = self._resume_key()
+        # Units grant interactive only to a request signed with it (the allowance over
+        # capacity counts on their doing so).
+        self.router.signs_interactive = resume_key is not None
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
@@ -177,7 +185,7 @@ class Gateway(Service):
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
-            self.wheel, self._unit_key(), (*dict.fromkeys(ROUTES.values()), *BY_ID_ROUTES),
+            self.wheel, self._unit_key(), ROUTE_LABELS,
             resume_key,
         )  # fmt: skip
         http_port, grpc_port = s.ports("gateway")
@@ -400,11 +408,11 @@ class Gateway(Service):
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
-        limits = Limits(s, self.wheel, self.ingress_metrics, "gateway")
+        limits = Limits(s, self.wheel, self.ingress_metrics, "gateway", NO_UNIT)
         keys = self.api_keys  # with tenants, their lookup
         http_front = front.Front(
             ROUTES, self._serve_front, runner.server, s.max_body_bytes, limits,
-            authorize=lambda head: keys.check(head.headers.get("authorization")),
+            authorize=lambda head: keys.check(head.ctx.authorization),
         )  # fmt: skip
         try:
             server = await asyncio.get_running_loop().create_server(
@@ -430,59 +438,51 @@ class Gateway(Service):
     def _serve_front(
         self, response: front.Response, head: front.Head, body: bytes
     ) -> Coroutine[Any, Any, None]:
-        return self._inference(response, head.route, head.path, body, head.headers)
+        return self._inference(response, head.ctx, body)
 
     async def _inference(
-        self,
-        down: front.Response | AiohttpResponse,
-        route: str,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        method: bytes = POST,
-        stored: str | None = None,
+        self, down: front.Response | AiohttpResponse, ctx: Context, body: bytes
     ) -> None:
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
-        request_id = headers.get(REQUEST_ID_HEADER) or f"{random.getrandbits(128):032x}"
-        admission: Admission | None = None
-        trace: RequestTrace | None = None
-        passed: dict[str, str] | None = None
-        if self.tracer is not None:
-            # The route, not the path: a stored response's id is no part of the name.
-            where = path if stored is None else path.replace(stored, "{response_id}")
-            name = f"{method.decode()} {where}"
-            trace = RequestTrace(
-                self.tracer.begin(headers.get(TRACEPARENT), headers.get(TRACESTATE), name)
-            )
-        elif TRACEPARENT in headers:  # not traced here: passed on as it came
-            passed = passed_on(headers)
+        tracer = self.tracer
+        if tracer is not None:
+            name = span_name(ctx.method, ctx.path, ctx.stored)
+            ctx.trace = RequestTrace(tracer.start(ctx.traceparent, ctx.tracestate, name))
         try:  # the API key was checked from the head, before the body was read
+            form = ctx.route in FORM_LABELS
+            # a form's model field, found without reading the file (proxy/multipart.py)
+            model = (
+                multipart.field(body, ctx.headers.get("content-type"), "model") if form else None
+            )
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
-                admission = await tenancy.admit_http(
-                    body, headers.get("authorization"), headers.get(PRIORITY_HEADER)
-                )
-            req = Inbound(path, route, body, request_id, headers.get("content-type"),
-                          headers.get("authorization"), timeout_s(headers.get(DEADLINE_HEADER)),
-                          headers.get(MIGRATE_HEADER) != "0", admission, method,
-                          stored, trace, passed)  # fmt: skip
-            code = str(await self.forwarder.handle(down, req))
+                key, priority = ctx.authorization, ctx.priority
+                if form:
+                    ctx.admission = await tenancy.admit_form(model, key, priority)
+                elif ctx.stored is not None:  # a GET has no body to read a model from
+                    ctx.admission = await tenancy.admit_stored(key, priority)
+                else:
+                    ctx.admission = await tenancy.admit_http(body, key, priority)
+            if ctx.invalid is not None:
+                raise ctx.invalid
+            want = self.core.form_want(ctx, model) if form else None
+            code = str(await self.forwarder.handle(down, ctx, body, want))
         except UnitProxyError as exc:
             code = str(exc.http_status)
-            status, error_head, error_body = error_parts(exc, request_id, NO_UNIT)  # none tried
+            status, error_head, error_body = error_parts(exc, ctx.request_id, NO_UNIT)  # none tried
             if self.tenancy is not None:
-                error_head.update(error_headers(exc, admission))
+                error_head.update(error_headers(exc, ctx.admission))
             down.respond(status, error_head, error_body)
         except (ClientClosed, asyncio.CancelledError):
             code = "499"
             raise
         finally:
-            self._count(route, code)
-            if admission is not None:
-                admission.finish(code)  # settles its tokens, whatever ended it
-            if trace is not None:
-                trace.finish(code)
+            self._count(ctx.route, code)
+            if ctx.admission is not None:
+                ctx.admission.finish(code)  # settles its tokens, whatever ended it
+            if ctx.trace is not None:
+                ctx.trace.finish(code)
 
     def _count(self, route: str, code: str) -> None:
         counter = self._requests.get((route, code))
@@ -493,7 +493,7 @@ class Gateway(Service):
     def _http_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.server.max_body_bytes,
-            middlewares=[ingress.phase_middleware(), error_middleware()]
+            middlewares=[ingress.phase_middleware(), error_middleware(NO_UNIT)]
             + ([self.api_keys.middleware()] if self.api_keys.enabled else [])
             + [ingress.body_middleware()],
         )
@@ -506,12 +506,13 @@ class Gateway(Service):
                     self._count(route, "400")  # the error middleware answers
                     raise
                 down = AiohttpResponse(request)
+                headers = end_to_end(request.headers.items())
                 stored = request.match_info.get("response_id")
-                method = request.method.encode()
+                # a retrieve's query (stream, starting_after) goes to the unit as it came
+                path = request.path if stored is None else request.raw_path
+                ctx = http_context(headers, route, path, request.method.encode(), stored)
                 try:
-                    await self._inference(
-                        down, route, request.path, body, request.headers, method, stored
-                    )
+                    await self._inference(down, ctx, body)
                 except ClientGone as gone:
                     return gone.response
                 assert down.response is not None
@@ -519,7 +520,7 @@ class Gateway(Service):
 
             return handle
 
-        for path, route in ROUTES.items():
+        for path, route in (*ROUTES.items(), *FORM_ROUTES.items()):
             app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
         app.router.add_get("/v1/responses/{response_id}", inference("responses_retrieve"))
         app.router.add_post(

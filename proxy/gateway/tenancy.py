@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from engine import tokens
@@ -23,7 +23,7 @@ from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.metrics import TenantMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateRequest
 from proxy.ratelimit import Limiter, RateLimited
-from proxy.tenants import PRIORITY_HEADER, Tenant, TenantSource
+from proxy.tenants import Tenant, TenantSource
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("unitproxy.access")
@@ -202,14 +202,27 @@ class TenantGate:
         prompt = prompt_tokens_of(req)
         return await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
 
+    async def admit_form(
+        self, model: str | None, authorization: str | None, priority: str | None
+    ) -> Admission:
+        """A multipart request (the audio routes): by its form's model field, with the
+        tenant's default estimate (its prompt is audio)."""
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        return await self._admit(tenant, model or "", priority, 0, None, started)
+
+    async def admit_stored(self, authorization: str | None, priority: str | None) -> Admission:
+        """A request on a stored response named in the path (retrieve, cancel): no body
+        and no model; the tenant's limits hold, its allow list held when it was made."""
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        return await self._admit(tenant, "", priority, 0, None, started, check=False)
+
     async def admit_grpc(
-        self, metadata: Sequence[tuple[str, str | bytes]] | None, request: bytes
+        self, request: bytes, authorization: str | None, priority: str | None
     ) -> Admission:
         started = self._clock()
-        tenant = self.source.current.identify_metadata(metadata)
-        priority = next((v for k, v in metadata or () if k == PRIORITY_HEADER), None)
-        if isinstance(priority, bytes):
-            priority = priority.decode(errors="replace")
+        tenant = self.source.current.identify(authorization)
         try:
             req = GenerateRequest.FromString(request)
         except Exception as exc:  # protobuf's DecodeError
@@ -234,8 +247,10 @@ class TenantGate:
         prompt: int,
         max_tokens: int | None,
         started: float,
+        check: bool = True,  # the model against the tenant's allow list
     ) -> Admission:
-        tenant.check_model(model)
+        if check:
+            tenant.check_model(model)
         priority = tenant.priority_for(asked)
         estimate = prompt + (max_tokens or self.estimate_max_tokens)
         try:

@@ -136,6 +136,15 @@ class RequestTrace:
         finish(self.root, status, error)
 
 
+def span_name(method: bytes, path: str, stored: str | None) -> str:
+    """An HTTP request's server span name: its method and route (a stored response's
+    id and the query are no part of it)."""
+    where = path.split("?", 1)[0]
+    if stored is not None:
+        where = where.replace(stored, "{response_id}")
+    return f"{method.decode()} {where}"
+
+
 def body_model(body: bytes) -> str | None:
     """The ``model`` of an OpenAI JSON body (for a sampled request's span, when the
     router did not read it)."""

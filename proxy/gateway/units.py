@@ -6,7 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from proxy.load import LoadReport, UnitState
+from proxy.load import (
+    OUTSTANDING_BATCH,
+    OUTSTANDING_STANDARD,
+    PRIORITY_HEADROOM,
+    LoadReport,
+    UnitState,
+)
 
 # The states /units and unitproxy_gateway_unit_state give a unit: the state of its last
 # fresh report, LOST once its reports stopped (stream broken, unreachable, or stale),
@@ -88,6 +94,26 @@ class Unit:
         if report is None:
             return 0
         return 1 if self.probation else report.capacity
+
+    def over_capacity_for(self, rank: int, estimate: int) -> bool:
+        """Whether the unit, holding ``estimate`` requests, takes one of class ``rank``
+        (0 interactive, 1 standard) over its capacity, as its sidecar admits it: within
+        the priority_headroom it reports, while the requests of that class and above
+        (those outstanding less the lower classes' by its last report) number fewer than
+        its capacity, so that its engine gives it a lower class's slot. A unit without
+        server.resume_secret reports no outstanding_standard: it grants interactive as
+        standard, and only batch is below it."""
+        report = self.report
+        if report is None or self.probation or rank > 1:
+            return False
+        named = report.named_metrics
+        capacity = report.capacity
+        if estimate >= capacity + named.get(PRIORITY_HEADROOM, 0.0):
+            return False
+        lower = named.get(OUTSTANDING_BATCH, 0.0)
+        if rank == 0:
+            lower += named.get(OUTSTANDING_STANDARD, 0.0)
+        return estimate - lower < capacity
 
     def metric(self, name: str, default: float = -1.0) -> float:
         """The named metric ``name`` of the unit's last report; ``default`` without."""

@@ -36,6 +36,9 @@ from proxy.errors import (
 from proxy.load import (
     MAX_METRIC_NAME,
     MAX_NAMED_METRICS,
+    OUTSTANDING_BATCH,
+    OUTSTANDING_STANDARD,
+    PRIORITY_HEADROOM,
     LoadReport,
     UnitState,
     joined_metrics,
@@ -53,18 +56,31 @@ _T = TypeVar("_T")
 _PROGRESS_POLL_S = 1.0
 # A unit's capacity when none is configured and its engine does not say its slots.
 DEFAULT_CAPACITY = 64
+STANDARD = PRIORITY_RANK["standard"]
 
 
-def engine_priority(asked: str | bytes | None) -> int:
+def engine_priority(
+    asked: str | bytes | None,
+    sig: str | bytes | None = None,
+    request_id: str | bytes | None = None,
+    key: HintKey | None = None,
+) -> int:
     """The engine priority (``EngineRequest.priority``) of a request whose
     ``x-unitproxy-priority`` names its class: a gateway with tenants sends its tenant's
-    class there. A sidecar has no tenants and no credential tells a gateway from a
-    client that reaches it directly, so the header is a hint trusted downwards only:
-    ``batch`` is batch, anything else (``interactive`` included) is standard, the top
-    of what a sidecar grants. Inside the engine interactive and standard are one class;
-    the gateways' queues still put interactive first."""
+    class there. The header is trusted downwards: ``batch`` is batch, ``standard`` and
+    anything else standard. ``interactive`` is granted only with a gateway's credential:
+    ``x-unitproxy-priority-sig``, an HMAC under ``server.resume_secret`` (``key``) over
+    the request's ``x-request-id`` and the class; without it (or without the secret) a
+    claim of interactive is standard, so a client that reaches a unit directly cannot
+    take a slot from other work."""
     if asked == "batch" or asked == b"batch":
         return PRIORITY_RANK["batch"]
+    if (asked == "interactive" or asked == b"interactive") and key is not None and sig:
+        sig = sig.decode(errors="replace") if isinstance(sig, bytes) else sig
+        if isinstance(request_id, bytes):
+            request_id = request_id.decode(errors="replace")
+        if key.valid_priority(request_id or "", "interactive", sig):
+            return PRIORITY_RANK["interactive"]
     return PRIORITY_RANK["standard"]
 
 
@@ -77,11 +93,12 @@ def with_priority(request: EngineRequest, priority: int) -> EngineRequest:
 class Lease:
     """One admitted request; ``release`` takes it off the outstanding count once."""
 
-    __slots__ = ("_core", "admitted_at", "failure", "released", "trace")
+    __slots__ = ("_core", "admitted_at", "failure", "priority", "released", "trace")
 
-    def __init__(self, core: SidecarCore, admitted_at: float):
+    def __init__(self, core: SidecarCore, admitted_at: float, priority: int = STANDARD):
         self._core = core
         self.admitted_at = admitted_at
+        self.priority = priority  # its engine priority (PRIORITY_RANK)
         self.released = False
         self.failure: UnitFailed | None = None  # set by let_go: why the unit dropped it
         self.trace: Trace | None = None  # its spans, with tracing on
@@ -89,7 +106,7 @@ class Lease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._core._release()
+            self._core._release(self.priority)
 
 
 class SidecarCore:
@@ -107,13 +124,18 @@ class SidecarCore:
         resume_key: HintKey | None = None,
         prefix_chunk_chars: int = 512,
         prefix_report_blocks: int = 4096,
+        priority_headroom: int | None = None,  # None: a quarter of the capacity
     ):
         self.unit_id = unit_id
-        self.resume_key = resume_key  # what resume hints must be signed with; None: none taken
+        # What resume hints and interactive classes must be signed with; None: no hint
+        # taken, no request granted interactive.
+        self.resume_key = resume_key
         self.engine = engine
         self.health = health
         self._capacity = capacity
+        self._headroom = priority_headroom
         self.outstanding = 0
+        self._by_priority = [0 for _ in PRIORITY_RANK]  # outstanding by engine priority
         self.http_url = ""
         self.grpc_target = ""
         self.last_progress_at = clock()
@@ -152,6 +174,25 @@ class SidecarCore:
             return self._capacity
         return self.engine.slots() or DEFAULT_CAPACITY
 
+    @property
+    def headroom(self) -> int:
+        """How many requests over capacity a unit takes for a class above the lowest it
+        runs (``admit``): sidecar.priority_headroom, else a quarter of the capacity (at
+        least 1); 0 where the engine does not schedule by priority (nothing would take a
+        lower class's slot: the request would wait in the engine's FIFO)."""
+        if not self.engine.takes_priority():
+            return 0
+        if self._headroom is not None:
+            return self._headroom
+        return max(1, self.capacity // 4)
+
+    def priority_of(
+        self, asked: str | bytes | None, sig: str | bytes | None, request_id: str | bytes | None
+    ) -> int:
+        """The engine priority of a request's ``x-unitproxy-priority`` (``engine_priority``
+        under this unit's ``resume_key``)."""
+        return engine_priority(asked, sig, request_id, self.resume_key)
+
     def begin_trace(
         self, parent: str | bytes | None, state: str | bytes | None, name: str
     ) -> Trace | None:
@@ -163,16 +204,23 @@ class SidecarCore:
         trace.root.set("unitproxy.unit", self.unit_id)
         return trace
 
-    def admit(self, trace: Trace | None = None) -> Lease:
-        """A lease for one more request, or Overloaded (429) / Unavailable (503) now."""
+    def admit(self, priority: int = STANDARD, trace: Trace | None = None) -> Lease:
+        """A lease for one request of engine priority ``priority`` (PRIORITY_RANK), or
+        Overloaded (429) / Unavailable (503) now; ``trace``: its spans (an admission
+        span, with tracing on).
+
+        Up to capacity any class; over it, up to ``headroom`` more, a request whose
+        class and those above it hold fewer than capacity: the engine gives it the slot
+        of a running request of a lower class (which pauses, and resumes when a slot
+        frees), rather than keeping it behind work it outranks."""
         if trace is None or not trace.sampled:
-            lease = self._admit()
+            lease = self._admit(priority)
         else:
             span = trace.start("admission")
             span.set("unitproxy.outstanding", self.outstanding)
             span.set("unitproxy.capacity", self.capacity)
             try:
-                lease = self._admit()
+                lease = self._admit(priority)
             except (Overloaded, Unavailable) as exc:
                 span.set("error.type", exc.code)
                 span.fail(exc.message)
@@ -182,12 +230,15 @@ class SidecarCore:
         lease.trace = trace
         return lease
 
-    def _admit(self) -> Lease:
+    def _admit(self, priority: int) -> Lease:
         state = self.health.state
         if state is not UnitState.SERVING:
             raise Unavailable(f"unit {self.unit_id} is {state}", code=state.lower())
         capacity = self.capacity
-        if self.outstanding >= capacity:
+        if self.outstanding >= capacity and not (
+            self.outstanding < capacity + self.headroom
+            and sum(self._by_priority[: priority + 1]) < capacity
+        ):
             raise Overloaded(
                 f"unit {self.unit_id} is at capacity ({capacity} outstanding requests)",
                 retry_after_s=self._retry_after_s,
@@ -196,12 +247,14 @@ class SidecarCore:
         if self.outstanding == self._on_client:
             self.last_progress_at = self._clock()  # the watchdog's clock starts with work
         self.outstanding += 1
+        self._by_priority[priority] += 1
         self._metrics.outstanding.set(self.outstanding)
         self._changes.notify()
-        return Lease(self, self._clock())
+        return Lease(self, self._clock(), priority)
 
-    def _release(self) -> None:
+    def _release(self, priority: int) -> None:
         self.outstanding -= 1
+        self._by_priority[priority] -= 1
         self._metrics.outstanding.set(self.outstanding)
         self._changes.notify()
 
@@ -451,6 +504,16 @@ class SidecarCore:
         slots = self.engine.slots()
         if slots is not None and ENGINE_SLOTS not in named and len(named) < MAX_NAMED_METRICS:
             named[ENGINE_SLOTS] = float(slots)
+        headroom = self.headroom
+        if headroom and len(named) <= MAX_NAMED_METRICS - 3:
+            # what a gateway needs to send a higher class over capacity, as admit lets
+            # it (Unit.over_capacity_for)
+            named[PRIORITY_HEADROOM] = float(headroom)
+            named[OUTSTANDING_BATCH] = float(self._by_priority[PRIORITY_RANK["batch"]])
+            if self.resume_key is not None:
+                # interactive may take standard's slots; without the secret this unit
+                # grants no interactive, so a gateway counts only batch below it
+                named[OUTSTANDING_STANDARD] = float(self._by_priority[STANDARD])
         held = self.held
         blocks = None
         if held is not None:

@@ -11,19 +11,27 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
-from engine.frontend import FrontendReply, FrontendRequest, FrontendRoute, OpenAIFrontend
-from proxy import openai_api
+from engine.frontend import (
+    FORM_ROUTES,
+    FormFile,
+    FrontendReply,
+    FrontendRequest,
+    FrontendRoute,
+    OpenAIFrontend,
+)
+from proxy import multipart, openai_api
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.httputil import REQUEST_ID_HEADER, SSE_CONTENT_TYPE, UNIT_HEADER, ClientGone
 from proxy.response_ids import new_response_id
 from proxy.resume import HintKey, check_signed
 from proxy.sidecar import frontend_resume
-from proxy.sidecar.core import Lease, SidecarCore, engine_priority
-from proxy.tenants import PRIORITY_HEADER
+from proxy.sidecar.core import Lease, SidecarCore
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.tracing import TRACEPARENT, TRACESTATE, Trace
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,33 @@ def json_object(body: bytes) -> dict[str, Any]:
     return fields
 
 
+def form_fields(body: bytes, content_type: str | None) -> dict[str, Any]:
+    """A multipart form's fields (proxy/multipart.py's bounds): text as str, files as
+    FormFile, a name given more than once as the list of its values."""
+    fields: dict[str, Any] = {}
+    for part in multipart.parse(body, content_type):
+        value: Any
+        if part.filename is None:
+            value = part.data.decode()
+        else:
+            value = FormFile(part.filename, part.content_type, part.data)
+        if part.name not in fields:
+            fields[part.name] = value
+        elif isinstance(fields[part.name], list):
+            fields[part.name].append(value)
+        else:
+            fields[part.name] = [fields[part.name], value]
+    return fields
+
+
+def streamed(route: FrontendRoute, fields: dict[str, Any]) -> bool:
+    """Whether the request asks for a stream (a form's fields are text)."""
+    stream = fields.get("stream")
+    if route in FORM_ROUTES and isinstance(stream, str):
+        return stream.lower() in _TRUE
+    return stream is True
+
+
 async def serve(
     request: web.Request,
     route: FrontendRoute,
@@ -58,17 +93,26 @@ async def serve(
     deadline: float | None,
 ) -> web.StreamResponse:
     """One OpenAI request through the engine's own layer; errors raise UnitProxyError."""
-    fields = json_object(await request.read())
+    body = await request.read()
+    if route in FORM_ROUTES:
+        fields = form_fields(body, request.headers.get("Content-Type"))
+    else:
+        fields = json_object(body)
     if route == "responses" and not fields.get("request_id"):
         # vLLM's field for the response's id: one that names this unit, so that a
         # follow-up through a gateway comes back here (proxy/response_ids.py)
         fields["request_id"] = new_response_id(core.unit_id)
+    asked = request.headers
+    priority = core.priority_of(
+        asked.get(PRIORITY_HEADER), asked.get(PRIORITY_SIG_HEADER), asked.get(REQUEST_ID_HEADER)
+    )
     if route in ("chat", "completions") and core.engine.takes_priority():
-        # vLLM's body field, ours whatever the client put there (trusted downwards only)
-        fields["priority"] = engine_priority(request.headers.get(PRIORITY_HEADER))
+        # vLLM's body field, ours whatever the client put there (interactive only with
+        # a gateway's credential)
+        fields["priority"] = priority
     hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
     trace = request.get(TRACE)
-    lease = core.admit(trace)
+    lease = core.admit(priority, trace)
     headers: Mapping[str, str] = request.headers
     if trace is not None:  # the engine's own spans hang under this request's
         headers = {k: v for k, v in headers.items() if k.lower() not in TRACE_HEADERS}
@@ -83,7 +127,7 @@ async def serve(
             fr = FrontendRequest(route, fields, request_id, headers)
             if isinstance(resumed, FrontendReply):
                 reply, resumed = resumed, None  # nothing left to generate
-            elif fields.get("stream") is True:
+            elif streamed(route, fields):
                 reply = await frontend.serve(fr)  # returns at once: progress is in the chunks
             else:
                 reply = await core.wait_whole(frontend.serve(fr), frontend.steps)
@@ -108,14 +152,57 @@ async def by_id(
     request_id: str,
     core: SidecarCore,
     frontend: OpenAIFrontend,
-) -> web.Response:
-    """Retrieve or cancel a stored response: ``{"response_id"}`` from the path."""
-    fields = {"response_id": request.match_info["response_id"]}
+) -> web.StreamResponse:
+    """Retrieve or cancel a stored response: ``{"response_id"}`` from the path, and for a
+    retrieve vLLM's query parameters ``stream`` and ``starting_after`` (a streamed
+    retrieve replays a streamed background response's events after that one, then
+    follows it to its end). No engine work: no admission."""
+    fields: dict[str, Any] = {"response_id": request.match_info["response_id"]}
+    if route == "responses_retrieve":
+        fields.update(retrieve_query(request.query))
     reply = await frontend.serve(FrontendRequest(route, fields, request_id, request.headers))
     headers = {UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id}
-    return web.Response(
-        body=reply.body, status=reply.status, content_type="application/json", headers=headers
-    )
+    if reply.chunks is None:
+        return web.Response(
+            body=reply.body, status=reply.status, content_type="application/json", headers=headers
+        )
+    response = web.StreamResponse(status=reply.status, headers={**headers, **_SSE_HEADERS})
+    try:
+        async with aclosing(reply.chunks) as chunks:
+            async for chunk in chunks:
+                if not response.prepared:
+                    await response.prepare(request)
+                await response.write(chunk)
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError as exc:
+        raise ClientGone(response) from exc
+    return response
+
+
+_TRUE = frozenset({"1", "true", "on", "yes", "t", "y"})
+_FALSE = frozenset({"0", "false", "off", "no", "f", "n"})
+
+
+def retrieve_query(query: Mapping[str, str]) -> dict[str, Any]:
+    """``stream`` and ``starting_after`` of a retrieve's query, read as vLLM's server
+    (FastAPI) reads them; a value that does not parse is a 400 naming it."""
+    fields: dict[str, Any] = {}
+    stream = query.get("stream")
+    if stream is not None:
+        if stream.lower() not in _TRUE | _FALSE:
+            raise InvalidRequest("stream: must be a boolean", param="stream")
+        fields["stream"] = stream.lower() in _TRUE
+    after = query.get("starting_after")
+    if after is not None:
+        try:
+            fields["starting_after"] = int(after)
+        except ValueError:
+            raise InvalidRequest(
+                "starting_after: must be an integer", param="starting_after"
+            ) from None
+    return fields
 
 
 async def _resume(

@@ -25,12 +25,12 @@ from proxy import openai_api, resume
 from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
 from proxy.errors import GRPC_CODE_KEY, InvalidRequest, UnitProxyError, write_timeout
-from proxy.httputil import RESUME_HEADER
+from proxy.httputil import REQUEST_ID_HEADER, RESUME_HEADER
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
-from proxy.sidecar.core import SidecarCore, engine_priority, with_priority
+from proxy.sidecar.core import SidecarCore, with_priority
 from proxy.sidecar.watch import ReportWatch
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.tracing import Trace, finish, from_metadata
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         trace = self._core.begin_trace(*from_metadata(metadata), METHOD)
         try:
             self._api_keys.check_metadata(metadata)
-            asked = next((v for k, v in metadata or () if k == PRIORITY_HEADER), None)
-            priority = engine_priority(asked)
+            meta = dict(metadata or ())
+            priority = self._core.priority_of(
+                meta.get(PRIORITY_HEADER),
+                meta.get(PRIORITY_SIG_HEADER),
+                meta.get(REQUEST_ID_HEADER),
+            )
             await self._generate(
                 request, resume_hint, time_remaining, write, interval_s, priority, trace
             )
@@ -163,7 +167,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
         delivered = parsed.delivered_tokens or 0
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-        lease = core.admit(trace)
+        lease = core.admit(priority, trace)
         unit_id = core.unit_id
 
         async def write(delta: TokenDelta) -> None:

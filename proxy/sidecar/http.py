@@ -36,10 +36,10 @@ from proxy.load import UnitState
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.sidecar import frontend_http, grpc_api
-from proxy.sidecar.core import SidecarCore, engine_priority, with_priority
+from proxy.sidecar.core import SidecarCore, with_priority
 from proxy.sidecar.frontend_http import OUTCOME, TRACE
 from proxy.sidecar.watch import ReportWatch
-from proxy.tenants import PRIORITY_HEADER
+from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.tracing import TRACEPARENT, TRACESTATE, finish
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# vLLM's answer on a route its server did not register for the model (FastAPI's own).
+NOT_FOUND = b'{"detail":"Not Found"}'
 # The POST routes besides chat and completions, served where the engine's own layer has
 # them (engine/frontend.py), as vLLM's server serves them.
 ENGINE_ROUTES: dict[str, FrontendRoute] = {
@@ -65,6 +67,9 @@ ENGINE_ROUTES: dict[str, FrontendRoute] = {
     "/rerank": "rerank",
     "/v1/rerank": "rerank",
     "/v2/rerank": "rerank",
+    # multipart forms (proxy/multipart.py): an audio file and its fields
+    "/v1/audio/transcriptions": "transcriptions",
+    "/v1/audio/translations": "translations",
 }
 
 
@@ -162,8 +167,12 @@ async def _serve(
         deadline = _deadline(request)
         return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
     if route not in ("completions", "chat") or (frontend is not None and not frontend.generates):
-        # a pooling model has no chat or completions: 404, as vLLM's server answers
-        raise NotFound(f"{request.path} is not served by this engine", code="not_found")
+        # a route the model has no task for (a pooling model's chat): vLLM's server has
+        # no such route, and answers as FastAPI does
+        return web.Response(
+            body=NOT_FOUND, status=404, content_type="application/json",
+            headers={UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id},
+        )  # fmt: skip
     body = await request.read()
     parsed = openai_api.parse(
         route,
@@ -172,7 +181,12 @@ async def _serve(
         served_model=core.engine.served_models(),
         max_prompt_chars=request.app[MAX_PROMPT_CHARS],
     )
-    priority = engine_priority(request.headers.get(PRIORITY_HEADER))
+    headers = request.headers
+    priority = core.priority_of(
+        headers.get(PRIORITY_HEADER),
+        headers.get(PRIORITY_SIG_HEADER),
+        headers.get(REQUEST_ID_HEADER),
+    )
     parsed = dataclasses.replace(
         parsed, engine_request=with_priority(parsed.engine_request, priority)
     )
@@ -180,7 +194,7 @@ async def _serve(
     if hint is not None:
         parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
     deadline = _deadline(request)
-    lease = core.admit(request[TRACE])
+    lease = core.admit(priority, request[TRACE])
     if parsed.stream:
         return await _stream(request, parsed, core, lease, deadline)
     return await _complete(parsed, core, lease, deadline)

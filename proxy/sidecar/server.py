@@ -72,6 +72,7 @@ class Sidecar(Service):
             resume_key=_resume_key(settings.server.resume_secret),
             prefix_chunk_chars=settings.sidecar.prefix_chunk_chars,
             prefix_report_blocks=settings.sidecar.prefix_report_blocks,
+            priority_headroom=settings.sidecar.priority_headroom,
         )
         self.health_service = HealthServicer()
         self.recovery: RecoveryHook | None = None

@@ -28,11 +28,12 @@ from typing import Any, Protocol, cast
 import httptools
 
 from proxy.errors import Unavailable, UnitProxyError
+from proxy.gateway.request import HOP_BY_HOP, Context, http_context
 from proxy.httputil import (
-    DEADLINE_HEADER,
     FORM_TYPES,
-    MIGRATE_HEADER,
+    NO_UNIT,
     REQUEST_ID_HEADER,
+    UNIT_HEADER,
     ClientClosed,
     bad_request_id,
 )
@@ -47,33 +48,24 @@ MAX_HEAD = 64 * 1024  # a longer head goes to aiohttp, which answers it with its
 PIPELINE_KEEP = 64 * 1024
 MAX_FIELD = 8190  # aiohttp's limits on a line and a header: past them it answers 400
 MAX_HEADERS = 128
-# The request headers the gateway reads; the others are checked, not kept.
-USED_HEADERS = frozenset(
-    {b"content-length", b"content-type", b"authorization", REQUEST_ID_HEADER.encode(),
-     DEADLINE_HEADER.encode(), MIGRATE_HEADER.encode(), b"host", b"x-unitproxy-priority",
-     b"traceparent", b"tracestate"}
-)  # fmt: skip
-HANDOFF_HEADERS = frozenset({b"transfer-encoding", b"content-encoding", b"expect"})
+# Headers whose request aiohttp serves: a body to decode or to invite.
+HANDOFF_HEADERS = frozenset({"transfer-encoding", "content-encoding", "expect"})
 
 
 class Head:
     """A request the lean path serves. (A plain class, not a dataclass: mypyc compiles
     its ``__init__``, where a dataclass's stays interpreted.)"""
 
-    __slots__ = ("headers", "keep_alive", "length", "path", "route", "size")
+    __slots__ = ("ctx", "keep_alive", "length", "size")
 
     def __init__(
         self,
-        route: str,
-        path: str,
-        headers: dict[str, str],  # lower-case names; only USED_HEADERS
+        ctx: Context,  # the request's context, built from its head
         length: int,  # of the body
         size: int,  # of the head, in bytes
         keep_alive: bool,
     ):
-        self.route = route
-        self.path = path
-        self.headers = headers
+        self.ctx = ctx
         self.length = length
         self.size = size
         self.keep_alive = keep_alive
@@ -91,14 +83,16 @@ class Producer(Protocol):
 
 
 class _Collect:
-    """httptools callbacks: the URL and the headers the gateway reads, checked as they
-    come (one pass; httptools calls ``on_header`` once per whole header)."""
+    """httptools callbacks: the URL and the headers, checked as they come (one pass;
+    httptools calls ``on_header`` once per whole header)."""
 
-    __slots__ = ("count", "headers", "refuse", "url")
+    __slots__ = ("connection", "count", "headers", "refuse", "url")
 
     def __init__(self) -> None:
         self.url = b""
-        self.headers: dict[str, str] = {}  # lower-case names; only USED_HEADERS
+        # Every header but the hop-by-hop ones, by lower-case name (request.end_to_end).
+        self.headers: dict[str, str] = {}
+        self.connection = ""  # the Connection header: more hop-by-hop names
         self.count = 0
         self.refuse = False  # a header the lean path leaves to aiohttp
 
@@ -110,17 +104,37 @@ class _Collect:
         if len(name) + len(value) > MAX_FIELD:
             self.refuse = True
             return
-        name = name.lower()
-        key = _USED_NAMES.get(name)
-        if key is not None:
-            if key in self.headers:
-                self.refuse = True  # which one counts is aiohttp's to say
-            self.headers[key] = value.decode("utf-8", "surrogateescape")
-        elif name in HANDOFF_HEADERS:
-            self.refuse = True
+        key = _NAMES.get(name)
+        if key is None:
+            key = name.decode("latin-1").lower()
+        text = value.decode("utf-8", "surrogateescape")
+        if key in HOP_BY_HOP:
+            if key == "connection":
+                self.connection = f"{self.connection},{text}" if self.connection else text
+            elif key == "transfer-encoding":
+                self.refuse = True
+        elif key in self.headers or key in HANDOFF_HEADERS:
+            self.refuse = True  # a repeated header: how to read it is aiohttp's to say
+        else:
+            self.headers[key] = text
+
+    def end_to_end(self) -> dict[str, str]:
+        """The headers, without those the Connection header names hop-by-hop."""
+        headers = self.headers
+        if self.connection:
+            for token in self.connection.split(","):
+                headers.pop(token.strip().lower(), None)
+        return headers
 
 
-_USED_NAMES = {name: name.decode() for name in USED_HEADERS}
+# The lower-case names of headers clients send most, by their bytes as sent.
+_NAMES = {
+    spelling.encode(): name
+    for name in ("host", "content-type", "content-length", "authorization", "accept",
+                 "user-agent", "connection", "accept-encoding", REQUEST_ID_HEADER,
+                 "x-unitproxy-timeout-ms", "x-unitproxy-priority", "traceparent")
+    for spelling in (name, name.title())
+}  # fmt: skip
 _HTTP11 = b" HTTP/1.1"
 
 
@@ -151,7 +165,7 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     route = routes.get(path)
     if route is None:
         return None
-    headers = found.headers
+    headers = found.end_to_end()
     if "host" not in headers:
         return None  # HTTP/1.1 with no Host: aiohttp answers the 400 (RFC 9112 section 3.2)
     length = headers.get("content-length", "")
@@ -163,7 +177,14 @@ def parse_head(raw: bytes, routes: dict[str, str], max_body: int) -> Head | None
     request_id = headers.get(REQUEST_ID_HEADER)
     if request_id is not None and bad_request_id(request_id) is not None:
         return None  # aiohttp answers it with the 400
-    return Head(route, path, headers, int(length), len(raw), parser.should_keep_alive())
+    ctx = http_context(headers, route, path)
+    return Head(ctx, int(length), len(raw), parser.should_keep_alive())
+
+
+def _refusal_head(request_id: str) -> dict[str, str]:
+    """The head of the gateway's own answer to a request no unit was tried for."""
+    return {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id,
+            UNIT_HEADER: NO_UNIT}  # fmt: skip
 
 
 _STATUS_LINES: dict[int, bytes] = {}
@@ -423,7 +444,9 @@ class ClientConnection(asyncio.Protocol):
             self._limits.timed_out("idle")
         else:
             self._limits.timed_out(f"{self._phase}_timeout")
-            self.send(request_timeout_response(self._phase))
+            head = self._head  # the body's, in phase body; None: no whole head came
+            request_id = None if head is None else head.ctx.request_id
+            self.send(request_timeout_response(self._phase, self._limits.own_headers(request_id)))
         self.close()
 
     def _stalled(self) -> None:
@@ -511,7 +534,7 @@ class ClientConnection(asyncio.Protocol):
         self, head: Head, status: int, error: dict[str, Any], headers: dict[str, str] | None = None
     ) -> None:
         """Answer from the head alone and close once the body is dropped."""
-        headers = {"Content-Type": "application/json", **(headers or {})}
+        headers = {**_refusal_head(head.ctx.request_id), **(headers or {})}
         Response(self, close=True).respond(status, headers, json.dumps(error).encode())
         # Drop the body as it comes (a close with unread bytes would reset the
         # connection before the client reads the answer), within the body timer.
@@ -559,10 +582,11 @@ class ClientConnection(asyncio.Protocol):
         except (ClientClosed, asyncio.CancelledError):
             self.close()
         except Exception:
-            log.exception("request %s %s failed", head.path, head.headers.get(REQUEST_ID_HEADER))
+            ctx = head.ctx
+            log.exception("request %s %s failed", ctx.path, ctx.request_id)
             if not response.started and not response.ended:
                 error = json.dumps(UnitProxyError("internal error in the gateway").body())
-                response.respond(500, {"Content-Type": "application/json"}, error.encode())
+                response.respond(500, _refusal_head(ctx.request_id), error.encode())
             else:
                 self.close()
         finally:
