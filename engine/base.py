@@ -10,7 +10,7 @@ request inside the engine.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
@@ -67,6 +67,10 @@ class EngineRequest:
     # Its priority class inside the engine, as vLLM's priority: lower goes first
     # (PRIORITY_RANK: 0 interactive, 1 standard, 2 batch).
     priority: int = 1
+    # W3C trace context (traceparent, tracestate) of the request's span in the sidecar:
+    # an engine that traces (vLLM with its otlp_traces_endpoint) makes its spans its
+    # children. None: not traced.
+    trace_headers: Mapping[str, str] | None = None
 
 
 # A priority class's value for an engine (EngineRequest.priority; vLLM's lower-first).

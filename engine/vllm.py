@@ -64,6 +64,9 @@ def require_vllm() -> None:
         )
 
 
+OTLP_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+
 def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
     """vLLM engine arguments: the named settings, then ``engine_args`` over them."""
     if not settings.model:
@@ -89,6 +92,15 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     kwargs.update(settings.engine_args)
     return kwargs
+
+
+def otlp_protocol(kwargs: dict[str, Any]) -> None:
+    """vLLM sends its spans over OTLP/gRPC unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+    says otherwise; an endpoint given as an HTTP path (``.../v1/traces``, as a sidecar
+    with tracing.otlp_endpoint gives it) is OTLP over HTTP/protobuf."""
+    endpoint = kwargs.get("otlp_traces_endpoint")
+    if isinstance(endpoint, str) and endpoint.rstrip("/").endswith("/v1/traces"):
+        os.environ.setdefault(OTLP_PROTOCOL_ENV, "http/protobuf")
 
 
 def loggable_kwargs(kwargs: dict[str, Any], settings: EngineSettings) -> str:
@@ -397,6 +409,7 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise EngineUnavailable(f"engine vllm: vLLM does not import: {one_line(exc)}") from exc
         self._check_device(platform_device(current_platform))
+        otlp_protocol(self._kwargs)
         try:
             args = AsyncEngineArgs(**self._kwargs)
         except (TypeError, ValueError) as exc:
@@ -506,8 +519,12 @@ class VllmEngine(Engine):
             # The request's class (lower first, as vLLM's own priority) where the operator
             # turned on vLLM's priority scheduling (engine_args scheduling_policy
             # "priority"); vLLM refuses a priority under its default FCFS policy.
-            priority = {"priority": request.priority} if self.takes_priority() else {}
-            generating = built.engine.generate(prompt, params, request_id, **priority)
+            extra: dict[str, Any] = {"priority": request.priority} if self.takes_priority() else {}
+            if request.trace_headers and self._kwargs.get("otlp_traces_endpoint"):
+                # vLLM's span of the request (llm_request) joins the sidecar's trace: its
+                # parent is the sidecar's engine span (vLLM warns of headers it cannot use)
+                extra["trace_headers"] = request.trace_headers
+            generating = built.engine.generate(prompt, params, request_id, **extra)
             async with aclosing(generating) as outputs:
                 async for output in outputs:
                     delta = progress.delta(output)

@@ -26,6 +26,7 @@ from proxy.flags import (
     PLAN_UNIT,
     SERVING,
     SIDECAR,
+    TRACING,
     UP,
     Flag,
     choices_of,
@@ -51,6 +52,7 @@ SECTIONS = {
     "engine.sim": "the simulator engine (engine.sim.*)",
     "server": "listening and serving (server.*)",
     "redis": "Redis (redis.*)",
+    "tracing": "traces (tracing.*)",
 }
 EXAMPLES = {
     "sidecar": """\
@@ -72,7 +74,8 @@ example: route across two units by least outstanding requests, load watched over
     "up": """\
 Whether given as flags, in the environment or in --config: the engine settings and
 --capacity go to every sidecar, the health settings to every sidecar and follower,
---policy and --tenants-file to the gateway, --log-level to every process.
+--policy and --tenants-file to the gateway, --log-level, --otlp-endpoint and
+--trace-sample-ratio to every process.
 
 example: two simulated units of one leader and one follower each, gateway on port 8000
   unitproxy up --units 2 --followers 1 --base-port 8000""",
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     sidecar = command("sidecar", "serve one unit: embed the engine, probe its nodes, report load")
-    _add_grouped(sidecar, COMMON + SERVING + ENGINE + SIDECAR + HEALTH,
+    _add_grouped(sidecar, COMMON + SERVING + ENGINE + SIDECAR + HEALTH + TRACING,
                  "sidecar", "sidecar.recovery", "health")  # fmt: skip
     follower = command(
         "follower",
@@ -155,14 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = command(
         "gateway", "route requests across units: least outstanding requests, retries, drain"
     )
-    _add_grouped(gateway, COMMON + SERVING + GATEWAY, "gateway")
+    _add_grouped(gateway, COMMON + SERVING + GATEWAY + TRACING, "gateway")
     up = command(
         "up", "start a local cell on loopback: a gateway and units of a sidecar and followers"
     )
     passed = ("--log-level", "--capacity", "--policy", "--tenants-file")
     _add_grouped(
         up,
-        UP + ENGINE + HEALTH + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed),
+        UP
+        + ENGINE
+        + HEALTH
+        + TRACING
+        + tuple(f for f in COMMON + SIDECAR + GATEWAY if f.flag in passed),
         "up",
     )
     plan = command(

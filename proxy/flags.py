@@ -53,6 +53,11 @@ SERVING = (
     Flag("--max-connections-per-client", "server.max_connections_per_client", "N"),
     Flag("--drain-timeout", "server.drain_timeout_s", "SECONDS"),
 )
+# Sidecar, gateway and up (which passes them to both).
+TRACING = (
+    Flag("--otlp-endpoint", "tracing.otlp_endpoint", "URL"),
+    Flag("--trace-sample-ratio", "tracing.sample_ratio", "RATIO"),
+)
 ENGINE = (
     Flag("--engine", "engine.kind"),
     Flag("--model", "engine.model"),

@@ -43,6 +43,7 @@ GRPC_CODES = (
 )  # fmt: skip
 RETRY_REASONS = ("429", "503", "connect", "resource_exhausted", "unavailable")
 MIGRATION_REASONS = ("unit_failed", "broken", "idle", "unit_lost")
+SPAN_DROP_REASONS = ("queue_full", "export_failed")
 HEALTH_TRANSITIONS = ("healthy", "unhealthy")
 GATEWAY_UNIT_STATES = (*UNIT_STATES, "LOST", "UNKNOWN")
 
@@ -285,6 +286,28 @@ class IngressMetrics:
             namespace=PREFIX,
             registry=registry,
         )
+
+
+class TracingMetrics:
+    """Spans this process recorded for its traces (tracing.otlp_endpoint), and their fate."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.exported = Counter(
+            "trace_spans_exported",
+            "Spans the OTLP collector took.",
+            namespace=PREFIX,
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "trace_spans_dropped",
+            "Spans dropped: the queue was full (tracing.max_queued_spans), or the collector "
+            "refused or did not answer their export.",
+            ["reason"],
+            namespace=PREFIX,
+            registry=registry,
+        )
+        for reason in SPAN_DROP_REASONS:
+            self.dropped.labels(reason)
 
 
 class HealthMetrics:

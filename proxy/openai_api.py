@@ -338,7 +338,7 @@ def _parsed(
     if isinstance(req, CompletionBody):
         max_tokens = req.max_tokens
         prompt, ids, messages = _completion_input(req, max_prompt_chars)
-        template = {}
+        template: dict[str, Any] = {}
     else:
         max_tokens = req.max_completion_tokens or req.max_tokens
         prompt, ids, messages = None, None, _chat_input(req, max_prompt_chars)

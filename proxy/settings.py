@@ -866,6 +866,50 @@ class HealthSettings(_Section):
     )
 
 
+class TracingSettings(_Section):
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector to send traces to, over OTLP HTTP/protobuf: spans are posted to ENDPOINT/v1/traces (e.g. http://otel-collector:4318). unitproxy up passes it to every process; a sidecar running vLLM passes it to vLLM too. Default none: no traces (a client's traceparent is still passed on).",
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of the requests without a sampled traceparent that are traced, 0 to 1; a request whose traceparent says sampled (or not) is traced (or not) as it says. Default 1.",
+    )
+    service_name: str | None = Field(
+        None,
+        description="The service.name of this process's spans. Default: unitproxy-gateway or unitproxy-sidecar.",
+    )
+    max_queued_spans: int = Field(
+        4096,
+        gt=0,
+        description="Spans held in memory waiting to be sent; past it new spans are dropped and counted (unitproxy_trace_spans_dropped_total). Default 4096.",
+    )
+    batch_spans: int = Field(
+        512, gt=0, description="Most spans in one export request. Default 512."
+    )
+    export_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="Longest time a span waits before it is sent (a full batch goes at once), in s. Default 1.",
+    )
+    export_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest wait for the collector to take one export (also what shutdown waits for the last one), in s. Default 5.",
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="UNITPROXY_",
@@ -883,6 +927,7 @@ class Settings(BaseSettings):
     up: UpSettings = Field(default_factory=UpSettings)  # type: ignore[arg-type]
     plan: PlanSettings = Field(default_factory=PlanSettings)  # type: ignore[arg-type]
     redis: RedisSettings = Field(default_factory=RedisSettings)  # type: ignore[arg-type]
+    tracing: TracingSettings = Field(default_factory=TracingSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(

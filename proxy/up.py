@@ -35,7 +35,7 @@ import aiohttp
 from pydantic import BaseModel, SecretStr
 
 from proxy import procutil
-from proxy.flags import ENGINE, GATEWAY, HEALTH, SIDECAR, Flag
+from proxy.flags import ENGINE, GATEWAY, HEALTH, SIDECAR, TRACING, Flag
 from proxy.procutil import describe_exit, free_ports
 from proxy.serving import Signals
 from proxy.settings import Settings, UpSettings
@@ -47,9 +47,9 @@ POLL_INTERVAL_S = 0.2
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before starting a dead child again
 TAIL_BYTES = 8192  # how much of a child's log is read for its last line
 # Flags whose values, when set by flag, environment or file, go on to the children.
-TO_SIDECARS = (*ENGINE, *(f for f in SIDECAR if f.flag == "--capacity"), *HEALTH)
+TO_SIDECARS = (*ENGINE, *(f for f in SIDECAR if f.flag == "--capacity"), *HEALTH, *TRACING)
 TO_FOLLOWERS = HEALTH
-TO_GATEWAY = tuple(f for f in GATEWAY if f.flag in ("--policy", "--tenants-file"))
+TO_GATEWAY = (*(f for f in GATEWAY if f.flag in ("--policy", "--tenants-file")), *TRACING)
 
 
 @dataclass

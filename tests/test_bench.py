@@ -116,3 +116,27 @@ def test_overhead_runs_the_gateway_with_tenants(tmp_path: Path) -> None:
     (status,) = [s for p in report["phases"] for s in p["targets"]
                  if s["name"] == "unitproxy+tenants"]  # fmt: skip
     assert "--tenants-file" in status["argv"] and "--redis-url" in status["argv"]
+
+
+@pytest.mark.timeout(200)
+def test_overhead_runs_a_tracing_gateway(tmp_path: Path) -> None:
+    """Targets unitproxy+traceR: this tree's gateway tracing R of its requests to the
+    stand-in collector, beside unitproxy (the tracing A/B in docs/BENCHMARKS.md)."""
+    out = tmp_path / "overhead.json"
+    argv = [sys.executable, "bench/overhead/run.py", "--quick", "--out", str(out),
+            "--targets", "unitproxy,unitproxy+trace1", "--scenarios", "completions",
+            "--concurrency", "2", "--duration", "0.5", "--warmup", "0.2"]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=190, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    report = json.loads(out.read_text())
+    rows = {r["target"]: r for r in report["rows"]}
+    assert rows["unitproxy+trace1"]["requests_per_s"] > 0, output[-3000:]
+    assert rows["unitproxy+trace1"]["error_count"] == 0
+    statuses = [
+        s for p in report["phases"] for s in p["targets"] if s["name"] == "unitproxy+trace1"
+    ]
+    assert statuses and "tracing 100%" in statuses[0]["version"], statuses
+    assert "--otlp-endpoint" in statuses[0]["argv"], statuses
+    # The collector took every export: the gateway logged no failed one.
+    assert not [line for line in statuses[0]["log_problems"] if "traces:" in line], statuses

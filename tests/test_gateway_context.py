@@ -76,9 +76,14 @@ Start = Callable[..., Awaitable[Gateway]]
 async def start_gw() -> AsyncIterator[Start]:
     running: list[Gateway] = []
 
-    async def start(units: list[str], server: dict[str, Any] | None = None, **gw: Any) -> Gateway:
+    async def start(
+        units: list[str],
+        server: dict[str, Any] | None = None,
+        tracing: dict[str, Any] | None = None,
+        **gw: Any,
+    ) -> Gateway:
         settings = load({"server": {"host": HOST, "http_port": 0, "grpc_port": 0, **(server or {})},
-                         "gateway": {"units": units, **gw}})  # fmt: skip
+                         "gateway": {"units": units, **gw}, "tracing": tracing or {}})  # fmt: skip
         gateway = Gateway(settings)
         await gateway.__aenter__()
         running.append(gateway)
@@ -159,6 +164,45 @@ async def test_the_unit_gets_the_clients_end_to_end_headers(start_gw: Start, pat
         for hop in ("x-hop", "keep-alive", "x-unitproxy-priority", "x-unitproxy-resume"):
             assert hop not in got, f"{hop} reached the unit: {got}"
         assert got.get("connection", "keep-alive").lower() == "keep-alive", got
+
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+
+
+@pytest.mark.parametrize("path", ["lean", "aiohttp"])
+async def test_a_tracing_gateway_sends_its_trace_context_in_place_of_the_clients(
+    start_gw: Start, path: str
+) -> None:
+    # Sampling 0: no span is recorded (nothing is exported), but the gateway still
+    # names its own trace to the unit.
+    tracing = {"otlp_endpoint": f"http://{HOST}:9", "sample_ratio": 0.0}
+    async with RecordingUnit() as unit:
+        gw = await start_gw([f"rec={unit.url},{HOST}:9"], tracing=tracing, load_source="poll",
+                            poll_interval_s=0.05)  # fmt: skip
+        chunked = path == "aiohttp"  # a chunked body goes to aiohttp
+
+        async def sent(*trace: str) -> dict[str, str]:
+            answer = await exchange(gw.http_url, post(BODY, *trace, chunked=chunked))
+            status, headers = head_of(answer)
+            assert status == 200, headers
+            assert ("server" in headers) == chunked, "the path meant served it"
+            return unit.heads[-1]
+
+        # A client's context whose traceparent is malformed: a new trace, and the
+        # client's tracestate (which belonged to it) goes nowhere.
+        got = await sent(f"traceparent: 00-{TRACE_ID.upper()}-{CLIENT_SPAN}-00",
+                         "tracestate: vendor=x")  # fmt: skip
+        version, trace_id, span_id, flags = got["traceparent"].split("-")
+        assert (version, flags) == ("00", "00") and trace_id != TRACE_ID, got
+        assert "tracestate" not in got, got
+        # A valid one (not sampled): the same trace, the gateway's span as the parent,
+        # the tracestate with it.
+        got = await sent(f"traceparent: 00-{TRACE_ID}-{CLIENT_SPAN}-00", "tracestate: vendor=x")
+        version, trace_id, span_id, flags = got["traceparent"].split("-")
+        assert (version, trace_id, flags) == ("00", TRACE_ID, "00"), got
+        assert span_id != CLIENT_SPAN, got
+        assert got["tracestate"] == "vendor=x", got
 
 
 def no_unit(headers: dict[str, str], request_id: str | None) -> None:

@@ -150,6 +150,20 @@ def test_units_of_different_models() -> None:
     assert "--policy prefix" in " ".join(cell.gateway.args)
 
 
+def test_up_passes_the_otlp_endpoint_to_every_process() -> None:
+    args = build_parser().parse_args(
+        ["up", "--units", "2", "--otlp-endpoint", "http://collector:4318",
+         "--trace-sample-ratio", "0.25"]
+    )  # fmt: skip
+    cell = plan(config.load(cli_values(args)), allocate_ports(config.load({}).up))
+    traced = [cell.gateway, *(u.sidecar for u in cell.units)]
+    for child in traced:
+        args_text = " ".join(child.args)
+        assert "--otlp-endpoint http://collector:4318" in args_text, child.name
+        assert "--trace-sample-ratio 0.25" in args_text, child.name
+    assert all("--otlp-endpoint" not in " ".join(f.args) for u in cell.units for f in u.followers)
+
+
 def test_up_passes_the_tenants_file_to_the_gateway(tmp_path: Path) -> None:
     path = tmp_path / "tenants.toml"
     args = build_parser().parse_args(["up", "--tenants-file", str(path)])

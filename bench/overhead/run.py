@@ -46,6 +46,7 @@ client is this process (uvloop, one aiohttp session or one gRPC channel per run)
     .venv/bin/python bench/overhead/run.py --targets direct,unitproxy --scenarios grpc
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy@main --quick
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy+tenants  # tenants A/B
+    .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy+trace0.01,unitproxy+trace1
 
 Writes the table to stdout, JSON to bench/results/overhead.json, a PNG beside it and
 the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
@@ -403,9 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="extend",
         metavar="NAME[,NAME...]",
         help=f"of {', '.join(ALL_TARGETS)}, unitproxy@REF (the gateway at a git commit,"
-        " for an A/B), unitproxy+compiled (this tree built by scripts/compiled_tree.sh) or"
-        f" {TENANTS} (this tree with tenants, their limits counted in Redis)."
-        " Default all but the last three; direct is always run (the baseline).",
+        " for an A/B), unitproxy+traceR (this tree's gateway tracing R of its requests, e.g."
+        " unitproxy+trace0.01), unitproxy+compiled (this tree built by"
+        f" scripts/compiled_tree.sh) or {TENANTS} (this tree with tenants, their limits"
+        " counted in Redis). Default all but these four; direct is always run (the baseline).",
     )
     add(
         "--max-requests",
@@ -460,7 +462,12 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     targets = tuple(dict.fromkeys(["direct", *(args.targets or ALL_TARGETS)]))
     for kind, names, known, is_known in (
         ("scenario", scenarios, SCENARIOS, SCENARIOS.__contains__),
-        ("target", targets, (*ALL_TARGETS, "unitproxy@REF", "unitproxy+compiled"), known_target),
+        (
+            "target",
+            targets,
+            (*ALL_TARGETS, "unitproxy@REF", "unitproxy+traceR", "unitproxy+compiled", TENANTS),
+            known_target,
+        ),
     ):
         unknown = [n for n in names if not is_known(n)]
         if unknown:

@@ -16,6 +16,9 @@ about 20 % more sidecar CPU per request and 16-21 % less direct throughput).
                            --tenants-file names another) and --redis-url (a redis-server of
                            the bench's own unless --tenants-redis names one): the A/B of
                            tenants on against unitproxy, off, in one run
+    unitproxy+traceR       this tree's gateway tracing R of its requests (0.01: 1 %, 1: all)
+                           to a stand-in OTLP collector (otlp_sink.py, a process of its
+                           own): the tracing A/B against unitproxy; not in the defaults
     unitproxy+compiled     this tree with the gateway's request path compiled by mypyc
                            (scripts/compiled_tree.sh build/compiled: 2-3 minutes the
                            first time, none while the sources stay the same); not in
@@ -200,16 +203,35 @@ COMPILED_TREE = REPO / "build" / "compiled"  # where .ci/run builds it too
 COMPILE_TIMEOUT_S = 900.0
 
 
+TRACED = "unitproxy+trace"  # + the sample ratio: this tree's gateway, tracing
+
+
+def trace_ratio(name: str) -> float | None:
+    """The sample ratio of a ``unitproxy+traceR`` target; None for any other."""
+    if not name.startswith(TRACED):
+        return None
+    try:
+        ratio = float(name[len(TRACED) :])
+    except ValueError:
+        return None
+    return ratio if 0.0 <= ratio <= 1.0 else None
+
+
 def is_unitproxy(name: str) -> bool:
     """``unitproxy`` (this tree), ``unitproxy@REF`` (a commit of it), ``unitproxy+compiled``,
-    ``unitproxy+tenants``."""
-    return name in ("unitproxy", COMPILED, TENANTS) or name.startswith("unitproxy@")
+    ``unitproxy+tenants``, ``unitproxy+traceR``."""
+    return (
+        name in ("unitproxy", COMPILED, TENANTS)
+        or name.startswith("unitproxy@")
+        or trace_ratio(name) is not None
+    )
 
 
 def known_target(name: str) -> bool:
     return (
         name in ALL_TARGETS
         or name in (COMPILED, TENANTS)
+        or trace_ratio(name) is not None
         or (name.startswith("unitproxy@") and len(name) > len("unitproxy@"))
     )
 
@@ -261,8 +283,13 @@ async def _start_gateway(
     stack: AsyncExitStack, backend: Backend, log_dir: Path, extra: Sequence[str], name: str
 ) -> Target:
     cwd, version = None, "this tree"
+    ratio = trace_ratio(name)
     if name == COMPILED:  # python -m proxy runs the code in its cwd: it is sys.path[0]
         cwd, version = await compiled_tree(), "this tree, request path compiled (mypyc)"
+    elif ratio is not None:
+        sink = await _start_sink(stack, log_dir, name)
+        extra = [*extra, "--otlp-endpoint", sink, "--trace-sample-ratio", f"{ratio:g}"]
+        version = f"this tree, tracing {ratio:.0%} of requests"
     elif name not in ("unitproxy", TENANTS):
         cwd, sha = await checkout(name.partition("@")[2])
         version = f"commit {sha[:12]}"
@@ -280,6 +307,17 @@ async def _start_gateway(
     key = TENANTS_API_KEY if name == TENANTS else None
     await child.until(answers(child.http_url, key), READY_TIMEOUT_S, "answering")
     return Target(name, child.http_url, f"{HOST}:{grpc_port}", child, backend, version)
+
+
+async def _start_sink(stack: AsyncExitStack, log_dir: Path, owner: str) -> str:
+    """A stand-in OTLP collector (otlp_sink.py) for ``owner``; its URL."""
+    (port,) = free_ports(1)
+    argv = [sys.executable, "-m", "bench.overhead.otlp_sink", "--host", HOST, "--port", str(port)]
+    log = log_dir / f"otlp-sink-{owner}.log"
+    child = await stack.enter_async_context(running(f"OTLP sink of {owner}", argv, log, cwd=REPO))
+    child.http_url = f"http://{HOST}:{port}"
+    await child.until_ready(READY_TIMEOUT_S)
+    return child.http_url
 
 
 async def _start_peer(

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from proxy.errors import DeadlineExceeded, NotFound, Unavailable, UnitProxyError
 from proxy.gateway.request import NO_WANT, Context, Want, for_tenant, grpc_want, json_want, pinned
 from proxy.gateway.router import NoUnit, Outcome, Router
+from proxy.gateway.traces import RequestTrace
 from proxy.gateway.units import Unit
 from proxy.httputil import DEADLINE_HEADER, timeout_header
 from proxy.metrics import MIGRATION_REASONS, RETRY_REASONS, GatewayMetrics, LoopCount, LoopCounter
@@ -291,16 +292,16 @@ class GatewayCore:
             want = for_tenant(want, admission.tenant.name, admission.priority, admission.cost)
         return want
 
-    async def run(self, job: Job, want: Want = NO_WANT) -> None:
+    async def run(self, job: Job, want: Want = NO_WANT, trace: RequestTrace | None = None) -> None:
         """Serve ``job`` until its client has an answer; raises UnitProxyError when no unit
-        could be tried and nothing reached the client."""
+        could be tried and nothing reached the client. ``trace``: the request's spans."""
         self._active.add(job)
         try:
-            await self._run(job, want)
+            await self._run(job, want, trace)
         finally:
             self._active.discard(job)
 
-    async def _run(self, job: Job, want: Want) -> None:
+    async def _run(self, job: Job, want: Want, trace: RequestTrace | None) -> None:
         s = self._settings
         tried: set[str] = set()
         exclude: Collection[str] = tried if want.unit is None else Pinned(want.unit, tried)
@@ -310,7 +311,10 @@ class GatewayCore:
         learns = router.learns  # policy latency: each answer's TTFT goes to it
         while True:
             try:
-                unit = await self._router.acquire(exclude, want)
+                if trace is None:
+                    unit = await router.acquire(exclude, want)
+                else:
+                    unit = await trace.acquire(router, exclude, want)
             except NoUnit as none_left:
                 if last is None:
                     self._metrics.no_unit_available.inc()
@@ -340,7 +344,10 @@ class GatewayCore:
                 on_unit = self._on_unit[unit.id] = set()
             on_unit.add(job)
             try:
-                result = await job.attempt(unit)
+                if trace is None:
+                    result = await job.attempt(unit)
+                else:
+                    result = await trace.attempt(job, unit)
                 health = result.health
             finally:
                 on_unit.discard(job)

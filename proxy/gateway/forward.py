@@ -51,6 +51,7 @@ from proxy.gateway.request import Context, Want, passed
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Usage
+from proxy.gateway.traces import body_model
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     NO_UNIT,
@@ -153,9 +154,12 @@ class Forwarder:
             if previous is not None:
                 want = ctx.want = self.core.pin(want, previous, "previous_response_id")
         job = HttpJob(self, down, ctx, body, started)
+        trace = ctx.trace
+        if trace is not None and trace.sampled:
+            trace.describe(ctx.route, want.model or body_model(body), ctx.request_id)
         self._gate.enter()
         try:
-            await self.core.run(job, want)
+            await self.core.run(job, want, trace)
             return job.status or down.status
         finally:
             self._gate.exit()
@@ -165,8 +169,9 @@ class Forwarder:
 
     def unit_headers(self, ctx: Context) -> dict[str, str]:
         """The head of an attempt: the client's end-to-end headers as they came
-        (``request.passed``), and the gateway's own."""
-        headers = passed(ctx.headers)
+        (``request.passed``), and the gateway's own (with its trace context in place of
+        the client's when it traces the request)."""
+        headers = passed(ctx.headers, ctx.trace is not None)
         if "content-type" not in headers:
             headers["content-type"] = "application/json"
         headers[REQUEST_ID_HEADER] = ctx.request_id
@@ -180,6 +185,8 @@ class Forwarder:
                 headers[PRIORITY_SIG_HEADER] = self.resume_key.sign_priority(
                     ctx.request_id, priority
                 )
+        if ctx.trace is not None:  # its traceparent names the attempt's span
+            headers.update(ctx.trace.headers())
         return headers
 
 

@@ -67,17 +67,21 @@ from proxy.gateway.request import Context, grpc_context
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Admission, TenantGate, Usage
+from proxy.gateway.traces import RequestTrace
 from proxy.gateway.units import Unit
 from proxy.httputil import NO_UNIT, REQUEST_ID_HEADER, RESUME_HEADER, UNIT_HEADER
 from proxy.metrics import GatewayMetrics
-from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk
+from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.ratelimit import RateLimited
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
 from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
+from proxy.tracing import TRACEPARENT, TRACESTATE, Tracer
 
 log = logging.getLogger(__name__)
+
+TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
 
 SERVICE = "unitproxy.v1.Inference"
 METHOD = f"/{SERVICE}/Generate"
@@ -126,8 +130,10 @@ class GenerateProxy:
         tenancy: TenantGate | None = None,
         write_timeout_s: float = 60.0,
         resume_key: HintKey | None = None,
+        tracer: Tracer | None = None,
     ):
         self.core = core
+        self.tracer = tracer
         self.settings = settings
         self.write_timeout_s = write_timeout_s
         self.resume_key = resume_key  # None: no migration after the first byte
@@ -175,12 +181,20 @@ class GenerateProxy:
                 ctx.admission.finish(exc.grpc_code.name)
             await context.abort(exc.grpc_code, exc.message, refusal_metadata(exc, ctx.request_id))
         admission = ctx.admission
+        tracer = self.tracer
+        if tracer is not None:
+            name = METHOD.lstrip("/")
+            ctx.trace = RequestTrace(tracer.start(ctx.traceparent, ctx.tracestate, name))
+        trace = ctx.trace
         job = GrpcJob(self, ctx, request, context, started)
         self.streams += 1
         error: UnitProxyError | None = None
         try:
             try:
-                await self.core.run(job, self.core.grpc_want(ctx, request))
+                want = self.core.grpc_want(ctx, request)
+                if trace is not None and trace.sampled:
+                    trace.describe(ROUTE, want.model or request_model(request), ctx.request_id)
+                await self.core.run(job, want, trace)
                 await job.finish()
             except UnitProxyError as exc:
                 error = exc
@@ -201,6 +215,8 @@ class GenerateProxy:
             if admission is not None:
                 job.measure(admission.usage)
                 admission.finish(code)  # settles its tokens, whatever ended it
+            if trace is not None:
+                trace.finish(code, None if error is None else error.message)
         if error is not None:
             # After a stall the status waits behind the messages the client has yet to
             # read: it gets them, then the status, if it ever reads again.
@@ -234,6 +250,9 @@ class GrpcJob:
                 *self._auth,
                 *_priority(admission.priority, ctx.request_id, proxy.resume_key),
             )
+        self.trace: RequestTrace | None = ctx.trace
+        headers = ctx.headers
+        self._client_trace = tuple((k, headers[k]) for k in TRACE_HEADERS if k in headers)
         self._deadline = ctx.deadline(started, proxy.settings.request_timeout_s)
         self.unit_id = NO_UNIT  # the unit tried last
         self._loop = asyncio.get_running_loop()
@@ -350,8 +369,17 @@ class GrpcJob:
                     return tried
         return await self._attempt_grpc(unit, request, hint)
 
+    def _traced(self) -> tuple[tuple[str, str], ...]:
+        """The trace metadata of an attempt: a traceparent naming its span (not traced
+        here: the client's own)."""
+        trace = self.trace
+        if trace is None:
+            return self._client_trace
+        return tuple(trace.headers().items())
+
     async def _attempt_grpc(self, unit: Unit, request: bytes, hint: str | None) -> Tried:
         metadata = self._auth if hint is None else (*self._auth, (RESUME_HEADER, hint))
+        metadata = (*metadata, *self._traced())
         timeout = None
         if self._deadline is not None:
             timeout = self._deadline - time.monotonic()
@@ -393,7 +421,7 @@ class GrpcJob:
             "Content-Type": grpcweb.CONTENT_TYPE,
             grpcweb.INTERVAL_HEADER: self._proxy.interval(),
         }
-        for key, value in self._auth:
+        for key, value in (*self._auth, *self._traced()):
             headers["Authorization" if key == "authorization" else key] = value
         if hint is not None:
             headers[RESUME_HEADER] = hint
@@ -724,3 +752,11 @@ def _status_error(status: grpcweb.Status, unit: Unit) -> UnitProxyError:
     if status.error_code is None:
         return cls(f"unit {unit.id} failed: {status.code.name}")
     return cls(status.message or status.code.name, code=status.error_code)
+
+
+def request_model(request: bytes) -> str | None:
+    """The model of a serialized GenerateRequest (for a sampled request's span)."""
+    try:
+        return GenerateRequest.FromString(request).model or None
+    except Exception:  # protobuf's DecodeError; the unit answers INVALID_ARGUMENT
+        return None

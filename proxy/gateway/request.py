@@ -22,6 +22,7 @@ from typing import Any
 
 from proxy.errors import InvalidRequest
 from proxy.gateway.tenancy import Admission
+from proxy.gateway.traces import RequestTrace
 from proxy.httputil import (
     DEADLINE_HEADER,
     MIGRATE_HEADER,
@@ -32,6 +33,7 @@ from proxy.httputil import (
 )
 from proxy.pb.unitproxy.v1 import inference_pb2
 from proxy.tenants import PRIORITIES, PRIORITY_HEADER, RANK
+from proxy.tracing import TRACEPARENT, TRACESTATE, Parent, parse_traceparent, trace_state
 
 STANDARD = RANK["standard"]
 
@@ -79,7 +81,9 @@ NOT_PASSED = frozenset(
 # The prefix of unitproxy's own control headers (deadline, priority, migration, resume):
 # the gateway reads the client's, and writes its own to the unit, never the client's.
 OWN_PREFIX = "x-unitproxy-"
-TRACEPARENT = "traceparent"  # W3C trace context, kept as the client sent it
+# A request the gateway traces goes to the unit with the gateway's W3C trace context
+# (naming its attempt span) in place of the client's.
+NOT_PASSED_TRACED = NOT_PASSED | {TRACEPARENT, TRACESTATE}
 POST = b"POST"
 
 
@@ -89,7 +93,8 @@ class Context:
     ``admission`` (with tenants) and ``want`` once the body is read."""
 
     __slots__ = ("admission", "headers", "invalid", "method", "migrate", "path", "priority",
-                 "request_id", "route", "stored", "timeout_s", "traceparent", "want")  # fmt: skip
+                 "request_id", "route", "stored", "timeout_s", "trace", "traceparent", "tracestate",
+                 "want")  # fmt: skip
 
     def __init__(
         self,
@@ -109,7 +114,11 @@ class Context:
         self.timeout_s: float | None = None  # the client's time budget (None: none given)
         self.migrate = True  # False: the client opted out (x-unitproxy-migrate: 0)
         self.priority: str | None = None  # the class the client asked for, if any
-        self.traceparent: str | None = None
+        # The client's W3C trace context: its traceparent (None: none, or malformed) and
+        # the tracestate that goes with it.
+        self.traceparent: Parent | None = None
+        self.tracestate: str | None = None
+        self.trace: RequestTrace | None = None  # its spans, set when the gateway traces
         # A header the gateway cannot take (answered 400 once the key is checked, as
         # the body's own errors are).
         self.invalid: InvalidRequest | None = None
@@ -169,7 +178,11 @@ def _read_fields(ctx: Context, headers: Mapping[str, str]) -> None:
     """The fields both wires read alike."""
     ctx.migrate = headers.get(MIGRATE_HEADER) != "0"
     ctx.priority = headers.get(PRIORITY_HEADER)
-    ctx.traceparent = headers.get(TRACEPARENT)
+    parent = headers.get(TRACEPARENT)
+    if parent is not None:
+        ctx.traceparent = parse_traceparent(parent)
+        if ctx.traceparent is not None:  # a tracestate means nothing without its parent
+            ctx.tracestate = trace_state(headers.get(TRACESTATE))
 
 
 def end_to_end(fields: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -194,11 +207,13 @@ def drop_hop_by_hop(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
-def passed(headers: Mapping[str, str]) -> dict[str, str]:
+def passed(headers: Mapping[str, str], traced: bool = False) -> dict[str, str]:
     """What of a request's ``headers`` goes to the unit as it came: every end-to-end
-    field but unitproxy's own and those in NOT_PASSED."""
+    field but unitproxy's own and those in NOT_PASSED; ``traced``: nor the client's
+    trace context, which the gateway's replaces."""
+    dropped = NOT_PASSED_TRACED if traced else NOT_PASSED
     return {name: value for name, value in headers.items()
-            if name not in NOT_PASSED and not name.startswith(OWN_PREFIX)}  # fmt: skip
+            if name not in dropped and not name.startswith(OWN_PREFIX)}  # fmt: skip
 
 
 def for_tenant(want: Want, tenant: str, priority: str, cost: int) -> Want:

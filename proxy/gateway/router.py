@@ -92,6 +92,7 @@ class Router:
         self._models: Counter[str] = Counter()
         self._model_sets: Counter[tuple[str, ...]] = Counter()
         self._held_back: set[str] = set()  # units the ejection cap kept in (logged once)
+        self.queued = 0  # requests that waited in the queue, ever (a trace tells a wait by it)
         self._serving_reports = 0  # units whose last report says SERVING (fresh or not)
         self._all: list[Unit] = []
         # The policy the settings name (proxy.gateway.policies): it chooses, and keeps
@@ -287,6 +288,7 @@ class Router:
         waiter = Waiter(want.tenant, want.rank, want.cost, loop.create_future(), exclude,
                         want.model)  # fmt: skip
         shed = queue.push(waiter)  # raises QueueFull
+        self.queued += 1
         if shed is not None and shed.future is not None and not shed.future.done():
             shed.future.set_result(None)  # it raises its 429 shed
         self.wake()

@@ -33,6 +33,7 @@ from proxy.gateway.rates import scaled
 from proxy.gateway.request import Context, end_to_end, http_context
 from proxy.gateway.router import Router
 from proxy.gateway.tenancy import TenantGate, error_headers
+from proxy.gateway.traces import RequestTrace, span_name
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     NO_UNIT,
@@ -52,6 +53,7 @@ from proxy.metrics import (
     LoopCount,
     TenantMetrics,
 )
+from proxy.otlp import open_tracer
 from proxy.ratelimit import Limiter
 from proxy.redis_reports import connect
 from proxy.resume import HintKey
@@ -68,6 +70,7 @@ from proxy.settings import Settings, UnitTarget
 from proxy.tenants import TenantSource
 from proxy.timers import Wheel
 from proxy.tls import ClientTLS, ServerTLS, server_tls
+from proxy.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +147,7 @@ class Gateway(Service):
         self.api_keys = ApiKeys()
         self.tenancy: TenantGate | None = None  # with gateway.tenants_file
         self._requests: dict[tuple[str, str], LoopCount] = {}
+        self.tracer: Tracer | None = None  # with tracing.otlp_endpoint
         self._client_tls: ClientTLS | None = None  # set at start
         self._serving_changed = asyncio.Event()
         self.changes = Broadcast()
@@ -155,6 +159,8 @@ class Gateway(Service):
 
     async def _start(self) -> None:
         s, stack = self.settings, self._stack
+        # First in, last out: the spans of the requests a drain waits for go out too.
+        self.tracer = await open_tracer(stack, s.tracing, self.registry, "unitproxy-gateway")
         if s.gateway.tenants_file is None:
             self.api_keys = await ApiKeys.load(s.server, NO_UNIT)
         else:
@@ -175,7 +181,7 @@ class Gateway(Service):
         generate = GenerateProxy(
             self.core, s.gateway, self._generate_call, self.gateway_metrics,
             self.gate, self.wheel, self.api_keys, self._unit_key(), lambda u: self._pools.get(u.id),
-            self.tenancy, s.server.write_timeout_s, resume_key,
+            self.tenancy, s.server.write_timeout_s, resume_key, self.tracer,
         )  # fmt: skip
         self.forwarder = Forwarder(
             self.core, s.gateway, self._pools, self.gateway_metrics, self.gate,
@@ -439,6 +445,10 @@ class Gateway(Service):
     ) -> None:
         """One inference request, whichever HTTP path it came by; counted by status."""
         code = "500"
+        tracer = self.tracer
+        if tracer is not None:
+            name = span_name(ctx.method, ctx.path, ctx.stored)
+            ctx.trace = RequestTrace(tracer.start(ctx.traceparent, ctx.tracestate, name))
         try:  # the API key was checked from the head, before the body was read
             form = ctx.route in FORM_LABELS
             # a form's model field, found without reading the file (proxy/multipart.py)
@@ -471,6 +481,8 @@ class Gateway(Service):
             self._count(ctx.route, code)
             if ctx.admission is not None:
                 ctx.admission.finish(code)  # settles its tokens, whatever ended it
+            if ctx.trace is not None:
+                ctx.trace.finish(code)
 
     def _count(self, route: str, code: str) -> None:
         counter = self._requests.get((route, code))

@@ -48,6 +48,7 @@ from proxy.metrics import ServingMetrics
 from proxy.resume import HintKey
 from proxy.sidecar.blocks import HeldChunks
 from proxy.sidecar.health import UnitHealth
+from proxy.tracing import NO_SPAN, Span, Trace, Tracer
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -92,7 +93,7 @@ def with_priority(request: EngineRequest, priority: int) -> EngineRequest:
 class Lease:
     """One admitted request; ``release`` takes it off the outstanding count once."""
 
-    __slots__ = ("_core", "admitted_at", "failure", "priority", "released")
+    __slots__ = ("_core", "admitted_at", "failure", "priority", "released", "trace")
 
     def __init__(self, core: SidecarCore, admitted_at: float, priority: int = STANDARD):
         self._core = core
@@ -100,6 +101,7 @@ class Lease:
         self.priority = priority  # its engine priority (PRIORITY_RANK)
         self.released = False
         self.failure: UnitFailed | None = None  # set by let_go: why the unit dropped it
+        self.trace: Trace | None = None  # its spans, with tracing on
 
     def release(self) -> None:
         if not self.released:
@@ -140,6 +142,7 @@ class SidecarCore:
         # Requests whose last token waits on a slow client: the engine owes them nothing.
         self._on_client = 0
         self._metrics = metrics
+        self.tracer: Tracer | None = None  # with tracing.otlp_endpoint (the server sets it)
         self._changes = changes
         self._retry_after_s = retry_after_s
         self._clock = clock
@@ -190,13 +193,44 @@ class SidecarCore:
         under this unit's ``resume_key``)."""
         return engine_priority(asked, sig, request_id, self.resume_key)
 
-    def admit(self, priority: int = STANDARD) -> Lease:
-        """A lease for one request of engine priority ``priority`` (PRIORITY_RANK).
+    def begin_trace(
+        self, parent: str | bytes | None, state: str | bytes | None, name: str
+    ) -> Trace | None:
+        """A request's trace (its server span started), with tracing on."""
+        tracer = self.tracer
+        if tracer is None:
+            return None
+        trace = tracer.begin(parent, state, name)
+        trace.root.set("unitproxy.unit", self.unit_id)
+        return trace
+
+    def admit(self, priority: int = STANDARD, trace: Trace | None = None) -> Lease:
+        """A lease for one request of engine priority ``priority`` (PRIORITY_RANK), or
+        Overloaded (429) / Unavailable (503) now; ``trace``: its spans (an admission
+        span, with tracing on).
 
         Up to capacity any class; over it, up to ``headroom`` more, a request whose
         class and those above it hold fewer than capacity: the engine gives it the slot
         of a running request of a lower class (which pauses, and resumes when a slot
         frees), rather than keeping it behind work it outranks."""
+        if trace is None or not trace.sampled:
+            lease = self._admit(priority)
+        else:
+            span = trace.start("admission")
+            span.set("unitproxy.outstanding", self.outstanding)
+            span.set("unitproxy.capacity", self.capacity)
+            try:
+                lease = self._admit(priority)
+            except (Overloaded, Unavailable) as exc:
+                span.set("error.type", exc.code)
+                span.fail(exc.message)
+                raise
+            finally:
+                span.end()
+        lease.trace = trace
+        return lease
+
+    def _admit(self, priority: int) -> Lease:
         state = self.health.state
         if state is not UnitState.SERVING:
             raise Unavailable(f"unit {self.unit_id} is {state}", code=state.lower())
@@ -241,11 +275,34 @@ class SidecarCore:
         """
         if self.held is not None:
             self.held.expect(request, *self.engine.prompt_blocks(request))
+        span = NO_SPAN
+        trace = lease.trace
+        if trace is not None:  # the engine's own spans (vLLM's) hang under this one
+            span = self._engine_span(trace, request, route)
+            request = dataclasses.replace(request, trace_headers=trace.headers(span))
         try:
             async with self.tracked(lease, deadline):
-                return await self._generate(lease, request, route, emit, delivered_tokens)
+                last = await self._generate(lease, request, route, emit, delivered_tokens)
+            if trace is not None and span.recording:
+                _usage(span, last)
+                _usage(trace.root, last)
+            return last
+        except Exception as exc:
+            span.fail(getattr(exc, "message", None) or type(exc).__name__)
+            raise
         finally:
+            span.end()
             self.finish(lease, route)
+
+    def _engine_span(self, trace: Trace, request: EngineRequest, route: str) -> Span:
+        span = trace.start("engine")
+        if span.recording:
+            model = request.model or self.engine.model_name
+            for target in (span, trace.root):
+                target.set("gen_ai.operation.name", OPERATIONS.get(route, route))
+                target.set("gen_ai.request.model", model)
+            span.set("gen_ai.request.max_tokens", request.sampling.max_tokens)
+        return span
 
     @asynccontextmanager
     async def tracked(self, lease: Lease, deadline: float | None) -> AsyncIterator[None]:
@@ -493,3 +550,14 @@ def _resumed(delta: TokenDelta, delivered: int) -> TokenDelta:
         delta.completion_tokens + delivered,
         delta.finish_reason,
     )
+
+
+# gen_ai.operation.name of a route (OpenTelemetry GenAI semantic conventions).
+OPERATIONS = {"chat": "chat", "completions": "text_completion", "grpc_generate": "text_completion"}
+
+
+def _usage(span: Span, last: TokenDelta) -> None:
+    span.set("gen_ai.usage.input_tokens", last.prompt_tokens)
+    span.set("gen_ai.usage.output_tokens", last.completion_tokens)
+    if last.finish_reason is not None:
+        span.set("gen_ai.response.finish_reasons", [last.finish_reason])

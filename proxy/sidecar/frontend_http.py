@@ -32,6 +32,7 @@ from proxy.resume import HintKey, check_signed
 from proxy.sidecar import frontend_resume
 from proxy.sidecar.core import Lease, SidecarCore
 from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
+from proxy.tracing import TRACEPARENT, TRACESTATE, Trace
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 BY_ID: frozenset[FrontendRoute] = frozenset({"responses_retrieve", "responses_cancel"})
 # The status that the requests metric counts, when it differs from the response's.
 OUTCOME = web.RequestKey("outcome", str)
+TRACE: web.RequestKey[Trace | None] = web.RequestKey("trace")  # its spans, with tracing on
+TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
 # Response headers of a stream, as vLLM's server sends them.
 _SSE_HEADERS = {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
 
@@ -108,7 +111,12 @@ async def serve(
         # a gateway's credential)
         fields["priority"] = priority
     hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
-    lease = core.admit(priority)
+    trace = request.get(TRACE)
+    lease = core.admit(priority, trace)
+    headers: Mapping[str, str] = request.headers
+    if trace is not None:  # the engine's own spans hang under this request's
+        headers = {k: v for k, v in headers.items() if k.lower() not in TRACE_HEADERS}
+        headers.update(trace.headers(trace.root))
     try:
         async with core.tracked(lease, deadline):  # the deadline, and a unit that lets go
             resumed = None
@@ -116,7 +124,7 @@ async def serve(
                 fields, resumed = await _resume(
                     frontend, route, fields, hint, request_id, core.resume_key
                 )
-            fr = FrontendRequest(route, fields, request_id, request.headers)
+            fr = FrontendRequest(route, fields, request_id, headers)
             if isinstance(resumed, FrontendReply):
                 reply, resumed = resumed, None  # nothing left to generate
             elif streamed(route, fields):

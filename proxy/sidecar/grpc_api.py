@@ -31,9 +31,11 @@ from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, l
 from proxy.sidecar.core import SidecarCore, with_priority
 from proxy.sidecar.watch import ReportWatch
 from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
+from proxy.tracing import Trace, finish, from_metadata
 
 log = logging.getLogger(__name__)
 
+METHOD = "unitproxy.v1.Inference/Generate"  # the server span's name (RPC conventions)
 ROUTE = "grpc_generate"
 _SAMPLING_FIELDS = (
     "max_tokens",
@@ -116,6 +118,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         gateway): ``write`` takes each chunk, at most one per ``interval_s`` after the
         first (``Coalescer``); errors raise UnitProxyError."""
         code = "OK"
+        error: str | None = None
+        trace = self._core.begin_trace(*from_metadata(metadata), METHOD)
         try:
             self._api_keys.check_metadata(metadata)
             meta = dict(metadata or ())
@@ -124,15 +128,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 meta.get(PRIORITY_SIG_HEADER),
                 meta.get(REQUEST_ID_HEADER),
             )
-            await self._generate(request, resume_hint, time_remaining, write, interval_s, priority)
+            await self._generate(
+                request, resume_hint, time_remaining, write, interval_s, priority, trace
+            )
         except UnitProxyError as exc:
-            code = exc.grpc_code.name
+            code, error = exc.grpc_code.name, exc.message
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             code = "CANCELLED"  # the client went away
             raise
         finally:
             self._metrics.requests.labels(ROUTE, code).inc()
+            if trace is not None:
+                finish(trace.root, code, error)
 
     async def _generate(
         self,
@@ -142,6 +150,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         write_chunk: Callable[[inference_pb2.GenerateChunk], Awaitable[object]],
         interval_s: float,
         priority: int,
+        trace: Trace | None = None,
     ) -> None:
         core = self._core
         request_id = request.request_id or uuid.uuid4().hex
@@ -158,7 +167,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
         delivered = parsed.delivered_tokens or 0
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-        lease = core.admit(priority)
+        lease = core.admit(priority, trace)
         unit_id = core.unit_id
 
         async def write(delta: TokenDelta) -> None:

@@ -37,9 +37,10 @@ from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.sidecar import frontend_http, grpc_api
 from proxy.sidecar.core import SidecarCore, with_priority
-from proxy.sidecar.frontend_http import OUTCOME
+from proxy.sidecar.frontend_http import OUTCOME, TRACE
 from proxy.sidecar.watch import ReportWatch
 from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
+from proxy.tracing import TRACEPARENT, TRACESTATE, finish
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,13 @@ def _inference(route: FrontendRoute) -> Handler:
         metrics = request.app[SERVING_METRICS]
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         code = "500"
+        headers = request.headers
+        trace = None
+        if core.tracer is not None:  # named by the route, not the path (a response's id)
+            resource = request.match_info.route.resource
+            name = f"{request.method} {request.path if resource is None else resource.canonical}"
+            trace = core.begin_trace(headers.get(TRACEPARENT), headers.get(TRACESTATE), name)
+        request[TRACE] = trace
         try:
             response = await _serve(request, route, request_id, core)
             code = request.get(OUTCOME) or str(response.status)
@@ -143,6 +151,8 @@ def _inference(route: FrontendRoute) -> Handler:
             raise
         finally:
             metrics.requests.labels(route, code).inc()
+            if trace is not None:
+                finish(trace.root, code)
 
     return handle
 
@@ -184,7 +194,7 @@ async def _serve(
     if hint is not None:
         parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
     deadline = _deadline(request)
-    lease = core.admit(priority)
+    lease = core.admit(priority, request[TRACE])
     if parsed.stream:
         return await _stream(request, parsed, core, lease, deadline)
     return await _complete(parsed, core, lease, deadline)

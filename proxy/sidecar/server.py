@@ -23,6 +23,7 @@ from proxy.httputil import describe_admin
 from proxy.ingress import Limits
 from proxy.load import UnitState
 from proxy.metrics import HealthMetrics, IngressMetrics, ServingMetrics, UnitMetrics
+from proxy.otlp import open_tracer
 from proxy.pb.unitproxy.v1 import inference_pb2_grpc, load_pb2_grpc
 from proxy.resume import HintKey
 from proxy.serving import Drain, Service, advertised_host, cancel_tasks, start_grpc, start_http
@@ -36,6 +37,7 @@ from proxy.sidecar.recovery import RecoveryHook
 from proxy.sidecar.watch import ReportWatch
 from proxy.timers import Wheel
 from proxy.tls import server_tls
+from proxy.tracing import engine_settings
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class Sidecar(Service):
         self.unit_metrics = UnitMetrics(self.registry)
         self.health_metrics = HealthMetrics(self.registry)
         self.ingress_metrics = IngressMetrics(self.registry)
-        self.engine = engine or create_engine(settings.engine)
+        self.engine = engine or create_engine(engine_settings(settings.engine, settings.tracing))
         unit_id = settings.sidecar.unit_id
         self.health = UnitHealth(unit_id, self.unit_metrics, self.health_metrics, self.changes)
         self.core = SidecarCore(
@@ -88,6 +90,8 @@ class Sidecar(Service):
         (STARTING, /ready 503 naming the load and its time so far, /metrics)."""
         s = self.settings
         stack = self._stack
+        # First in, last out: the spans of the requests a drain waits for go out too.
+        self.core.tracer = await open_tracer(stack, s.tracing, self.registry, "unitproxy-sidecar")
         self._watch_engine_gauges()
         await self._open_ports()
         self.health.add_node(LEADER, "leader", self.grpc_target)

@@ -137,6 +137,11 @@ class Policy:
         after it was sent, when the unit held ``ahead`` other requests, and the next
         ones ``per_token_s`` apart (-1: not known)."""
 
+    def predicted_ttft(self, unit: Unit, want: Want, ahead: int) -> float:
+        """The TTFT in s the policy predicts for ``want`` on ``unit`` with ``ahead``
+        requests there before it (a trace's routing span shows it); -1: none."""
+        return -1.0
+
     def limit(self, unit: Unit) -> float:
         """The requests ``unit`` can hold within the latency objective (the fleet's
         saturation is its load over the sum): its capacity, unless the policy learnt

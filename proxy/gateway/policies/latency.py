@@ -155,6 +155,12 @@ class LeastPredictedTtft(Policy):
         if want.blocks:
             self.index.record(unit.id, want.blocks, self.shared.clock())
 
+    def predicted_ttft(self, unit: Unit, want: Want, ahead: int) -> float:
+        if not self.latencies.warm(unit.id):
+            return -1.0
+        slots = self.slots.get(unit.id, 0)
+        return self.latencies.predict(unit.id, float(ahead), self.uncached(unit, want), slots)
+
     def limit(self, unit: Unit) -> float:
         s = self.shared.settings
         slots = self.slots.get(unit.id, 0)
