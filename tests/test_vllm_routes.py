@@ -463,6 +463,14 @@ async def test_a_route_the_model_has_no_task_for_is_404_on_both(
                         answers.append((resp.status, resp.headers["Content-Type"],
                                         await resp.json()))  # fmt: skip
                 assert answers == [got[0]] * 3, (ctype, answers)
+        # a path vLLM's server has no route for: FastAPI's 404, from the unit and the gateway
+        for method, path, body in (("GET", "/v1/nothing", None),
+                                   ("POST", "/v1/chat/completion", CHAT),
+                                   ("POST", "/v2/nothing", {})):  # fmt: skip
+            theirs = await answer(http, method, vllm_generate + path, body)
+            assert theirs == (404, "application/json", {"detail": "Not Found"}), theirs
+            for ours in (gen.http_url, gateway):
+                assert await answer(http, method, ours + path, body) == theirs, (ours, path)
         # a stored response the unit does not have: vLLM's 404, naming the id
         path = "/v1/responses/resp_none"
         theirs = await answer(http, "GET", vllm_generate + path)
