@@ -54,14 +54,18 @@ class FrontendRequest:
     body: dict[str, Any]
     request_id: str
     headers: Mapping[str, str] = field(default_factory=dict)
+    # the audio routes: the body's bytes as they came (its type in ``headers``), for an
+    # engine that passes the form on (``forms_as_sent``; ``body`` is then empty)
+    raw: bytes = b""
 
 
 @dataclass(slots=True)
 class FrontendReply:
     status: int
-    body: bytes | None = None  # a whole JSON answer
+    body: bytes | None = None  # a whole answer, JSON unless ``content_type`` says other
     chunks: AsyncGenerator[bytes, None] | None = None  # an SSE stream, when streamed
     tokens: Tokens = field(default_factory=Tokens)
+    content_type: str = "application/json"  # of ``body``
 
 
 class OpenAIFrontend(abc.ABC):
@@ -73,6 +77,8 @@ class OpenAIFrontend(abc.ABC):
     #: parser to the engine's ``generate`` (the simulator); False where the model cannot
     #: generate (a vLLM pooling model: 404, as vLLM's server answers)
     generates: bool = True
+    #: whether the audio routes' forms go to the engine as they came (``raw``), unread
+    forms_as_sent: bool = False
 
     @abc.abstractmethod
     async def serve(self, request: FrontendRequest) -> FrontendReply:

@@ -247,7 +247,9 @@ class OpenAIUpstreamEngine(Engine):
         self._stats = UNKNOWN
         self._metrics_ok: bool | None = None  # for logging transitions only
         self._models: tuple[str, ...] = ()  # the upstream's /v1/models, as last read
-        self.frontend = UpstreamFrontend(self._post, self._get_json, lambda: self.model_name)
+        self.frontend = UpstreamFrontend(
+            self._post, self._get_json, lambda: self.model_name, self._post_raw
+        )
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -412,9 +414,19 @@ class OpenAIUpstreamEngine(Engine):
         yield stream.last()
 
     async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        return await self._send(path, json=body)
+
+    async def _post_raw(
+        self, path: str, data: bytes, content_type: str | None
+    ) -> aiohttp.ClientResponse:
+        """A body as the client sent it (an audio route's form), with its content type."""
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        return await self._send(path, data=data, headers=headers)
+
+    async def _send(self, path: str, **request: Any) -> aiohttp.ClientResponse:
         session = self._require_session()
         try:
-            resp = await session.post(self.base_url + path, json=body)
+            resp = await session.post(self.base_url + path, **request)
         except aiohttp.ClientConnectionError as exc:
             raise EngineDeadError(f"upstream {self.base_url} unreachable: {exc}") from exc
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import importlib
 import inspect
 import json
@@ -279,7 +280,7 @@ class VllmFrontend(OpenAIFrontend):
         self._validation_error = _find_optional("validation_error")
         self._schemas: dict[FrontendRoute, TypeAdapter[Any]] = {}
         self._handlers: dict[FrontendRoute, Any] = {}
-        self._form_lists: dict[FrontendRoute, frozenset[str]] = {}  # a form's list fields
+        self._forms: dict[FrontendRoute, Any] = {}  # a form route's request model
         for route, (attrs, method) in _HANDLERS.items():
             obj = next((getattr(state, a) for a in attrs if getattr(state, a, None)), None)
             if obj is None:
@@ -289,7 +290,7 @@ class VllmFrontend(OpenAIFrontend):
                     schema = _find(route)
                     self._schemas[route] = TypeAdapter(schema)
                     if route in FORM_ROUTES:
-                        self._form_lists[route] = _list_fields(schema)
+                        self._forms[route] = schema
                 except FrontendUnavailable as exc:  # an older vLLM without this route
                     logger.info("engine vllm: %s is not served: %s", route, exc)
                     continue
@@ -343,7 +344,7 @@ class VllmFrontend(OpenAIFrontend):
         else:
             fields = request.body
             if route in FORM_ROUTES:
-                fields = _form_body(fields, self._form_lists[route])
+                fields = _form_body(fields, self._forms[route])
             try:
                 body = self._schemas[route].validate_python(fields)
             except ValidationError as exc:
@@ -471,9 +472,42 @@ def _raw_request(request: FrontendRequest) -> Any:
     return Request(scope)
 
 
-def _form_body(fields: dict[str, Any], lists: frozenset[str]) -> dict[str, Any]:
-    """A form's fields as FastAPI hands them to vLLM's request model: files as starlette
-    UploadFiles in memory, a list field's one value as a list."""
+def _form_body(fields: dict[str, Any], schema: Any) -> dict[str, Any]:
+    """A form's fields as FastAPI hands them to vLLM's request model (its
+    ``_extract_form_body``): files as starlette UploadFiles in memory, a list field's
+    values as a list and another field's last value, a field left out as its default
+    (unless that is None, or it has none), then the names the model does not know as
+    they came. The same dict, so a refusal quotes the same input (``<dict of N items>``)."""
+    body: dict[str, Any] = {}
+    known = set()
+    for name, info in getattr(schema, "model_fields", {}).items():
+        alias = info.validation_alias if isinstance(info.validation_alias, str) else None
+        alias = alias or info.alias or name
+        known.add(alias)
+        value = fields.get(alias)
+        if typing.get_origin(info.annotation) is list:
+            value = [] if value is None else value if isinstance(value, list) else [value]
+        elif isinstance(value, list):
+            value = value[-1]
+        if value is None or value == []:
+            if info.is_required():
+                continue
+            value = copy.deepcopy(info.get_default(call_default_factory=True))
+            if value is None:
+                continue
+        body[alias] = _upload(value)
+    for name, value in fields.items():
+        if name not in known:
+            body[name] = _upload(value)
+    return body
+
+
+def _upload(value: Any) -> Any:
+    """A FormFile (or a list with some) as starlette's in-memory UploadFile."""
+    if isinstance(value, list):
+        return [_upload(v) for v in value]
+    if not isinstance(value, FormFile):
+        return value
     import io
 
     from starlette.datastructures import (  # type: ignore[import-not-found,unused-ignore]
@@ -481,25 +515,9 @@ def _form_body(fields: dict[str, Any], lists: frozenset[str]) -> dict[str, Any]:
         UploadFile,
     )
 
-    body: dict[str, Any] = {}
-    for name, value in fields.items():
-        if isinstance(value, FormFile):
-            headers = Headers({"content-type": value.content_type or "application/octet-stream"})
-            value = UploadFile(
-                io.BytesIO(value.data), size=len(value.data), filename=value.filename,
-                headers=headers,
-            )  # fmt: skip
-        if name in lists and not isinstance(value, list):
-            value = [value]
-        body[name] = value
-    return body
-
-
-def _list_fields(schema: Any) -> frozenset[str]:
-    """The names (aliases where set) of a request model's list fields."""
-    fields = getattr(schema, "model_fields", {})
-    return frozenset(
-        f.alias or name for name, f in fields.items() if typing.get_origin(f.annotation) is list
+    headers = Headers({"content-type": value.content_type or "application/octet-stream"})
+    return UploadFile(
+        io.BytesIO(value.data), size=len(value.data), filename=value.filename, headers=headers
     )
 
 

@@ -119,8 +119,30 @@ FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-dat
 FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
+# vLLM's server's answer for a path it has no route for (FastAPI's), application/json.
+NOT_FOUND = b'{"detail":"Not Found"}'
+# unitproxy's own paths, which vLLM's server has not: an unknown one under them is
+# answered with unitproxy's error body.
+OWN_PATHS = ("/admin", "/units", "/load")
+
+
+def not_found(request_id: str | None, unit_id: str | None = None) -> web.Response:
+    """vLLM's 404 for a path it has no route for, with unitproxy's headers."""
+    headers = {"Content-Type": "application/json"}
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    if unit_id:
+        headers[UNIT_HEADER] = unit_id
+    return web.Response(status=404, body=NOT_FOUND, headers=headers)
+
+
+def _own_path(path: str) -> bool:
+    return any(path == own or path.startswith(own + "/") for own in OWN_PATHS)
+
+
 def error_middleware(unit_id: str | None = None) -> Any:
-    """Answer our errors, and aiohttp's own refusals, with the OpenAI error body."""
+    """Answer our errors, and aiohttp's own refusals, with the OpenAI error body; an
+    unknown path as vLLM's server answers it (``NOT_FOUND``), but for unitproxy's own."""
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -131,6 +153,8 @@ def error_middleware(unit_id: str | None = None) -> Any:
         except UnitProxyError as exc:
             return error_response(exc, id_to_answer(request_id), unit_id)
         except web.HTTPException as refusal:
+            if isinstance(refusal, web.HTTPNotFound) and not _own_path(request.path):
+                return not_found(id_to_answer(request_id), unit_id)
             err = _from_http_exception(request, refusal)
             response = error_response(err, id_to_answer(request_id), unit_id)
             if isinstance(refusal, web.HTTPMethodNotAllowed):

@@ -6,13 +6,14 @@ for ``parse``, the parts' values. The parts are bounded in number (``MAX_PARTS``
 each part's head in size (``MAX_PART_HEAD``) and in header lines (``MAX_PART_HEADERS``).
 A body that does not parse is ``InvalidRequest`` (400) naming what is wrong.
 
-The gateway calls ``field`` for the one field it routes by (``model``): it walks the
-parts' heads and copies that field's value only, never the file's bytes. The sidecar
+The gateway calls ``model_of`` for the one field it routes by (``model``): it walks
+the parts' heads and copies that field's value only, never the file's bytes. The sidecar
 calls ``parse`` to hand every part to its engine.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,10 +38,15 @@ class Part:
     content_type: str | None = None
 
 
+def kind_of(content_type: str | None) -> str:
+    """A content type's media type, lower case, without its parameters."""
+    return (content_type or "").partition(";")[0].strip().lower()
+
+
 def boundary_of(content_type: str | None) -> bytes:
     """The boundary of a ``multipart/form-data`` content type; 400 for another type."""
-    kind, _, params = (content_type or "").partition(";")
-    if kind.strip().lower() != FORM_TYPE:
+    params = (content_type or "").partition(";")[2]
+    if kind_of(content_type) != FORM_TYPE:
         raise InvalidRequest(
             f"content-type must be {FORM_TYPE} (the audio routes take a form with a file)"
         )
@@ -57,6 +63,21 @@ def field(body: bytes, content_type: str | None, name: str) -> str | None:
         if got == name and filename is None:
             return _text(name, body[start:end])
     return None
+
+
+def model_of(body: bytes, content_type: str | None) -> str | None:
+    """The model an audio request names, to route it by: a form's model field. A body
+    of another type is no form to vLLM's server (no field: it refuses the missing file,
+    or has no such route for its model); routed by its JSON object's ``model``, it gets
+    the answer of a unit that serves that model. None when it names none."""
+    if kind_of(content_type) == FORM_TYPE:
+        return field(body, content_type, "model")
+    try:
+        fields = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = fields.get("model") if isinstance(fields, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def parse(body: bytes, content_type: str | None) -> list[Part]:

@@ -62,6 +62,7 @@ SCHEMA = {
 class Recorder:
     url: str = ""
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    forms: list[tuple[str, bytes]] = field(default_factory=list)  # (content type, bytes)
 
     @property
     def last(self) -> dict[str, Any]:
@@ -99,6 +100,9 @@ def _completion_answer(body: dict[str, Any]) -> dict[str, Any]:
         "usage": {"prompt_tokens": 4, "completion_tokens": 2 * len(prompts), "total_tokens": 9},
     }
 
+
+TRANSCRIPT = "the upstream heard this"
+WAV = b"RIFF" + bytes(range(256)) + b"\r\n--not-a-boundary\r\n"
 
 STREAM_EVENTS = [
     {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
@@ -138,6 +142,22 @@ async def recorder() -> AsyncIterator[Recorder]:
         rec.bodies.append(body)
         return web.json_response(_completion_answer(body))
 
+    async def audio(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        rec.forms.append((request.headers["Content-Type"], raw))
+        if b'name="stream"\r\n\r\ntrue' in raw:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for word in TRANSCRIPT.split(" "):
+                delta = {"type": "transcript.text.delta", "delta": word + " "}
+                await response.write(f"data: {json.dumps(delta)}\n\n".encode())
+            done = {"type": "transcript.text.done", "text": TRANSCRIPT}
+            await response.write(f"data: {json.dumps(done)}\n\n".encode())
+            return response
+        if b'name="response_format"\r\n\r\ntext' in raw:
+            return web.Response(text=TRANSCRIPT, content_type="text/plain")
+        return web.json_response({"text": TRANSCRIPT})
+
     async def models(request: web.Request) -> web.Response:
         card = {"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm",
                 "root": "/models/upstream", "parent": None, "max_model_len": 4096,
@@ -150,6 +170,8 @@ async def recorder() -> AsyncIterator[Recorder]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/audio/transcriptions", audio)
+    app.router.add_post("/v1/audio/translations", audio)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", ok)
     app.router.add_get("/metrics", ok)
@@ -246,6 +268,40 @@ async def test_batched_prompts_are_served(base_url: str, recorder: Recorder) -> 
         )
     assert recorder.last["prompt"] == ["one", "two", "three"]
     assert [c.text for c in answer.choices] == [" answer 0", " answer 1", " answer 2"]
+
+
+async def test_audio_forms_reach_the_upstream_as_sent(base_url: str, recorder: Recorder) -> None:
+    """The audio routes: the form goes up byte for byte with its content type, and the
+    upstream's answer comes back as it sent it (JSON, text/plain, a stream)."""
+    form = aiohttp.FormData()
+    form.add_field("model", MODEL)
+    form.add_field("language", "en")
+    form.add_field("file", WAV, filename="a.wav", content_type="audio/wav")
+    writer = form()
+    sent = await writer.as_bytes()
+    async with aiohttp.ClientSession() as http:
+        for route in ("transcriptions", "translations"):
+            headers = {"Content-Type": writer.content_type}
+            async with http.post(f"{base_url}/v1/audio/{route}", data=sent,
+                                 headers=headers) as resp:  # fmt: skip
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["Content-Type"] == "application/json; charset=utf-8"
+                assert await resp.json() == {"text": TRANSCRIPT}
+            assert recorder.forms[-1] == (writer.content_type, sent), route
+    async with _client(base_url) as client:
+        whole = await client.audio.transcriptions.create(model=MODEL, file=("a.wav", WAV))
+        assert whole.text == TRANSCRIPT
+        text = await client.audio.transcriptions.create(
+            model=MODEL, file=("a.wav", WAV), response_format="text"
+        )
+        assert text == TRANSCRIPT  # the upstream's text/plain, as it sent it
+        stream = await client.audio.transcriptions.create(
+            model=MODEL, file=("a.wav", WAV), stream=True
+        )
+        deltas = [e.delta async for e in stream if e.type == "transcript.text.delta"]
+        assert "".join(deltas).strip() == TRANSCRIPT
+    assert len(recorder.forms) == 5 and not recorder.bodies, "every form went up as a form"
+    assert all(WAV in raw for _, raw in recorder.forms)
 
 
 async def test_model_is_added_only_when_left_out(

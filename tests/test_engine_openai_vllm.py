@@ -147,6 +147,21 @@ async def test_openai_client_and_grpc_through_the_sidecar_to_vllm_serve(front: S
 
 
 @with_vllm
+async def test_an_audio_form_reaches_vllm_serve(front: Sidecar) -> None:
+    """The form goes up to vLLM's server as it came; this model has no transcription
+    task, so vLLM's 404 comes back (as the engine passes an upstream's error status)."""
+    async with openai.AsyncOpenAI(
+        base_url=f"{front.http_url}/v1", api_key="unused", max_retries=0
+    ) as oa:
+        with pytest.raises(openai.NotFoundError) as missing:
+            await oa.audio.transcriptions.create(
+                model=MODEL_NAME, file=("a.wav", b"RIFF" + bytes(40), "audio/wav")
+            )
+    assert "upstream answered 404" in str(missing.value), missing.value
+    assert front.core.outstanding == 0
+
+
+@with_vllm
 async def test_load_from_vllm_metrics_and_disconnect_aborts_upstream(front: Sidecar) -> None:
     engine = front.engine
     assert isinstance(engine, OpenAIUpstreamEngine)

@@ -497,6 +497,39 @@ async def test_form_content_type(cell: Cell, raw: RawFactory) -> None:
     await assert_settled(cell)
 
 
+async def test_an_unknown_path_is_answered_as_vllms_server_answers_it(
+    cell: Cell, raw: RawFactory
+) -> None:
+    """vLLM's server (FastAPI) answers a path it has no route for with 404
+    ``{"detail":"Not Found"}``: so does the gateway, with its own headers, whichever way
+    the request comes (a POST the lean path would take but for its path, a GET, a
+    chunked body); an unknown path under its own (/admin, /units) keeps its error body."""
+    conn = await raw(cell.url)
+    body = json.dumps({"prompt": "x"}).encode()
+    sent = [
+        request("/v1/nothing", request_id="lean-shaped"),
+        get("/v1/nothing"),
+        get("/v2/chat/completions"),
+        head_only("/tokenizer", "Transfer-Encoding: chunked", "Content-Type: application/json")
+        + b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body),
+    ]
+    for data in sent:
+        conn.send(data)
+        reply = await conn.reply()
+        assert (reply.status, reply.body) == (404, b'{"detail":"Not Found"}'), str(reply)
+        assert reply.headers["content-type"] == "application/json", str(reply)
+        assert reply.headers["x-unitproxy-unit"] == "none" and reply.headers["x-request-id"]
+    conn.send(request("/v1/nothing", request_id="lean-shaped"))
+    assert (await conn.reply()).headers["x-request-id"] == "lean-shaped"
+    for path in ("/admin/nothing", "/units/u1"):
+        conn.send(get(path))
+        error = check_error(await conn.reply(), 404)
+        assert path in error["message"], error
+    conn.send(request())
+    check_completion(await conn.reply(), 2)
+    await assert_settled(cell)
+
+
 async def test_request_ids_the_lean_path_does_not_take(cell: Cell, raw: RawFactory) -> None:
     conn = await raw(cell.url)
     conn.send(request(request_id="r" * 1000))

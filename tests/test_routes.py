@@ -644,7 +644,6 @@ async def test_an_audio_body_that_does_not_parse_is_the_gateways_400(
     gw = await start_gateway([await start_sidecar()])
     url = f"{gw.http_url}/v1/audio/transcriptions"
     cases = [
-        ("application/json", b'{"model": "unitproxy-sim"}', "content-type must be"),
         ("multipart/form-data", b"--x\r\n", "no valid boundary"),
         ("multipart/form-data; boundary=x", b"no boundary here", "no opening boundary"),
         ("multipart/form-data; boundary=x",
@@ -675,6 +674,38 @@ async def test_an_audio_body_that_does_not_parse_is_the_gateways_400(
                   content_type="audio/wav")  # fmt: skip
     async with http.post(url, data=big) as resp:
         assert resp.status == 413
+
+
+async def test_a_body_that_is_no_form_gets_the_units_answer_as_vllms_server_gives_it(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's server reads a JSON (or other) body on an audio route as a form with no
+    field: its 400 for the missing file (a transcription model), its 404 (no such route
+    for the model). The gateway routes it to a unit (by a JSON body's model) and passes
+    the unit's answer on; the simulator answers what it answers to any audio request."""
+    a = await start_sidecar(sidecar={"unit_id": "a"}, engine={"served_model_name": "chat-model"})
+    b = await start_sidecar(sidecar={"unit_id": "b"}, engine={"served_model_name": "speech"})
+    gw = await start_gateway([a, b], policy="round_robin")
+    bodies = [
+        ("application/json", json.dumps({"model": "speech", "file": "x"}).encode(), "b"),
+        ("text/plain", b"hello", None),
+        ("application/json", b"{not json", None),
+    ]
+    for route in ("transcriptions", "translations"):
+        for ctype, body, unit in bodies:
+            for base in (b.http_url, gw.http_url):
+                headers = {"Content-Type": ctype}
+                async with http.post(f"{base}/v1/audio/{route}", data=body,
+                                     headers=headers) as resp:  # fmt: skip
+                    assert resp.status == 400, (base, ctype, await resp.text())
+                    assert resp.headers["content-type"] == "application/json"
+                    served_by = resp.headers["x-unitproxy-unit"]
+                    error = (await resp.json())["error"]
+                assert served_by == unit or (unit is None and served_by in "ab"), served_by
+                assert "the simulator has no transcription model" in error["message"]
+                assert error["param"] == "model", error
+    # the unit answered every one the gateway took: none was the gateway's own refusal
+    assert counter(gw, "unitproxy_routed_requests_total", unit="b") >= 2
 
 
 async def test_audio_requests_retry_on_another_unit_before_the_first_byte(

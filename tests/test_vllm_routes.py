@@ -452,6 +452,25 @@ async def test_a_route_the_model_has_no_task_for_is_404_on_both(
                 async with http.post(f"{base}/v1/audio/transcriptions", data=form) as resp:
                     got.append((resp.status, resp.headers["Content-Type"], await resp.json()))
             assert got[0][0] == 404 and got[1:] == [got[0], got[0]], got
+            # a body that is no form: the same 404 (the gateway routes a JSON body by its
+            # model, any other to some unit: both have no such route)
+            for ctype, body in (("application/json", json.dumps({"model": model}).encode()),
+                                ("text/plain", b"hello")):  # fmt: skip
+                answers = []
+                for base in (url, unit, gateway):
+                    async with http.post(f"{base}/v1/audio/translations", data=body,
+                                         headers={"Content-Type": ctype}) as resp:  # fmt: skip
+                        answers.append((resp.status, resp.headers["Content-Type"],
+                                        await resp.json()))  # fmt: skip
+                assert answers == [got[0]] * 3, (ctype, answers)
+        # a path vLLM's server has no route for: FastAPI's 404, from the unit and the gateway
+        for method, path, body in (("GET", "/v1/nothing", None),
+                                   ("POST", "/v1/chat/completion", CHAT),
+                                   ("POST", "/v2/nothing", {})):  # fmt: skip
+            theirs = await answer(http, method, vllm_generate + path, body)
+            assert theirs == (404, "application/json", {"detail": "Not Found"}), theirs
+            for ours in (gen.http_url, gateway):
+                assert await answer(http, method, ours + path, body) == theirs, (ours, path)
         # a stored response the unit does not have: vLLM's 404, naming the id
         path = "/v1/responses/resp_none"
         theirs = await answer(http, "GET", vllm_generate + path)
@@ -486,7 +505,7 @@ async def test_a_form_reaches_vllms_transcription_request_as_fastapi_hands_it() 
     fields = form_fields(await writer.as_bytes(), writer.content_type)
     for route in ("transcriptions", "translations"):
         schema = vllm_frontend._find(route)
-        body = vllm_frontend._form_body(fields, vllm_frontend._list_fields(schema))
+        body = vllm_frontend._form_body(fields, schema)
         if route == "translations":  # no language or granularities there: ignored
             body = {k: v for k, v in body.items() if k not in ("timestamp_granularities[]",)}
         request = TypeAdapter(schema).validate_python(body)
@@ -496,3 +515,59 @@ async def test_a_form_reaches_vllms_transcription_request_as_fastapi_hands_it() 
             assert (request.language, request.timestamp_granularities) == ("en", ["word"])
         assert request.file.filename == "a.wav"
         assert await vllm_frontend._find("read_upload")(request.file) == audio
+
+
+@with_vllm
+async def test_a_body_that_is_no_form_is_refused_as_vllms_server_refuses_it(
+    sidecars: tuple[Sidecar, Sidecar],
+) -> None:
+    """vLLM's server with a transcription model reads a JSON (or other) body on an audio
+    route as a form with no field, and its request model refuses it: a 400 in vLLM's
+    shape naming ``body.file``. With no such model here, vLLM's own audio routers and
+    exception handlers answer, mounted on a FastAPI app as its server mounts them (the
+    refusal comes before the handler); the sidecar's path (its form reader, the form as
+    FastAPI hands it to the request model, vLLM's validation handler) must answer the
+    same bytes."""
+    from types import SimpleNamespace
+
+    import httpx
+    from fastapi import FastAPI
+    from pydantic import TypeAdapter, ValidationError
+
+    from engine import vllm_frontend
+    from proxy.sidecar.frontend_http import form_fields
+
+    app = FastAPI()
+    for route in ("transcription", "translation"):
+        module = importlib.import_module(f"vllm.entrypoints.speech_to_text.{route}.api_router")
+        app.include_router(module.router)
+    handlers = importlib.import_module("vllm.entrypoints.serve.exception_handling.register")
+    handlers.init_exception_handler(app)
+    app.state.args = SimpleNamespace(log_error_stack=False)
+    bodies = [
+        ("application/json", json.dumps({"model": MODEL_NAME, "file": "x"}).encode()),
+        ("text/plain", b"hello"),
+        (None, b""),
+    ]
+    for multipart in (False, True):  # forms without their file: names repeated, one unknown
+        form = aiohttp.FormData(default_to_multipart=multipart)
+        for name, value in (("temperature", "0.1"), ("temperature", "hot"), ("n", "2"),
+                            ("extra", "a b"), ("extra", "ü"), ("prompt", "")):  # fmt: skip
+            form.add_field(name, value)
+        writer = form()
+        bodies.append((writer.content_type, await writer.as_bytes()))
+    frontend = sidecars[0].core.engine.frontend
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://vllm") as client:
+        for route in ("transcriptions", "translations"):
+            schema = vllm_frontend._find(route)
+            for ctype, body in bodies:
+                headers = {} if ctype is None else {"Content-Type": ctype}
+                resp = await client.post(f"/v1/audio/{route}", content=body, headers=headers)
+                theirs = (resp.status_code, resp.headers["content-type"], resp.content)
+                fields = form_fields(body, ctype)
+                with pytest.raises(ValidationError) as refused:
+                    TypeAdapter(schema).validate_python(vllm_frontend._form_body(fields, schema))
+                reply = await frontend._invalid(refused.value)
+                assert (reply.status, "application/json", reply.body) == theirs, (route, ctype)
+                assert theirs[0] == 400 and json.loads(theirs[2])["error"]["param"] == "body.file"

@@ -452,9 +452,7 @@ class Gateway(Service):
         try:  # the API key was checked from the head, before the body was read
             form = ctx.route in FORM_LABELS
             # a form's model field, found without reading the file (proxy/multipart.py)
-            model = (
-                multipart.field(body, ctx.headers.get("content-type"), "model") if form else None
-            )
+            model = multipart.model_of(body, ctx.headers.get("content-type")) if form else None
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
                 key, priority = ctx.authorization, ctx.priority

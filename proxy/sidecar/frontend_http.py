@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any
+from urllib.parse import parse_qsl
 
 from aiohttp import web
 
@@ -59,20 +60,33 @@ def json_object(body: bytes) -> dict[str, Any]:
 
 def form_fields(body: bytes, content_type: str | None) -> dict[str, Any]:
     """A multipart form's fields (proxy/multipart.py's bounds): text as str, files as
-    FormFile, a name given more than once as the list of its values."""
+    FormFile, a name given more than once as the list of its values. As vLLM's server
+    (starlette) reads a form: an url-encoded one's text fields too, and a body of another
+    type (JSON, say) as no field at all: vLLM's request model then refuses the missing
+    file (its 400), and an engine without the route answers its 404."""
     fields: dict[str, Any] = {}
-    for part in multipart.parse(body, content_type):
-        value: Any
-        if part.filename is None:
-            value = part.data.decode()
+    kind = multipart.kind_of(content_type)
+    values: list[tuple[str, Any]] = []
+    if kind == "application/x-www-form-urlencoded":
+        try:
+            values += parse_qsl(
+                body.decode("latin-1"), keep_blank_values=True, max_num_fields=multipart.MAX_PARTS
+            )
+        except ValueError:
+            raise InvalidRequest(f"form body: more than {multipart.MAX_PARTS} fields") from None
+    elif kind == multipart.FORM_TYPE:
+        for part in multipart.parse(body, content_type):
+            if part.filename is None:
+                values.append((part.name, part.data.decode()))
+            else:
+                values.append((part.name, FormFile(part.filename, part.content_type, part.data)))
+    for name, value in values:
+        if name not in fields:
+            fields[name] = value
+        elif isinstance(fields[name], list):
+            fields[name].append(value)
         else:
-            value = FormFile(part.filename, part.content_type, part.data)
-        if part.name not in fields:
-            fields[part.name] = value
-        elif isinstance(fields[part.name], list):
-            fields[part.name].append(value)
-        else:
-            fields[part.name] = [fields[part.name], value]
+            fields[name] = [fields[name], value]
     return fields
 
 
@@ -94,7 +108,10 @@ async def serve(
 ) -> web.StreamResponse:
     """One OpenAI request through the engine's own layer; errors raise UnitProxyError."""
     body = await request.read()
-    if route in FORM_ROUTES:
+    raw = b""
+    if route in FORM_ROUTES and frontend.forms_as_sent:
+        fields, raw = {}, body
+    elif route in FORM_ROUTES:
         fields = form_fields(body, request.headers.get("Content-Type"))
     else:
         fields = json_object(body)
@@ -124,7 +141,7 @@ async def serve(
                 fields, resumed = await _resume(
                     frontend, route, fields, hint, request_id, core.resume_key
                 )
-            fr = FrontendRequest(route, fields, request_id, headers)
+            fr = FrontendRequest(route, fields, request_id, headers, raw)
             if isinstance(resumed, FrontendReply):
                 reply, resumed = resumed, None  # nothing left to generate
             elif streamed(route, fields):
@@ -140,9 +157,8 @@ async def serve(
     if reply.chunks is None:
         core.finish(lease, route)
         core.count_tokens(reply.tokens.completion_tokens)
-        return web.Response(
-            body=reply.body, status=reply.status, content_type="application/json", headers=headers
-        )
+        headers["Content-Type"] = reply.content_type
+        return web.Response(body=reply.body, status=reply.status, headers=headers)
     return await _stream(request, route, core, lease, reply, headers, deadline)
 
 

@@ -21,6 +21,7 @@ from proxy.auth import ApiKeys
 from proxy.errors import InvalidRequest, NotFound, UnitProxyError
 from proxy.httputil import (
     DEADLINE_HEADER,
+    NOT_FOUND,
     REQUEST_ID_HEADER,
     RESUME_HEADER,
     SSE_CONTENT_TYPE,
@@ -51,8 +52,6 @@ SERVING_METRICS = web.AppKey("serving_metrics", ServingMetrics)
 MAX_PROMPT_CHARS = web.AppKey("max_prompt_chars", int)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# vLLM's answer on a route its server did not register for the model (FastAPI's own).
-NOT_FOUND = b'{"detail":"Not Found"}'
 # The POST routes besides chat and completions, served where the engine's own layer has
 # them (engine/frontend.py), as vLLM's server serves them.
 ENGINE_ROUTES: dict[str, FrontendRoute] = {
@@ -168,7 +167,7 @@ async def _serve(
         return await frontend_http.serve(request, route, request_id, core, frontend, deadline)
     if route not in ("completions", "chat") or (frontend is not None and not frontend.generates):
         # a route the model has no task for (a pooling model's chat): vLLM's server has
-        # no such route, and answers as FastAPI does
+        # no such route, and answers as FastAPI does (NOT_FOUND)
         return web.Response(
             body=NOT_FOUND, status=404, content_type="application/json",
             headers={UNIT_HEADER: core.unit_id, REQUEST_ID_HEADER: request_id},
