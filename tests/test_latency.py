@@ -118,14 +118,37 @@ def fleet(**settings: Any) -> tuple[Router, Clock, GatewayMetrics]:
     return router, clock, metrics
 
 
+class Attempt:
+    """An attempt as the model reads it: its first token's time once set (-1 before)."""
+
+    def __init__(self, ttft_s: float = -1.0):
+        self.ttft_s = ttft_s
+
+    def first_token_s(self) -> float:
+        return self.ttft_s
+
+
+def answer(router: Router, unit_id: str, want: Want, ttft_s: float, tpot_s: float = -1.0) -> None:
+    """One attempt sent to the unit and answered after ``ttft_s``, as the core reports it."""
+    unit = router.units[unit_id]
+    attempt = Attempt()
+    sent = router.sent(unit, want, attempt)
+    assert sent is not None
+    attempt.ttft_s = ttft_s
+    router.answered(unit, want, sent, True, tpot_s)
+
+
 def serve(router: Router, clock: Clock, want: Want, hold: list[Any]) -> str:
     """One request as the core serves it: picked, its TTFT observed as the unit's speed
     gives it (from the requests it holds), kept there ``hold`` long."""
     unit = router.pick((), want)
     assert unit is not None
-    ahead = router.ahead(unit)
+    attempt = Attempt()
+    sent = router.sent(unit, want, attempt)
+    assert sent is not None and sent.ahead == router.ahead(unit)
     a, b, c = SPEEDS[unit.id]
-    router.answered(unit, want, ahead, true_ttft(a, b, c, ahead, want.chars))
+    attempt.ttft_s = true_ttft(a, b, c, sent.ahead, want.chars)
+    router.answered(unit, want, sent, True)
     hold.append(unit)
     return unit.id
 
@@ -137,8 +160,9 @@ def learn(router: Router) -> None:
     for u, (a, b, c) in SPEEDS.items():
         for _ in range(30):
             ahead, chars = rng.randrange(13), rng.randrange(200, 8000)
-            want = Want(chars=chars)
-            router.answered(router.units[u], want, ahead, true_ttft(a, b, c, ahead, chars))
+            policy = router.policy
+            assert isinstance(policy, LeastPredictedTtft)
+            policy.latencies.observe(u, ahead, chars, true_ttft(a, b, c, ahead, chars))
 
 
 def test_the_policy_learns_then_picks_the_fast_units_in_a_heterogeneous_fleet() -> None:
@@ -232,13 +256,15 @@ async def test_a_shed_batch_request_leaves_the_router_as_429_shed() -> None:
 def test_units_within_the_tpot_objective_come_first_and_batch_is_shed_without_one() -> None:
     router, _, _ = fleet(slo_tpot_s=0.03)
     learn(router)
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
     for u, (d, e) in {
         "fast1": (0.01, 0.004),
         "fast2": (0.01, 0.004),
         "slow": (0.02, 0.0005),
     }.items():
         for ahead in range(12):
-            router.answered(router.units[u], Want(chars=1000), ahead, 0.1, d + e * (ahead + 1))
+            policy.latencies.observe_tpot(u, ahead, d + e * (ahead + 1))
     # Idle: every unit streams within 0.03 s; the fast ones start sooner.
     assert router.pick((), Want(chars=1000)).id != "slow"  # type: ignore[union-attr]
     # With 6 ahead a fast unit's batch of 7 streams at 0.038 s, the slow one's at 0.024 s:
@@ -392,3 +418,53 @@ def test_the_model_learns_the_wait_for_a_slot_past_the_engines_slots() -> None:
         assert fit.predict("u", ahead, 0, slots=4) == pytest.approx(ttft(ahead), rel=0.02)
     # Within 0.5 s: 3 ahead (0.08 s) fits, 5 ahead (0.1 + 0.4 s) just does, 6 not.
     assert fit.holds("u", 0.5, 0.0, 64, slots=4) == pytest.approx(6, rel=0.02)
+
+
+def test_prompts_sent_and_not_started_are_prefill_queued_before_the_next() -> None:
+    """Each unit's ledger of attempts with no first token yet: their uncached prompts
+    are prefill the engine does before a request sent now, so a unit given a long
+    prompt a moment ago is predicted slower before anything is answered; a first token
+    seen at a choice goes to the fit at once, and the attempt's end does not count it
+    twice."""
+    router, _, _ = fleet()
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
+    learn(router)
+    fast1, fast2 = router.units["fast1"], router.units["fast2"]
+    long, short = Want(chars=40000), Want(chars=1000)
+    unstarted = Attempt()
+    sent = router.sent(fast1, long, unstarted)
+    assert sent is not None and sent.prefill_chars == 40000 and sent.own_chars == 40000
+    assert sent.predicted_s == pytest.approx(true_ttft(0.03, 0.02, 0.02, 0, 40000), rel=0.02)
+    started = Attempt(0.05)  # fast2 holds one request too, whose first token came
+    other = router.sent(fast2, short, started)
+    assert other is not None
+    # fast1: 0.03 + 0.02 x 1 ahead + 0.02 x 41 kchars = 0.87 s; fast2: 0.07 s.
+    assert policy.predict(fast1, short, 1) == pytest.approx(0.87, rel=0.02)
+    assert policy.predict(fast2, short, 1) == pytest.approx(0.07, rel=0.02)
+    assert router.pick((), short) is fast2
+    again = router.sent(fast1, short, Attempt())
+    assert again is not None and again.prefill_chars == 41000  # behind the long prompt
+    n = policy.latencies.units["fast1"].n
+    unstarted.ttft_s = 0.85  # its first token came: out of the ledger, into the fit
+    assert policy.queued_chars("fast1") == 1000 and policy.latencies.units["fast1"].n == n + 1
+    router.answered(fast1, long, sent, True)
+    assert policy.latencies.units["fast1"].n == n + 1  # once
+    router.answered(fast1, short, again, False)  # failed: out of the ledger, nothing learnt
+    assert policy.queued_chars("fast1") == 0 and policy.latencies.units["fast1"].n == n + 1
+
+
+def test_the_fit_weighs_errors_relative_to_the_ttft() -> None:
+    """Short answers of an idle unit and long ones of a busy unit, each off by up to
+    +-30 % (a queue's luck): the fit is as close, relatively, on the short ones as on
+    the long ones, not thrown off by the long ones' seconds of noise."""
+    clock, rng = Clock(), random.Random(9)
+    fit = Latencies(clock, half_life_s=600)
+    for _ in range(400):
+        clock.now += 0.05
+        ahead, chars = rng.choice((0, 0, 0, 40)), rng.randrange(100, 2000)
+        noise = 1 + rng.uniform(-0.3, 0.3)
+        fit.observe("u", ahead, chars, true_ttft(0.02, 0.1, 0.01, ahead, chars) * noise)
+    for ahead, chars in [(0, 200), (0, 1800), (40, 1000)]:
+        expected = true_ttft(0.02, 0.1, 0.01, ahead, chars)
+        assert fit.predict("u", ahead, chars) == pytest.approx(expected, rel=0.1)

@@ -3,12 +3,15 @@
 A unit's time to first token (TTFT) is modelled as linear in what the request finds
 there when it is sent:
 
-    ttft = a + b * ahead + c * prompt_kchars + q * queued
+    ttft = a + b * ahead + c * prefill_kchars + q * queued
 
 ``ahead``: the requests the unit already holds (its estimated outstanding, before this
-one: their prefill and decode share the engine's steps with it); ``prompt_kchars``: the
-part of the prompt the unit must prefill, in thousands of characters (the part its KV
-cache is not known to hold); ``queued``: how many of those ahead, and this one, wait
+one: their prefill and decode share the engine's steps with it); ``prefill_kchars``:
+the prefill work before this request's first token, in thousands of characters: the
+part of its own prompt the unit must prefill (the part its KV cache is not known to
+hold) and the same of every request sent there earlier that has no first token yet
+(``Sent``: an engine prefills first come, first served, so their prompts go first);
+``queued``: how many of those ahead, and this one, wait
 for a batch slot (past the most requests its reports ever showed running: the
 engine's slots). ``a`` is the unit's fixed cost (network, scheduling, a short
 prefill), ``b`` what each request ahead adds to a step, ``c`` its prefill speed, ``q``
@@ -23,18 +26,25 @@ observation costs a few dozen multiplications, there is nothing to store but a 3
 matrix, and old observations fade with time (``half_life_s`` on the injected clock),
 so a unit that slows down (or is replaced) is learnt again in a few half-lives. A unit
 is ``warm`` once it has ``WARM`` observations; before that it has no prediction. (Plain classes, compiled by mypyc: one call per answered attempt.)
+
+The fit minimises the squared *relative* error: each observation is weighted by the
+inverse square of the larger of its TTFT and ``FLOOR_S``, so that the many short
+answers of a quiet fleet are predicted as well as the few long ones of a burst (an
+unweighted fit spends its coefficients on the long ones, and is off by half on the
+short ones).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 WARM = 5  # observations before a unit's own fit is trusted
 PRIOR = 1000.0  # the initial covariance: the coefficients are unknown
-MAX_TRACE = 1e6  # the covariance is scaled back past this (no wind-up while idle)
 MIN_FORGET = 0.8  # however long since the last observation, keep this much of the past
 MAX_FORGET = 0.999  # however soon, forget this much: a flood still adapts
 KCHARS = 0.001  # prompt characters to thousands
+FLOOR_S = 0.02  # a TTFT below this weighs as this much (relative error of tiny TTFTs)
 
 
 DIMS = 4  # (1, x1, x2, x3)
@@ -56,7 +66,11 @@ class Regression:
         t = self.theta
         return t[0] + t[1] * x1 + t[2] * x2 + t[3] * x3
 
-    def update(self, x1: float, x2: float, y: float, now: float, x3: float = 0.0) -> None:
+    def update(
+        self, x1: float, x2: float, y: float, now: float, x3: float = 0.0, weight: float = 1.0
+    ) -> None:
+        """One observation ``y`` of (x1, x2, x3) at ``now``, of ``weight`` (weighted least
+        squares: 1 / y^2 minimises the relative error)."""
         forget = MAX_FORGET
         if self._last >= 0.0 and self.half_life_s > 0.0:
             forget = min(
@@ -66,7 +80,7 @@ class Regression:
         p, t = self.p, self.theta
         x = [1.0, x1, x2, x3]
         px = [0.0] * DIMS  # P x
-        denom = forget
+        denom = forget / weight
         for i in range(DIMS):
             row = i * DIMS
             v = p[row] * x[0] + p[row + 1] * x[1] + p[row + 2] * x[2] + p[row + 3] * x[3]
@@ -77,15 +91,19 @@ class Regression:
         for i in range(DIMS):
             t[i] += k[i] * err
         # P = (P - k (P x)^T) / forget; P is symmetric, so (P x)^T = x^T P.
-        trace = 0.0
         for i in range(DIMS):
             for j in range(DIMS):
                 p[i * DIMS + j] = (p[i * DIMS + j] - k[i] * px[j]) / forget
-            trace += p[i * (DIMS + 1)]
-        if trace > MAX_TRACE:
-            scale = MAX_TRACE / trace
-            for i in range(DIMS * DIMS):
-                p[i] *= scale
+        # No wind-up: a direction no observation excites (an idle unit's queue, say)
+        # grows by 1 / forget at each; its variance is brought back to PRIOR (row and
+        # column scaled: P stays positive definite), the others' left as they are.
+        for i in range(DIMS):
+            var = p[i * (DIMS + 1)]
+            if var > PRIOR:
+                scale = (PRIOR / var) ** 0.5
+                for j in range(DIMS):
+                    p[i * DIMS + j] *= scale
+                    p[j * DIMS + i] *= scale
         self.n += 1
 
     @property
@@ -93,9 +111,49 @@ class Regression:
         return self.n >= WARM
 
 
+class Timed(Protocol):
+    """An attempt, as far as the model asks: its first token's time once it came."""
+
+    def first_token_s(self) -> float:
+        """Seconds from the attempt's start to its first token; -1 until it came."""
+
+
+class Sent:
+    """One attempt sent to a unit, as the model saw it then: what it found there
+    (``ahead``, ``prefill_chars`` before its first token, ``own_chars`` of its own,
+    the engine's ``slots``), the TTFT predicted for it (-1: the unit was not warm), and
+    the attempt (its first token's time). It stays in its unit's ledger of unstarted
+    work until its first token is seen."""
+
+    __slots__ = ("ahead", "attempt", "observed", "own_chars", "predicted_s", "prefill_chars",
+                 "slots", "unit_id")  # fmt: skip
+
+    def __init__(
+        self,
+        unit_id: str,
+        attempt: Timed,
+        ahead: float,
+        prefill_chars: float,
+        own_chars: float,
+        slots: int,
+        predicted_s: float,
+    ):
+        self.unit_id = unit_id
+        self.attempt = attempt
+        self.ahead = ahead
+        self.prefill_chars = prefill_chars
+        self.own_chars = own_chars
+        self.slots = slots
+        self.predicted_s = predicted_s
+        self.observed = False  # its TTFT went to the fit
+
+
 def queued(ahead: float, slots: int) -> float:
     """How many of the ``ahead`` requests and this one wait for a batch slot of an
-    engine with ``slots`` (0 when unknown: every one)."""
+    engine with ``slots`` (0 when not known: the term is left out rather than made
+    ``ahead`` + 1 again, which the fit could not tell from the others)."""
+    if slots <= 0:
+        return 0.0
     return max(0.0, ahead + 1.0 - slots)
 
 
@@ -133,19 +191,28 @@ class Latencies:
         return max(0.0, fit.predict(ahead, chars * KCHARS, queued(ahead, slots)))
 
     def observe(
-        self, unit_id: str, ahead: float, chars: float, ttft_s: float, slots: int = 0
+        self,
+        unit_id: str,
+        ahead: float,
+        chars: float,
+        ttft_s: float,
+        slots: int = 0,
+        own_chars: float = -1.0,
     ) -> None:
         """An attempt on the unit got its first token ``ttft_s`` after it was sent, with
-        ``ahead`` requests there and ``chars`` prompt characters to prefill, on an engine
-        of ``slots`` batch slots (0: not known)."""
+        ``ahead`` requests there and ``chars`` prompt characters to prefill before its
+        first token (``own_chars`` of them its own; -1: all), on an engine of ``slots``
+        batch slots (0: not known)."""
         fit = self.of(unit_id)
         kchars = chars * KCHARS
         wait = queued(ahead, slots)
         if fit.warm and ttft_s > 0.0 and self.on_error is not None:
             predicted = max(0.0, fit.predict(ahead, kchars, wait))
             self.on_error(abs(predicted - ttft_s) / ttft_s)
-        fit.update(ahead, kchars, ttft_s, self._clock(), wait)
-        self.mean_kchars += 0.05 * (kchars - self.mean_kchars)
+        scale = max(ttft_s, FLOOR_S)
+        fit.update(ahead, kchars, ttft_s, self._clock(), wait, 1.0 / (scale * scale))
+        own = kchars if own_chars < 0.0 else own_chars * KCHARS
+        self.mean_kchars += 0.05 * (own - self.mean_kchars)
 
     def observe_tpot(self, unit_id: str, ahead: float, per_token_s: float) -> None:
         """The attempt's stream came ``per_token_s`` per token after its first, in a

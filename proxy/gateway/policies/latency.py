@@ -1,16 +1,25 @@
 """Policy ``latency``: the candidate with the least predicted time to first token.
 
 Each unit's TTFT is learnt online (``proxy.gateway.latency``) from the attempts the
-gateway sent there: the router hands each answered attempt's TTFT to ``answered``, with
-the requests the unit held when it was sent and the prompt's length. A choice predicts
-every candidate's TTFT for this request and takes the least (ties: the lower load).
+gateway sent there. The core hands each attempt to ``sent`` as it starts (the policy
+notes what it found on the unit: the requests there, and the prefill work before its
+first token) and to ``answered`` when it ends. Each unit keeps a ledger of the attempts
+sent there that have no first token yet: their prompts (the part the unit is not known
+to hold) are prefill the engine does before a request sent now, so a burst sent to one
+unit raises its prediction at once, before any of it is answered. An attempt's TTFT
+goes to the fit as soon as a choice sees its first token (or when it ends), not once
+its stream is over. A choice predicts every candidate's TTFT for this request and takes
+the least (ties: the lower load); ``Sent.predicted_s`` keeps the prediction for the
+unit the attempt went to.
 
 Prefix affinity: the policy keeps the prompt blocks each unit has answered
 (``PrefixIndex``, recorded once a unit answered, when its engine holds them) and
 predicts with the prompt's uncached part only: a unit that holds the first half of a
 long prompt is predicted to prefill the other half. So a cached prefix counts for what
 it saves (c x the characters it spares), against what the unit's queue costs (b x its
-requests ahead), in seconds on both sides: there is no separate bound on load.
+requests ahead, c x the prefill queued there, q x each waiting for a slot), in seconds
+on both sides: affinity is not a separate rule, it is the prefill the prediction
+leaves out.
 
 Bounded load (``gateway.prefix_balance``, ``gateway.prefix_slack``, as policy
 ``prefix``): a unit whose load would pass (1 + balance) x the fleet's mean plus slack
@@ -36,7 +45,7 @@ import math
 from typing import TYPE_CHECKING
 
 from proxy.errors import Overloaded
-from proxy.gateway.latency import Latencies
+from proxy.gateway.latency import Latencies, Sent, Timed
 from proxy.gateway.policies.base import Candidates, Policy, Shared
 from proxy.gateway.policies.lor import least_outstanding
 from proxy.gateway.prefix import PrefixIndex
@@ -71,6 +80,8 @@ class LeastPredictedTtft(Policy):
         self.chunk = s.prefix_chunk_chars
         # The most requests each unit's reports showed running: its engine's slots.
         self.slots: dict[str, int] = {}
+        # Per unit, the attempts sent there with no first token seen yet.
+        self.unstarted: dict[str, list[Sent]] = {}
 
     def prompt_blocks(self, text: str) -> list[int]:
         return self.index.hashes(text)
@@ -81,6 +92,40 @@ class LeastPredictedTtft(Policy):
             return float(want.chars)
         held = self.index.depth(unit.id, want.blocks) * self.chunk
         return float(max(0, want.chars - held))
+
+    def queued_chars(self, unit_id: str) -> float:
+        """The prompt characters the unit has still to prefill for the attempts this
+        gateway sent there (``unstarted``); those whose first token came meanwhile go to
+        the fit and leave the ledger."""
+        ledger = self.unstarted.get(unit_id)
+        if not ledger:
+            return 0.0
+        total = 0.0
+        keep: list[Sent] = []
+        for sent in ledger:
+            ttft = sent.attempt.first_token_s()
+            if ttft >= 0.0:
+                self._observe(sent, ttft)
+            else:
+                keep.append(sent)
+                total += sent.own_chars
+        if len(keep) != len(ledger):
+            self.unstarted[unit_id] = keep
+        return total
+
+    def _observe(self, sent: Sent, ttft_s: float) -> None:
+        if sent.observed or ttft_s <= 0.0:
+            return
+        sent.observed = True
+        self.latencies.observe(
+            sent.unit_id, sent.ahead, sent.prefill_chars, ttft_s, sent.slots, sent.own_chars
+        )
+
+    def predict(self, unit: Unit, want: Want, ahead: float) -> float:
+        """The unit's predicted TTFT for this request with ``ahead`` requests there (-1:
+        not warm)."""
+        chars = self.queued_chars(unit.id) + self.uncached(unit, want)
+        return self.latencies.predict(unit.id, ahead, chars, self.slots.get(unit.id, 0))
 
     def choose(self, want: Want, candidates: Candidates) -> Unit | None:
         shared = self.shared
@@ -112,9 +157,7 @@ class LeastPredictedTtft(Policy):
             if held + 1 > ceiling * unit.capacity + slack:
                 continue
             ahead = float(held)
-            seconds = latencies.predict(
-                unit.id, ahead, self.uncached(unit, want), self.slots.get(unit.id, 0)
-            )
+            seconds = self.predict(unit, want, ahead)
             # Within the TPOT objective with this request in its batch (or not learnt).
             streams = slo_tpot <= 0 or latencies.predict_tpot(unit.id, ahead) <= slo_tpot
             load = shared.view.load(unit)
@@ -145,13 +188,27 @@ class LeastPredictedTtft(Policy):
                 )
         return best
 
-    def answered(
-        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float
-    ) -> None:
+    def sent(self, unit: Unit, want: Want, attempt: Timed) -> Sent | None:
+        ahead = float(max(0, self.shared.view.estimate(unit) - 1))  # counted there already
+        own = self.uncached(unit, want)
+        chars = self.queued_chars(unit.id) + own
         slots = self.slots.get(unit.id, 0)
-        self.latencies.observe(unit.id, float(ahead), self.uncached(unit, want), ttft_s, slots)
+        predicted = self.latencies.predict(unit.id, ahead, chars, slots)
+        sent = Sent(unit.id, attempt, ahead, chars, own, slots, predicted)
+        self.unstarted.setdefault(unit.id, []).append(sent)
+        return sent
+
+    def answered(self, unit: Unit, want: Want, sent: Sent, ok: bool, per_token_s: float) -> None:
+        ledger = self.unstarted.get(unit.id)
+        if ledger is not None and sent in ledger:
+            ledger.remove(sent)
+            if not ledger:
+                del self.unstarted[unit.id]
+        if not ok:
+            return
+        self._observe(sent, sent.attempt.first_token_s())
         if per_token_s > 0.0:
-            self.latencies.observe_tpot(unit.id, float(ahead), per_token_s)
+            self.latencies.observe_tpot(unit.id, sent.ahead, per_token_s)
         if want.blocks:
             self.index.record(unit.id, want.blocks, self.shared.clock())
 
