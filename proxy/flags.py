@@ -187,6 +187,8 @@ PLAN = (
     Flag("--slo-ttft-p99", "plan.slo_ttft_p99_s", "SECONDS"),
     Flag("--slo-tpot-p99", "plan.slo_tpot_p99_s", "SECONDS"),
     Flag("--max-units", "plan.max_units", "N"),
+    Flag("--measure", "plan.measure_url", "URL"),
+    Flag("--measure-api-key", "plan.measure_api_key", "KEY"),
     Flag("--seed", "plan.seed", "N"),
     Flag("--json", "plan.json_output", switch=True),
     Flag("--plot", "plan.plot_file", "PNG"),

@@ -788,6 +788,14 @@ class PlanSettings(_Section):
     max_units: int = Field(
         1024, ge=1, description="Largest fleet tried before giving up. Default 1024."
     )
+    measure_url: str | None = Field(
+        None,
+        description="The unit's shape measured from a running unit instead of the engine.sim knobs: the HTTP URL of its sidecar (http://host:8080), idle, to which a short calibration load is sent (about 10-30 s) and whose slots, prefill cost per token and decode step times are fitted (max_num_batched_tokens and the prefix cache stay as set; capacity is the unit's own unless given). Default none.",
+    )
+    measure_api_key: str | None = Field(
+        None,
+        description="API key sent to the measured unit (Authorization: Bearer), where its sidecar asks for one. Default none.",
+    )
     seed: int = Field(0, description="Seed of the arrivals, lengths and ties. Default 0.")
     json_output: bool = Field(
         False,
