@@ -468,3 +468,15 @@ def test_the_fit_weighs_errors_relative_to_the_ttft() -> None:
     for ahead, chars in [(0, 200), (0, 1800), (40, 1000)]:
         expected = true_ttft(0.02, 0.1, 0.01, ahead, chars)
         assert fit.predict("u", ahead, chars) == pytest.approx(expected, rel=0.1)
+
+
+def test_the_engines_slots_are_the_units_own_figure_where_it_reports_one() -> None:
+    router, _, _ = fleet()
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
+    router.apply_report("fast1", LoadReport("fast1", UnitState.SERVING, 3, 8, running=3, seq=2))
+    assert policy.slots["fast1"] == 3  # the most seen running, without a figure
+    named = {"engine_slots": 16.0}
+    report = LoadReport("fast1", UnitState.SERVING, 2, 64, running=2, seq=3, named_metrics=named)
+    router.apply_report("fast1", report)
+    assert policy.slots["fast1"] == 16

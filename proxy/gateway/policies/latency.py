@@ -57,6 +57,7 @@ from proxy.settings import GatewaySettings
 if TYPE_CHECKING:
     from proxy.metrics import GatewayMetrics
 
+ENGINE_SLOTS = "engine_slots"  # the named metric of a unit's slots (engine.base's)
 SHED = "batch"  # the class refused first (and only) when no unit meets its objective
 
 
@@ -78,7 +79,8 @@ class LeastPredictedTtft(Policy):
         self.latencies = Latencies(shared.clock, s.latency_half_life_s)
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.chunk = s.prefix_chunk_chars
-        # The most requests each unit's reports showed running: its engine's slots.
+        # Each unit's engine slots: as its reports name them (engine_slots), else the
+        # most requests they showed running.
         self.slots: dict[str, int] = {}
         # Per unit, the attempts sent there with no first token seen yet.
         self.unstarted: dict[str, list[Sent]] = {}
@@ -218,7 +220,10 @@ class LeastPredictedTtft(Policy):
         return self.latencies.holds(unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity, slots)
 
     def reported(self, unit: Unit, report: LoadReport) -> None:
-        if report.running > self.slots.get(unit.id, 0):
+        slots = report.named_metrics.get(ENGINE_SLOTS, 0.0)  # as the unit says
+        if slots >= 1.0:
+            self.slots[unit.id] = int(slots)
+        elif report.running > self.slots.get(unit.id, 0):  # else the most seen running
             self.slots[unit.id] = report.running
 
     def count_to(self, metrics: GatewayMetrics) -> None:
