@@ -454,22 +454,6 @@ def test_prompts_sent_and_not_started_are_prefill_queued_before_the_next() -> No
     assert policy.queued_chars("fast1") == 0 and policy.latencies.units["fast1"].n == n + 1
 
 
-def test_the_fit_weighs_errors_relative_to_the_ttft() -> None:
-    """Short answers of an idle unit and long ones of a busy unit, each off by up to
-    +-30 % (a queue's luck): the fit is as close, relatively, on the short ones as on
-    the long ones, not thrown off by the long ones' seconds of noise."""
-    clock, rng = Clock(), random.Random(9)
-    fit = Latencies(clock, half_life_s=600)
-    for _ in range(400):
-        clock.now += 0.05
-        ahead, chars = rng.choice((0, 0, 0, 40)), rng.randrange(100, 2000)
-        noise = 1 + rng.uniform(-0.3, 0.3)
-        fit.observe("u", ahead, chars, true_ttft(0.02, 0.1, 0.01, ahead, chars) * noise)
-    for ahead, chars in [(0, 200), (0, 1800), (40, 1000)]:
-        expected = true_ttft(0.02, 0.1, 0.01, ahead, chars)
-        assert fit.predict("u", ahead, chars) == pytest.approx(expected, rel=0.1)
-
-
 def test_the_engines_slots_are_the_units_own_figure_where_it_reports_one() -> None:
     router, _, _ = fleet()
     policy = router.policy

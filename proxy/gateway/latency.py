@@ -26,12 +26,6 @@ observation costs a few dozen multiplications, there is nothing to store but a 3
 matrix, and old observations fade with time (``half_life_s`` on the injected clock),
 so a unit that slows down (or is replaced) is learnt again in a few half-lives. A unit
 is ``warm`` once it has ``WARM`` observations; before that it has no prediction. (Plain classes, compiled by mypyc: one call per answered attempt.)
-
-The fit minimises the squared *relative* error: each observation is weighted by the
-inverse square of the larger of its TTFT and ``FLOOR_S``, so that the many short
-answers of a quiet fleet are predicted as well as the few long ones of a burst (an
-unweighted fit spends its coefficients on the long ones, and is off by half on the
-short ones).
 """
 
 from __future__ import annotations
@@ -44,7 +38,6 @@ PRIOR = 1000.0  # the initial covariance: the coefficients are unknown
 MIN_FORGET = 0.8  # however long since the last observation, keep this much of the past
 MAX_FORGET = 0.999  # however soon, forget this much: a flood still adapts
 KCHARS = 0.001  # prompt characters to thousands
-FLOOR_S = 0.02  # a TTFT below this weighs as this much (relative error of tiny TTFTs)
 
 
 DIMS = 4  # (1, x1, x2, x3)
@@ -66,11 +59,7 @@ class Regression:
         t = self.theta
         return t[0] + t[1] * x1 + t[2] * x2 + t[3] * x3
 
-    def update(
-        self, x1: float, x2: float, y: float, now: float, x3: float = 0.0, weight: float = 1.0
-    ) -> None:
-        """One observation ``y`` of (x1, x2, x3) at ``now``, of ``weight`` (weighted least
-        squares: 1 / y^2 minimises the relative error)."""
+    def update(self, x1: float, x2: float, y: float, now: float, x3: float = 0.0) -> None:
         forget = MAX_FORGET
         if self._last >= 0.0 and self.half_life_s > 0.0:
             forget = min(
@@ -80,7 +69,7 @@ class Regression:
         p, t = self.p, self.theta
         x = [1.0, x1, x2, x3]
         px = [0.0] * DIMS  # P x
-        denom = forget / weight
+        denom = forget
         for i in range(DIMS):
             row = i * DIMS
             v = p[row] * x[0] + p[row + 1] * x[1] + p[row + 2] * x[2] + p[row + 3] * x[3]
@@ -209,8 +198,7 @@ class Latencies:
         if fit.warm and ttft_s > 0.0 and self.on_error is not None:
             predicted = max(0.0, fit.predict(ahead, kchars, wait))
             self.on_error(abs(predicted - ttft_s) / ttft_s)
-        scale = max(ttft_s, FLOOR_S)
-        fit.update(ahead, kchars, ttft_s, self._clock(), wait, 1.0 / (scale * scale))
+        fit.update(ahead, kchars, ttft_s, self._clock(), wait)
         own = kchars if own_chars < 0.0 else own_chars * KCHARS
         self.mean_kchars += 0.05 * (own - self.mean_kchars)
 
