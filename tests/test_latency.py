@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.errors import Overloaded
 from proxy.gateway.core import MIN_TOKENS, per_token
-from proxy.gateway.latency import WARM, Latencies, Regression
-from proxy.gateway.policies.latency import LeastPredictedTtft
-from proxy.gateway.request import Want
+from proxy.gateway.latency import WARM, Latencies, Regression, queued, slot_wait
+from proxy.gateway.policies.latency import DEFAULT_TOKENS, LeastPredictedTtft
+from proxy.gateway.request import Want, json_want
 from proxy.gateway.router import Outcome, Router
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import GatewayMetrics
@@ -413,9 +413,9 @@ def test_the_model_learns_the_wait_for_a_slot_past_the_engines_slots() -> None:
     for _ in range(300):
         clock.now += 0.05
         ahead = rng.randrange(12)
-        fit.observe("u", ahead, 0, ttft(ahead), slots=4)
+        fit.observe("u", ahead, 0, ttft(ahead), queued(ahead, 4))
     for ahead in (0, 2, 3, 6, 11):
-        assert fit.predict("u", ahead, 0, slots=4) == pytest.approx(ttft(ahead), rel=0.02)
+        assert fit.predict("u", ahead, 0, queued(ahead, 4)) == pytest.approx(ttft(ahead), rel=0.02)
     # Within 0.5 s: 3 ahead (0.08 s) fits, 5 ahead (0.1 + 0.4 s) just does, 6 not.
     assert fit.holds("u", 0.5, 0.0, 64, slots=4) == pytest.approx(6, rel=0.02)
 
@@ -447,11 +447,11 @@ def test_prompts_sent_and_not_started_are_prefill_queued_before_the_next() -> No
     assert again is not None and again.prefill_chars == 41000  # behind the long prompt
     n = policy.latencies.units["fast1"].n
     unstarted.ttft_s = 0.85  # its first token came: out of the ledger, into the fit
-    assert policy.queued_chars("fast1") == 1000 and policy.latencies.units["fast1"].n == n + 1
+    assert policy.scan("fast1")[0] == 1000 and policy.latencies.units["fast1"].n == n + 1
     router.answered(fast1, long, sent, True)
     assert policy.latencies.units["fast1"].n == n + 1  # once
     router.answered(fast1, short, again, False)  # failed: out of the ledger, nothing learnt
-    assert policy.queued_chars("fast1") == 0 and policy.latencies.units["fast1"].n == n + 1
+    assert policy.scan("fast1")[0] == 0 and policy.latencies.units["fast1"].n == n + 1
 
 
 def test_the_engines_slots_are_the_units_own_figure_where_it_reports_one() -> None:
@@ -464,3 +464,51 @@ def test_the_engines_slots_are_the_units_own_figure_where_it_reports_one() -> No
     report = LoadReport("fast1", UnitState.SERVING, 2, 64, running=2, seq=3, named_metrics=named)
     router.apply_report("fast1", report)
     assert policy.slots["fast1"] == 16
+
+
+def test_the_wait_for_a_slot_is_when_the_running_requests_end() -> None:
+    # 4 slots, 3 running with 0.5, 0.1 and 0.3 s of output left: one free slot.
+    assert slot_wait([0.5, 0.1, 0.3], 0, 4, 0.2) == 0.0
+    assert slot_wait([0.5, 0.1, 0.3], 1, 4, 0.2) == pytest.approx(0.1)  # it took the free one
+    assert slot_wait([0.5, 0.1, 0.3], 3, 4, 0.2) == pytest.approx(0.5)
+    assert slot_wait([0.5, 0.1, 0.3], 5, 4, 0.2) == pytest.approx(0.5 + 2 * 0.2)  # turnover
+    assert slot_wait([0.5], 9, 0, 0.2) == 0.0  # slots not known: no wait reckoned
+
+
+def test_the_policy_reckons_the_wait_from_the_output_each_running_request_has_left() -> None:
+    """A unit of 2 slots (its engine_slots) runs two requests that asked for 100 and 10
+    tokens, at 0.01 s a token: a request sent now waits for the shorter one to end; one
+    sent behind another that has not started waits for the longer; the wait is what
+    the fit sees, and the output a request asks for comes from its max_tokens."""
+    router, clock, _ = fleet()
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
+    named = {"engine_slots": 2.0}
+    router.apply_report("fast1", LoadReport("fast1", UnitState.SERVING, 0, 8, seq=2,
+                                            named_metrics=named))  # fmt: skip
+    assert policy.slots["fast1"] == 2
+    policy.mean_per_token_s = 0.01
+    unit = router.units["fast1"]
+    for tokens in (100, 10):
+        sent = router.sent(unit, Want(chars=100, max_tokens=tokens), Attempt(0.02))
+        assert sent is not None and sent.tokens == tokens
+    assert policy.scan("fast1") == (0.0, pytest.approx(0.1))  # both started: 0.1 s left
+    clock.now += 0.04
+    assert policy.scan("fast1") == (0.0, pytest.approx(0.06))
+    behind = router.sent(unit, Want(chars=300, max_tokens=5), Attempt())
+    assert behind is not None and behind.wait == pytest.approx(0.06)
+    assert policy.scan("fast1") == (300.0, pytest.approx(0.96))  # after the 100 tokens
+    unit2 = router.units["fast2"]
+    sent = router.sent(unit2, Want(chars=100), Attempt())  # no max_tokens: the mean
+    assert sent is not None and DEFAULT_TOKENS > sent.tokens > 5
+
+
+def test_a_requests_max_tokens_is_read_with_its_prompt() -> None:
+    router, _, _ = fleet()
+    read = router.policy.prompt_blocks
+    body = b'{"prompt": "hello", "max_tokens": 40}'
+    assert json_want(body, read).max_tokens == 40
+    chat = b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7}'
+    assert json_want(chat, read).max_tokens == 7
+    assert json_want(b'{"prompt": "hello"}', read).max_tokens == 0
+    assert json_want(b'{"prompt": "x", "max_tokens": "many"}', read).max_tokens == 0

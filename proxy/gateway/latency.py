@@ -3,7 +3,7 @@
 A unit's time to first token (TTFT) is modelled as linear in what the request finds
 there when it is sent:
 
-    ttft = a + b * ahead + c * prefill_kchars + q * queued
+    ttft = a + b * ahead + c * prefill_kchars + q * wait
 
 ``ahead``: the requests the unit already holds (its estimated outstanding, before this
 one: their prefill and decode share the engine's steps with it); ``prefill_kchars``:
@@ -11,11 +11,12 @@ the prefill work before this request's first token, in thousands of characters: 
 part of its own prompt the unit must prefill (the part its KV cache is not known to
 hold) and the same of every request sent there earlier that has no first token yet
 (``Sent``: an engine prefills first come, first served, so their prompts go first);
-``queued``: how many of those ahead, and this one, wait
-for a batch slot (past the most requests its reports ever showed running: the
-engine's slots). ``a`` is the unit's fixed cost (network, scheduling, a short
-prefill), ``b`` what each request ahead adds to a step, ``c`` its prefill speed, ``q``
-what each request waiting for a slot adds (a running one must finish first).
+``wait``: the wait for a batch slot, as the caller reckons it: the policy, from the
+output each running request has left (``slot_wait``: when every slot is taken, the
+request starts when one ends), in s, so that ``q`` is near 1; ``queued`` counts the
+requests waiting instead, where nothing is known of their outputs. ``a`` is the
+unit's fixed cost (network, scheduling, a short prefill), ``b`` what each request
+ahead adds to a step, ``c`` its prefill speed, ``q`` what the wait adds.
 
 Its time per output token (TPOT) after the first, linear in the batch it decodes in:
 
@@ -110,12 +111,12 @@ class Timed(Protocol):
 class Sent:
     """One attempt sent to a unit, as the model saw it then: what it found there
     (``ahead``, ``prefill_chars`` before its first token, ``own_chars`` of its own,
-    the engine's ``slots``), the TTFT predicted for it (-1: the unit was not warm), and
-    the attempt (its first token's time). It stays in its unit's ledger of unstarted
-    work until its first token is seen."""
+    the ``wait`` for a slot), the TTFT predicted for it (-1: the unit was not warm), and
+    the attempt (its first token's time), and the output it asked for. It stays in its
+    unit's ledger until the attempt ends."""
 
     __slots__ = ("ahead", "attempt", "observed", "own_chars", "predicted_s", "prefill_chars",
-                 "slots", "unit_id")  # fmt: skip
+                 "started_at", "tokens", "unit_id", "wait")  # fmt: skip
 
     def __init__(
         self,
@@ -124,17 +125,39 @@ class Sent:
         ahead: float,
         prefill_chars: float,
         own_chars: float,
-        slots: int,
+        wait: float,
         predicted_s: float,
+        tokens: float,
     ):
         self.unit_id = unit_id
         self.attempt = attempt
         self.ahead = ahead
         self.prefill_chars = prefill_chars
         self.own_chars = own_chars
-        self.slots = slots
+        self.wait = wait
         self.predicted_s = predicted_s
+        self.tokens = tokens  # the output it asked for (max_tokens; a mean if it gave none)
         self.observed = False  # its TTFT went to the fit
+        self.started_at = -1.0  # when its first token was seen (the policy's clock)
+
+
+def slot_wait(left_s: list[float], unstarted: int, slots: int, turnover_s: float) -> float:
+    """The wait for a batch slot of a request sent now to an engine of ``slots`` (0: not
+    known, no wait reckoned) whose running requests have ``left_s`` s of output each to
+    make, with ``unstarted`` requests before it that have no first token yet: they take
+    the free slots first, then the k-th of them past those starts when the k-th running
+    one ends; past the running ones, each waits ``turnover_s`` more (a slot's turnover).
+    Sorts ``left_s``."""
+    if slots <= 0:
+        return 0.0
+    behind = unstarted - max(0, slots - len(left_s))  # requests waiting ahead of this one
+    if behind < 0:
+        return 0.0
+    left_s.sort()
+    if behind < len(left_s):
+        return left_s[behind]
+    last = left_s[-1] if left_s else 0.0
+    return last + (behind - len(left_s) + 1) * turnover_s
 
 
 def queued(ahead: float, slots: int) -> float:
@@ -172,12 +195,12 @@ class Latencies:
         fit = self.units.get(unit_id)
         return fit is not None and fit.warm
 
-    def predict(self, unit_id: str, ahead: float, chars: float, slots: int = 0) -> float:
+    def predict(self, unit_id: str, ahead: float, chars: float, wait: float = 0.0) -> float:
         """The unit's predicted TTFT in s (-1 when it is not warm), never below 0."""
         fit = self.units.get(unit_id)
         if fit is None or not fit.warm:
             return -1.0
-        return max(0.0, fit.predict(ahead, chars * KCHARS, queued(ahead, slots)))
+        return max(0.0, fit.predict(ahead, chars * KCHARS, wait))
 
     def observe(
         self,
@@ -185,16 +208,15 @@ class Latencies:
         ahead: float,
         chars: float,
         ttft_s: float,
-        slots: int = 0,
+        wait: float = 0.0,
         own_chars: float = -1.0,
     ) -> None:
         """An attempt on the unit got its first token ``ttft_s`` after it was sent, with
         ``ahead`` requests there and ``chars`` prompt characters to prefill before its
-        first token (``own_chars`` of them its own; -1: all), on an engine of ``slots``
-        batch slots (0: not known)."""
+        first token (``own_chars`` of them its own; -1: all), ``wait`` reckoned for a
+        batch slot."""
         fit = self.of(unit_id)
         kchars = chars * KCHARS
-        wait = queued(ahead, slots)
         if fit.warm and ttft_s > 0.0 and self.on_error is not None:
             predicted = max(0.0, fit.predict(ahead, kchars, wait))
             self.on_error(abs(predicted - ttft_s) / ttft_s)
@@ -219,21 +241,31 @@ class Latencies:
         return max(0.0, fit.predict(ahead + 1.0, 0.0))
 
     def holds(
-        self, unit_id: str, slo_ttft_s: float, slo_tpot_s: float, capacity: int, slots: int = 0
+        self,
+        unit_id: str,
+        slo_ttft_s: float,
+        slo_tpot_s: float,
+        capacity: int,
+        slots: int = 0,
+        turnover: float = 1.0,
     ) -> float:
         """How many requests the unit can hold with a request of the fleet's mean prompt
         still predicted to start within ``slo_ttft_s`` and to stream within
         ``slo_tpot_s`` (0: no such objective): at most ``capacity``, and ``capacity``
-        by an objective whose fit is not warm (nothing learnt says otherwise)."""
+        by an objective whose fit is not warm (nothing learnt says otherwise). Past the
+        ``slots``, each request waiting adds ``turnover`` to the wait (a count: 1; in s:
+        the time a slot takes to free, the mean request's decode over the slots)."""
         most = float(capacity)
         fit = self.units.get(unit_id)
         if fit is not None and fit.warm and slo_ttft_s > 0.0:
             a, b, c, q = fit.theta
             spare = slo_ttft_s - a - c * self.mean_kchars
-            # n requests: n - 1 ahead of the one arriving; past the slots, q each waiting
+            # n requests: n - 1 ahead of the one arriving; past the slots, q x turnover
+            # each waiting
             n = _most(spare, b, 1.0)
-            if slots <= 0 or n > slots:
-                n = _most(spare + b + q * slots, b + q, 0.0)
+            if slots > 0 and n > slots:
+                qt = q * turnover
+                n = _most(spare + b + qt * slots, b + qt, 0.0)
             most = min(most, n)
         fit = self.tpot.get(unit_id)
         if fit is not None and fit.warm and slo_tpot_s > 0.0:

@@ -45,7 +45,7 @@ import math
 from typing import TYPE_CHECKING
 
 from proxy.errors import Overloaded
-from proxy.gateway.latency import Latencies, Sent, Timed
+from proxy.gateway.latency import Latencies, Sent, Timed, slot_wait
 from proxy.gateway.policies.base import Candidates, Policy, Shared
 from proxy.gateway.policies.lor import least_outstanding
 from proxy.gateway.prefix import PrefixIndex
@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from proxy.metrics import GatewayMetrics
 
 ENGINE_SLOTS = "engine_slots"  # the named metric of a unit's slots (engine.base's)
+DEFAULT_TOKENS = 128.0  # the output of a request that gives no max_tokens, until one does
+DEFAULT_PER_TOKEN_S = 0.03  # until a stream's time per token is seen
+MEAN_WEIGHT = 0.02  # of each new value in the moving means
 SHED = "batch"  # the class refused first (and only) when no unit meets its objective
 
 
@@ -82,8 +85,13 @@ class LeastPredictedTtft(Policy):
         # Each unit's engine slots: as its reports name them (engine_slots), else the
         # most requests they showed running.
         self.slots: dict[str, int] = {}
-        # Per unit, the attempts sent there with no first token seen yet.
-        self.unstarted: dict[str, list[Sent]] = {}
+        # Per unit, the attempts this gateway has there (until each ends).
+        self.ledgers: dict[str, list[Sent]] = {}
+        # The output a request asks for (max_tokens), and the time per output token,
+        # as moving means over the fleet: for a request that gives none, a unit not
+        # learnt yet.
+        self.mean_tokens = DEFAULT_TOKENS
+        self.mean_per_token_s = DEFAULT_PER_TOKEN_S
 
     def prompt_blocks(self, text: str) -> list[int]:
         return self.index.hashes(text)
@@ -95,39 +103,52 @@ class LeastPredictedTtft(Policy):
         held = self.index.depth(unit.id, want.blocks) * self.chunk
         return float(max(0, want.chars - held))
 
-    def queued_chars(self, unit_id: str) -> float:
-        """The prompt characters the unit has still to prefill for the attempts this
-        gateway sent there (``unstarted``); those whose first token came meanwhile go to
-        the fit and leave the ledger."""
-        ledger = self.unstarted.get(unit_id)
+    def scan(self, unit_id: str) -> tuple[float, float]:
+        """What the attempts this gateway has on the unit (its ledger) put before a
+        request sent now: the prompt characters still to prefill (those with no first
+        token yet), and the wait for a batch slot (``slot_wait``, from the output each
+        running one has left). A first token that came since the last scan goes to the
+        fit now."""
+        ledger = self.ledgers.get(unit_id)
         if not ledger:
-            return 0.0
-        total = 0.0
-        keep: list[Sent] = []
+            return 0.0, 0.0
+        now = self.shared.clock()
+        per_token = self.per_token_s(unit_id, len(ledger))
+        chars, unstarted = 0.0, 0
+        left: list[float] = []
         for sent in ledger:
-            ttft = sent.attempt.first_token_s()
-            if ttft >= 0.0:
+            if sent.started_at < 0.0:
+                ttft = sent.attempt.first_token_s()
+                if ttft < 0.0:
+                    chars += sent.own_chars
+                    unstarted += 1
+                    continue
+                sent.started_at = now
                 self._observe(sent, ttft)
-            else:
-                keep.append(sent)
-                total += sent.own_chars
-        if len(keep) != len(ledger):
-            self.unstarted[unit_id] = keep
-        return total
+            left.append(max(0.0, sent.tokens * per_token - (now - sent.started_at)))
+        slots = self.slots.get(unit_id, 0)
+        turnover = self.mean_tokens * per_token / max(slots, 1)
+        return chars, slot_wait(left, unstarted, slots, turnover)
+
+    def per_token_s(self, unit_id: str, batch: int) -> float:
+        """The unit's time per output token with ``batch`` requests there: as learnt,
+        else the fleet's mean."""
+        learnt = self.latencies.predict_tpot(unit_id, float(max(0, batch - 1)))
+        return learnt if learnt > 0.0 else self.mean_per_token_s
 
     def _observe(self, sent: Sent, ttft_s: float) -> None:
         if sent.observed or ttft_s <= 0.0:
             return
         sent.observed = True
         self.latencies.observe(
-            sent.unit_id, sent.ahead, sent.prefill_chars, ttft_s, sent.slots, sent.own_chars
+            sent.unit_id, sent.ahead, sent.prefill_chars, ttft_s, sent.wait, sent.own_chars
         )
 
     def predict(self, unit: Unit, want: Want, ahead: float) -> float:
         """The unit's predicted TTFT for this request with ``ahead`` requests there (-1:
         not warm)."""
-        chars = self.queued_chars(unit.id) + self.uncached(unit, want)
-        return self.latencies.predict(unit.id, ahead, chars, self.slots.get(unit.id, 0))
+        chars, wait = self.scan(unit.id)
+        return self.latencies.predict(unit.id, ahead, chars + self.uncached(unit, want), wait)
 
     def choose(self, want: Want, candidates: Candidates) -> Unit | None:
         shared = self.shared
@@ -193,31 +214,41 @@ class LeastPredictedTtft(Policy):
     def sent(self, unit: Unit, want: Want, attempt: Timed) -> Sent | None:
         ahead = float(max(0, self.shared.view.estimate(unit) - 1))  # counted there already
         own = self.uncached(unit, want)
-        chars = self.queued_chars(unit.id) + own
-        slots = self.slots.get(unit.id, 0)
-        predicted = self.latencies.predict(unit.id, ahead, chars, slots)
-        sent = Sent(unit.id, attempt, ahead, chars, own, slots, predicted)
-        self.unstarted.setdefault(unit.id, []).append(sent)
+        chars, wait = self.scan(unit.id)
+        chars += own
+        predicted = self.latencies.predict(unit.id, ahead, chars, wait)
+        tokens = float(want.max_tokens)
+        if tokens > 0.0:
+            self.mean_tokens += MEAN_WEIGHT * (tokens - self.mean_tokens)
+        else:
+            tokens = self.mean_tokens
+        sent = Sent(unit.id, attempt, ahead, chars, own, wait, predicted, tokens)
+        self.ledgers.setdefault(unit.id, []).append(sent)
         return sent
 
     def answered(self, unit: Unit, want: Want, sent: Sent, ok: bool, per_token_s: float) -> None:
-        ledger = self.unstarted.get(unit.id)
+        ledger = self.ledgers.get(unit.id)
         if ledger is not None and sent in ledger:
             ledger.remove(sent)
             if not ledger:
-                del self.unstarted[unit.id]
+                del self.ledgers[unit.id]
         if not ok:
             return
         self._observe(sent, sent.attempt.first_token_s())
         if per_token_s > 0.0:
             self.latencies.observe_tpot(unit.id, sent.ahead, per_token_s)
+            self.mean_per_token_s += MEAN_WEIGHT * (per_token_s - self.mean_per_token_s)
         if want.blocks:
             self.index.record(unit.id, want.blocks, self.shared.clock())
 
     def limit(self, unit: Unit) -> float:
         s = self.shared.settings
         slots = self.slots.get(unit.id, 0)
-        return self.latencies.holds(unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity, slots)
+        # past the slots, each waiting request adds a slot's turnover to the wait
+        turnover = self.mean_tokens * self.per_token_s(unit.id, slots) / max(slots, 1)
+        return self.latencies.holds(
+            unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity, slots, turnover
+        )
 
     def reported(self, unit: Unit, report: LoadReport) -> None:
         slots = report.named_metrics.get(ENGINE_SLOTS, 0.0)  # as the unit says
