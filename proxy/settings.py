@@ -371,7 +371,7 @@ class GatewaySettings(_Section):
     prefix_balance: float = Field(
         0.1,
         ge=0,
-        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Policy latency bounds the units it predicts for the same way. Default 0.1.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
     )
     prefix_slack: int = Field(
         1,
@@ -397,6 +397,11 @@ class GatewaySettings(_Section):
         0.0,
         ge=0,
         description="The TTFT objective of batch requests, in s (0: slo_ttft_s): a batch request no unit is predicted to start within it is refused 429 shed (policy latency). Default 0.",
+    )
+    latency_balance: float = Field(
+        1.0,
+        ge=0,
+        description="Policy latency, bounded load: a unit whose estimated outstanding, this request counted, would pass (1 + this) x the fleet's mean load (outstanding / capacity) x its capacity, plus prefix_slack requests, is not taken however fast it is predicted (a guard against a fit gone wrong; the predictions themselves rise with each request sent). Default 1.",
     )
     latency_half_life_s: float = Field(
         60.0,

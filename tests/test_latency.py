@@ -111,7 +111,7 @@ def fleet(**settings: Any) -> tuple[Router, Clock, GatewayMetrics]:
     metrics = GatewayMetrics(CollectorRegistry())
     targets = [UnitTarget(id=u, http_url=f"http://{u}:1", grpc_target=f"{u}:2") for u in SPEEDS]
     # No bound on load unless a test sets one: the choices here are the predictions'.
-    s = GatewaySettings(policy="latency", **{"prefix_balance": 100.0, **settings})
+    s = GatewaySettings(policy="latency", **{"latency_balance": 100.0, **settings})
     router = Router(s, targets, rng=random.Random(1), clock=clock, metrics=metrics)
     for u in SPEEDS:
         router.apply_report(u, LoadReport(u, UnitState.SERVING, 0, 8, seq=1))
@@ -215,7 +215,7 @@ def test_a_cached_prefix_counts_for_the_prefill_it_saves() -> None:
 
 
 def test_a_unit_past_the_load_bound_is_not_taken_however_fast_it_is_predicted() -> None:
-    router, _, _ = fleet(prefix_balance=0.1, prefix_slack=1)
+    router, _, _ = fleet(latency_balance=0.1, prefix_slack=1)
     learn(router)
     held: list[Any] = []
     chosen = [serve(router, Clock(), Want(chars=1000), held) for _ in range(12)]
@@ -225,6 +225,12 @@ def test_a_unit_past_the_load_bound_is_not_taken_however_fast_it_is_predicted() 
     # None above 1.1 x the mean load of 12 / 24 x its capacity 8, plus 1: 5.4.
     assert max(router.units[u].inflight for u in SPEEDS) == 5
     assert "slow" not in chosen[:4]  # the fast units first, while within the bound
+    # The default bound, 1: twice the mean plus 1. The fast units take more of the 12.
+    router, _, _ = fleet(latency_balance=GatewaySettings().latency_balance, prefix_slack=1)
+    learn(router)
+    held = []
+    looser = [serve(router, Clock(), Want(chars=1000), held) for _ in range(12)]
+    assert looser.count("slow") < chosen.count("slow")
 
 
 def test_batch_is_shed_when_no_unit_meets_its_objective_and_the_others_are_not() -> None:

@@ -21,10 +21,13 @@ requests ahead, c x the prefill queued there, q x each waiting for a slot), in s
 on both sides: affinity is not a separate rule, it is the prefill the prediction
 leaves out.
 
-Bounded load (``gateway.prefix_balance``, ``gateway.prefix_slack``, as policy
-``prefix``): a unit whose load would pass (1 + balance) x the fleet's mean plus slack
-requests is not a candidate, however fast it is predicted; the fit learns a mistake
-only a TTFT after the choice, and a burst must not herd onto one unit meanwhile.
+Bounded load (``gateway.latency_balance``, ``gateway.prefix_slack``): a unit whose
+load would pass (1 + balance) x the fleet's mean plus slack requests is not a
+candidate, however fast it is predicted. The ledger makes a prediction rise with each
+request sent, so a right fit does not herd a burst onto one unit; the bound is the
+guard against a wrong one (the fit learns a mistake only a TTFT after the choice). It
+is looser than policy prefix's (1 against 0.1): a fast unit should take more than its
+share of slots, which a bound of 0.1 forbade.
 
 A unit not learnt yet (fewer than ``latency.WARM`` answers: a new unit, or every unit
 at start) is chosen first, the least loaded of them (as lor), so that each is learnt
@@ -161,15 +164,15 @@ class LeastPredictedTtft(Policy):
             return least_outstanding(cold, shared.rng, 0, shared.view)
         s = shared.settings
         slo_tpot = s.slo_tpot_s
-        # Bounded load, as policy prefix's: a unit whose load, this request counted, is
-        # past (1 + prefix_balance) x the fleet's mean plus prefix_slack requests is not
-        # taken, whatever its prediction (an answer comes a TTFT after the choice: a
-        # fit that is wrong must not herd a burst onto one unit before it learns).
+        # Bounded load: a unit whose load, this request counted, is past (1 +
+        # latency_balance) x the fleet's mean plus prefix_slack requests is not taken,
+        # whatever its prediction (a guard against a fit gone wrong: the ledger makes
+        # each prediction rise with every request sent, so a right one does not herd).
         outstanding, capacity = 1, 0
         for unit in listed:
             outstanding += estimate(unit)
             capacity += unit.capacity
-        ceiling = (1.0 + s.prefix_balance) * outstanding / max(capacity, 1)
+        ceiling = (1.0 + s.latency_balance) * outstanding / max(capacity, 1)
         slack = s.prefix_slack
         best: Unit | None = None
         best_s = math.inf
