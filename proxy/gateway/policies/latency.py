@@ -3,10 +3,14 @@
 Each unit's TTFT is learnt online (``proxy.gateway.latency``) from the attempts the
 gateway sent there. The core hands each attempt to ``sent`` as it starts (the policy
 notes what it found on the unit: the requests there, and the prefill work before its
-first token) and to ``answered`` when it ends. Each unit keeps a ledger of the attempts
-sent there that have no first token yet: their prompts (the part the unit is not known
-to hold) are prefill the engine does before a request sent now, so a burst sent to one
-unit raises its prediction at once, before any of it is answered. An attempt's TTFT
+first token, the wait for a slot) and to ``answered`` when it ends. Each unit keeps a
+ledger of the attempts this gateway has there (``scan``): the prompts of those with no
+first token yet (the part the unit is not known to hold) are prefill the engine does
+before a request sent now; the others, by the output each asked for (``max_tokens``)
+and the time since its first token at the unit's time per token, say when each batch
+slot frees (``slot_wait``), which is what a request waits once the engine's slots
+(its reported ``engine_slots``) are taken. So a burst sent to one unit raises its
+prediction at once, before any of it is answered. An attempt's TTFT
 goes to the fit as soon as a choice sees its first token (or when it ends), not once
 its stream is over. A choice predicts every candidate's TTFT for this request and takes
 the least (ties: the lower load); ``Sent.predicted_s`` keeps the prediction for the
@@ -17,7 +21,7 @@ Prefix affinity: the policy keeps the prompt blocks each unit has answered
 predicts with the prompt's uncached part only: a unit that holds the first half of a
 long prompt is predicted to prefill the other half. So a cached prefix counts for what
 it saves (c x the characters it spares), against what the unit's queue costs (b x its
-requests ahead, c x the prefill queued there, q x each waiting for a slot), in seconds
+requests ahead, c x the prefill queued there, q x the wait for a slot), in seconds
 on both sides: affinity is not a separate rule, it is the prefill the prediction
 leaves out.
 
