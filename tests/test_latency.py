@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.errors import Overloaded
 from proxy.gateway.core import MIN_TOKENS, per_token
-from proxy.gateway.latency import WARM, Latencies, Regression, queued, slot_wait
+from proxy.gateway.latency import WARM, Latencies, Regression, slot_wait
 from proxy.gateway.policies.latency import DEFAULT_TOKENS, LeastPredictedTtft
 from proxy.gateway.request import Want, json_want
 from proxy.gateway.router import Outcome, Router
@@ -413,15 +413,18 @@ def test_the_model_learns_the_wait_for_a_slot_past_the_engines_slots() -> None:
     clock, rng = Clock(), random.Random(8)
     fit = Latencies(clock, half_life_s=60)
 
+    def waiting(ahead: int) -> int:  # of the requests ahead and this one, for a slot
+        return max(0, ahead + 1 - 4)
+
     def ttft(ahead: int) -> float:
-        return 0.05 + 0.01 * ahead + 0.2 * max(0, ahead + 1 - 4)
+        return 0.05 + 0.01 * ahead + 0.2 * waiting(ahead)
 
     for _ in range(300):
         clock.now += 0.05
         ahead = rng.randrange(12)
-        fit.observe("u", ahead, 0, ttft(ahead), queued(ahead, 4))
+        fit.observe("u", ahead, 0, ttft(ahead), waiting(ahead))
     for ahead in (0, 2, 3, 6, 11):
-        assert fit.predict("u", ahead, 0, queued(ahead, 4)) == pytest.approx(ttft(ahead), rel=0.02)
+        assert fit.predict("u", ahead, 0, waiting(ahead)) == pytest.approx(ttft(ahead), rel=0.02)
     # Within 0.5 s: 3 ahead (0.08 s) fits, 5 ahead (0.1 + 0.4 s) just does, 6 not.
     assert fit.holds("u", 0.5, 0.0, 64, slots=4) == pytest.approx(6, rel=0.02)
 

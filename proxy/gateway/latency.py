@@ -13,17 +13,17 @@ hold) and the same of every request sent there earlier that has no first token y
 (``Sent``: an engine prefills first come, first served, so their prompts go first);
 ``wait``: the wait for a batch slot, as the caller reckons it: the policy, from the
 output each running request has left (``slot_wait``: when every slot is taken, the
-request starts when one ends), in s, so that ``q`` is near 1; ``queued`` counts the
-requests waiting instead, where nothing is known of their outputs. ``a`` is the
-unit's fixed cost (network, scheduling, a short prefill), ``b`` what each request
-ahead adds to a step, ``c`` its prefill speed, ``q`` what the wait adds.
+request starts when one ends), in s, so that ``q`` is near 1 (a count of the requests
+waiting serves too, with ``holds``'s turnover 1). ``a`` is the unit's fixed cost
+(network, scheduling, a short prefill), ``b`` what each request ahead adds to a step,
+``c`` its prefill speed, ``q`` what the wait adds.
 
 Its time per output token (TPOT) after the first, linear in the batch it decodes in:
 
     tpot = d + e * (ahead + 1)
 
 ``Regression`` fits (a, b, c, q), and (d, e), by recursive least squares with forgetting: each
-observation costs a few dozen multiplications, there is nothing to store but a 3x3
+observation costs a few dozen multiplications, there is nothing to store but a 4x4
 matrix, and old observations fade with time (``half_life_s`` on the injected clock),
 so a unit that slows down (or is replaced) is learnt again in a few half-lives. A unit
 is ``warm`` once it has ``WARM`` observations; before that it has no prediction. (Plain classes, compiled by mypyc: one call per answered attempt.)
@@ -158,15 +158,6 @@ def slot_wait(left_s: list[float], unstarted: int, slots: int, turnover_s: float
         return left_s[behind]
     last = left_s[-1] if left_s else 0.0
     return last + (behind - len(left_s) + 1) * turnover_s
-
-
-def queued(ahead: float, slots: int) -> float:
-    """How many of the ``ahead`` requests and this one wait for a batch slot of an
-    engine with ``slots`` (0 when not known: the term is left out rather than made
-    ``ahead`` + 1 again, which the fit could not tell from the others)."""
-    if slots <= 0:
-        return 0.0
-    return max(0.0, ahead + 1.0 - slots)
 
 
 class Latencies:
