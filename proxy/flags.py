@@ -132,6 +132,7 @@ GATEWAY = (
     Flag("--slo-ttft-batch", "gateway.slo_ttft_batch_s", "SECONDS"),
     Flag("--latency-half-life", "gateway.latency_half_life_s", "SECONDS"),
     Flag("--latency-balance", "gateway.latency_balance", "FRACTION"),
+    Flag("--latency-goodput", "gateway.latency_goodput", choices=("true", "false")),
     Flag("--prefix-engine-blocks", "gateway.prefix_engine_blocks", choices=("true", "false")),
     Flag("--prefix-ttft", "gateway.prefix_ttft_s", "SECONDS"),
     Flag("--prefix-prefill-rate", "gateway.prefix_prefill_tokens_per_s", "TOKENS_PER_S"),

@@ -403,6 +403,10 @@ class GatewaySettings(_Section):
         ge=0,
         description="Policy latency, bounded load: a unit whose estimated outstanding, this request counted, would pass (1 + this) x the fleet's mean load (outstanding / capacity) x its capacity, plus prefix_slack requests, is not taken however fast it is predicted (a guard against a fit gone wrong; the predictions themselves rise with each request sent). Default 1.",
     )
+    latency_goodput: bool = Field(
+        False,
+        description="Policy latency: a request that no unit is predicted to start within its TTFT objective (slo_ttft_s, per class) goes to the unit predicted slowest within the load bound instead of the fastest, leaving the other units' queues to requests that can still meet it: more requests within the objective under overload, a longer tail for those past it. Default false.",
+    )
     latency_half_life_s: float = Field(
         60.0,
         gt=0,

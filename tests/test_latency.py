@@ -521,3 +521,19 @@ def test_a_requests_max_tokens_is_read_with_its_prompt() -> None:
     assert json_want(chat, read).max_tokens == 7
     assert json_want(b'{"prompt": "hello"}', read).max_tokens == 0
     assert json_want(b'{"prompt": "x", "max_tokens": "many"}', read).max_tokens == 0
+
+
+def test_with_goodput_a_request_past_the_objective_everywhere_goes_to_the_slowest() -> None:
+    """A TTFT objective of 0.25 s: with the fast units idle a request goes to one of
+    them either way; once each holds 11 (fast 0.27 s, slow 1.05 s predicted: none meets
+    it), the fastest takes it by default, the slowest with latency_goodput, leaving the
+    fast units' queues to requests that can still meet it; batch is still shed."""
+    for goodput, expected in ((False, {"fast1", "fast2"}), (True, {"slow"})):
+        router, _, _ = fleet(slo_ttft_s=0.25, latency_goodput=goodput)
+        learn(router)
+        assert router.pick((), Want(chars=1000)).id in ("fast1", "fast2")  # type: ignore[union-attr]
+        for u in SPEEDS:
+            router.apply_report(u, LoadReport(u, UnitState.SERVING, 11, 30, seq=5))
+        assert router.pick((), Want(chars=1000)).id in expected  # type: ignore[union-attr]
+        with pytest.raises(Overloaded):
+            router.pick((), Want(chars=1000, rank=RANK["batch"]))

@@ -33,6 +33,13 @@ guard against a wrong one (the fit learns a mistake only a TTFT after the choice
 is looser than policy prefix's (1 against 0.1): a fast unit should take more than its
 share of slots, which a bound of 0.1 forbade.
 
+Goodput (``gateway.latency_goodput``): a request that no unit is predicted to start
+within its class's objective misses it wherever it goes; it then goes to the unit
+predicted slowest (within the bound) rather than the fastest, so that the queues of
+the others stay short enough for the requests that can still meet it. Under overload
+more requests meet the objective and those past it wait longer (a longer tail): off
+by default.
+
 A unit not learnt yet (fewer than ``latency.WARM`` answers: a new unit, or every unit
 at start) is chosen first, the least loaded of them (as lor), so that each is learnt
 before predictions choose; nothing is shed meanwhile.
@@ -182,6 +189,8 @@ class LeastPredictedTtft(Policy):
         best_s = math.inf
         best_load = 0.0
         best_streams = False
+        worst: Unit | None = None  # the unit predicted slowest (latency_goodput)
+        worst_s = -1.0
         for unit in listed:
             held = estimate(unit)
             if held + 1 > ceiling * unit.capacity + slack:
@@ -191,6 +200,8 @@ class LeastPredictedTtft(Policy):
             # Within the TPOT objective with this request in its batch (or not learnt).
             streams = slo_tpot <= 0 or latencies.predict_tpot(unit.id, ahead) <= slo_tpot
             load = shared.view.load(unit)
+            if seconds > worst_s:
+                worst, worst_s = unit, seconds
             if (
                 best is None
                 or (streams and not best_streams)
@@ -202,6 +213,10 @@ class LeastPredictedTtft(Policy):
                 best, best_s, best_load, best_streams = unit, seconds, load, streams
         if best is None:  # every unit past the bound: the least loaded
             return least_outstanding(listed, shared.rng, 0, shared.view)
+        if s.latency_goodput and want.priority != SHED and worst is not None:
+            slo = objective(s, want.priority)
+            if 0 < slo < best_s:  # it misses anyway: where it delays the fewest that could
+                return worst
         if want.priority == SHED:
             slo = objective(shared.settings, SHED)
             if 0 < slo < best_s:
