@@ -17,10 +17,11 @@ from proxy.errors import Overloaded
 from proxy.gateway.core import MIN_TOKENS, per_token
 from proxy.gateway.latency import WARM, Latencies, Regression, slot_wait
 from proxy.gateway.policies.latency import DEFAULT_TOKENS, LeastPredictedTtft
-from proxy.gateway.request import Want, json_want
+from proxy.gateway.request import Want, grpc_want, json_want
 from proxy.gateway.router import Outcome, Router
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import GatewayMetrics
+from proxy.pb.unitproxy.v1.inference_pb2 import GenerateRequest, SamplingParams
 from proxy.settings import GatewaySettings, UnitTarget
 from proxy.tenants import RANK
 from tests.test_router import Clock
@@ -512,7 +513,7 @@ def test_the_policy_reckons_the_wait_from_the_output_each_running_request_has_le
     assert sent is not None and DEFAULT_TOKENS > sent.tokens > 5
 
 
-def test_a_requests_max_tokens_is_read_with_its_prompt() -> None:
+def test_a_requests_max_tokens_is_read_with_its_prompt_over_http_and_grpc() -> None:
     router, _, _ = fleet()
     read = router.policy.prompt_blocks
     body = b'{"prompt": "hello", "max_tokens": 40}'
@@ -521,6 +522,9 @@ def test_a_requests_max_tokens_is_read_with_its_prompt() -> None:
     assert json_want(chat, read).max_tokens == 7
     assert json_want(b'{"prompt": "hello"}', read).max_tokens == 0
     assert json_want(b'{"prompt": "x", "max_tokens": "many"}', read).max_tokens == 0
+    asked = GenerateRequest(prompt="hello", sampling=SamplingParams(max_tokens=33))
+    assert grpc_want(asked.SerializeToString(), read).max_tokens == 33
+    assert grpc_want(GenerateRequest(prompt="hello").SerializeToString(), read).max_tokens == 0
 
 
 def test_with_goodput_a_request_past_the_objective_everywhere_goes_to_the_slowest() -> None:
