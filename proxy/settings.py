@@ -376,7 +376,7 @@ class GatewaySettings(_Section):
     prefix_balance: float = Field(
         0.1,
         ge=0,
-        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Policy latency bounds the units it predicts for the same way. Default 0.1.",
+        description="Policy prefix, bounded load: a unit holding the prompt's prefix is chosen only while its estimated outstanding, this request counted, is at most (1 + this) x the fleet's mean load (outstanding / capacity over the units that can take requests) x its capacity, plus prefix_slack requests; otherwise a shorter match or lor decides. Default 0.1.",
     )
     prefix_slack: int = Field(
         1,
@@ -402,6 +402,15 @@ class GatewaySettings(_Section):
         0.0,
         ge=0,
         description="The TTFT objective of batch requests, in s (0: slo_ttft_s): a batch request no unit is predicted to start within it is refused 429 shed (policy latency). Default 0.",
+    )
+    latency_balance: float = Field(
+        1.0,
+        ge=0,
+        description="Policy latency, bounded load: a unit whose estimated outstanding, this request counted, would pass (1 + this) x the fleet's mean load (outstanding / capacity) x its capacity, plus prefix_slack requests, is not taken however fast it is predicted (a guard against a fit gone wrong; the predictions themselves rise with each request sent). Default 1.",
+    )
+    latency_goodput: bool = Field(
+        False,
+        description="Policy latency: a request that no unit is predicted to start within its TTFT objective (slo_ttft_s, per class) goes to the unit predicted slowest within the load bound instead of the fastest, leaving the other units' queues to requests that can still meet it: more requests within the objective under overload, a longer tail for those past it. Default false.",
     )
     latency_half_life_s: float = Field(
         60.0,
@@ -792,6 +801,14 @@ class PlanSettings(_Section):
     )
     max_units: int = Field(
         1024, ge=1, description="Largest fleet tried before giving up. Default 1024."
+    )
+    measure_url: str | None = Field(
+        None,
+        description="The unit's shape measured from a running unit instead of the engine.sim knobs: the HTTP URL of its sidecar (http://host:8080), idle, to which a short calibration load is sent (about 10-30 s) and whose slots, prefill cost per token and decode step times are fitted (max_num_batched_tokens and the prefix cache stay as set; capacity is the unit's own unless given). Default none.",
+    )
+    measure_api_key: str | None = Field(
+        None,
+        description="API key sent to the measured unit (Authorization: Bearer), where its sidecar asks for one. Default none.",
     )
     seed: int = Field(0, description="Seed of the arrivals, lengths and ties. Default 0.")
     json_output: bool = Field(

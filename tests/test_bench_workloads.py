@@ -140,6 +140,18 @@ def test_prefix_bound_policies_name_their_gateway_flags() -> None:
         run.parse_settings(["--policies", "prefix-bhigh"])
 
 
+def test_the_latency_policies_name_their_objective_and_the_goodput_switch() -> None:
+    from bench.routing import run
+    from proxy.cli import build_parser
+
+    s = run.parse_settings(["--quick", "--policies", "latency,latency-goodput", "--slo-ttft", "2"])
+    assert s.gateway_args("latency") == ["--policy", "latency", "--slo-ttft", "2"]
+    flags = s.gateway_args("latency-goodput")
+    assert flags == ["--policy", "latency", "--slo-ttft", "2", "--latency-goodput", "true"]
+    args = build_parser().parse_args(["gateway", *flags])  # flags the gateway takes
+    assert getattr(args, "gateway.latency_goodput") == "true"
+
+
 def test_the_deep_fleet_finishes_as_much_with_more_requests_outstanding() -> None:
     from bench.routing import fleet
 

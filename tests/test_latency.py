@@ -15,12 +15,13 @@ from prometheus_client import CollectorRegistry
 
 from proxy.errors import Overloaded
 from proxy.gateway.core import MIN_TOKENS, per_token
-from proxy.gateway.latency import WARM, Latencies, Regression
-from proxy.gateway.policies.latency import LeastPredictedTtft
-from proxy.gateway.request import Want
+from proxy.gateway.latency import WARM, Latencies, Regression, slot_wait
+from proxy.gateway.policies.latency import DEFAULT_TOKENS, LeastPredictedTtft
+from proxy.gateway.request import Want, grpc_want, json_want
 from proxy.gateway.router import Outcome, Router
 from proxy.load import LoadReport, UnitState
 from proxy.metrics import GatewayMetrics
+from proxy.pb.unitproxy.v1.inference_pb2 import GenerateRequest, SamplingParams
 from proxy.settings import GatewaySettings, UnitTarget
 from proxy.tenants import RANK
 from tests.test_router import Clock
@@ -111,11 +112,31 @@ def fleet(**settings: Any) -> tuple[Router, Clock, GatewayMetrics]:
     metrics = GatewayMetrics(CollectorRegistry())
     targets = [UnitTarget(id=u, http_url=f"http://{u}:1", grpc_target=f"{u}:2") for u in SPEEDS]
     # No bound on load unless a test sets one: the choices here are the predictions'.
-    s = GatewaySettings(policy="latency", **{"prefix_balance": 100.0, **settings})
+    s = GatewaySettings(policy="latency", **{"latency_balance": 100.0, **settings})
     router = Router(s, targets, rng=random.Random(1), clock=clock, metrics=metrics)
     for u in SPEEDS:
         router.apply_report(u, LoadReport(u, UnitState.SERVING, 0, 8, seq=1))
     return router, clock, metrics
+
+
+class Attempt:
+    """An attempt as the model reads it: its first token's time once set (-1 before)."""
+
+    def __init__(self, ttft_s: float = -1.0):
+        self.ttft_s = ttft_s
+
+    def first_token_s(self) -> float:
+        return self.ttft_s
+
+
+def answer(router: Router, unit_id: str, want: Want, ttft_s: float, tpot_s: float = -1.0) -> None:
+    """One attempt sent to the unit and answered after ``ttft_s``, as the core reports it."""
+    unit = router.units[unit_id]
+    attempt = Attempt()
+    sent = router.sent(unit, want, attempt)
+    assert sent is not None
+    attempt.ttft_s = ttft_s
+    router.answered(unit, want, sent, True, tpot_s)
 
 
 def serve(router: Router, clock: Clock, want: Want, hold: list[Any]) -> str:
@@ -123,9 +144,12 @@ def serve(router: Router, clock: Clock, want: Want, hold: list[Any]) -> str:
     gives it (from the requests it holds), kept there ``hold`` long."""
     unit = router.pick((), want)
     assert unit is not None
-    ahead = router.ahead(unit)
+    attempt = Attempt()
+    sent = router.sent(unit, want, attempt)
+    assert sent is not None and sent.ahead == router.ahead(unit)
     a, b, c = SPEEDS[unit.id]
-    router.answered(unit, want, ahead, true_ttft(a, b, c, ahead, want.chars))
+    attempt.ttft_s = true_ttft(a, b, c, sent.ahead, want.chars)
+    router.answered(unit, want, sent, True)
     hold.append(unit)
     return unit.id
 
@@ -137,8 +161,9 @@ def learn(router: Router) -> None:
     for u, (a, b, c) in SPEEDS.items():
         for _ in range(30):
             ahead, chars = rng.randrange(13), rng.randrange(200, 8000)
-            want = Want(chars=chars)
-            router.answered(router.units[u], want, ahead, true_ttft(a, b, c, ahead, chars))
+            policy = router.policy
+            assert isinstance(policy, LeastPredictedTtft)
+            policy.latencies.observe(u, ahead, chars, true_ttft(a, b, c, ahead, chars))
 
 
 def test_the_policy_learns_then_picks_the_fast_units_in_a_heterogeneous_fleet() -> None:
@@ -191,7 +216,7 @@ def test_a_cached_prefix_counts_for_the_prefill_it_saves() -> None:
 
 
 def test_a_unit_past_the_load_bound_is_not_taken_however_fast_it_is_predicted() -> None:
-    router, _, _ = fleet(prefix_balance=0.1, prefix_slack=1)
+    router, _, _ = fleet(latency_balance=0.1, prefix_slack=1)
     learn(router)
     held: list[Any] = []
     chosen = [serve(router, Clock(), Want(chars=1000), held) for _ in range(12)]
@@ -201,6 +226,12 @@ def test_a_unit_past_the_load_bound_is_not_taken_however_fast_it_is_predicted() 
     # None above 1.1 x the mean load of 12 / 24 x its capacity 8, plus 1: 5.4.
     assert max(router.units[u].inflight for u in SPEEDS) == 5
     assert "slow" not in chosen[:4]  # the fast units first, while within the bound
+    # The default bound, 1: twice the mean plus 1. The fast units take more of the 12.
+    router, _, _ = fleet(latency_balance=GatewaySettings().latency_balance, prefix_slack=1)
+    learn(router)
+    held = []
+    looser = [serve(router, Clock(), Want(chars=1000), held) for _ in range(12)]
+    assert looser.count("slow") < chosen.count("slow")
 
 
 def test_batch_is_shed_when_no_unit_meets_its_objective_and_the_others_are_not() -> None:
@@ -232,13 +263,15 @@ async def test_a_shed_batch_request_leaves_the_router_as_429_shed() -> None:
 def test_units_within_the_tpot_objective_come_first_and_batch_is_shed_without_one() -> None:
     router, _, _ = fleet(slo_tpot_s=0.03)
     learn(router)
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
     for u, (d, e) in {
         "fast1": (0.01, 0.004),
         "fast2": (0.01, 0.004),
         "slow": (0.02, 0.0005),
     }.items():
         for ahead in range(12):
-            router.answered(router.units[u], Want(chars=1000), ahead, 0.1, d + e * (ahead + 1))
+            policy.latencies.observe_tpot(u, ahead, d + e * (ahead + 1))
     # Idle: every unit streams within 0.03 s; the fast ones start sooner.
     assert router.pick((), Want(chars=1000)).id != "slow"  # type: ignore[union-attr]
     # With 6 ahead a fast unit's batch of 7 streams at 0.038 s, the slow one's at 0.024 s:
@@ -381,14 +414,130 @@ def test_the_model_learns_the_wait_for_a_slot_past_the_engines_slots() -> None:
     clock, rng = Clock(), random.Random(8)
     fit = Latencies(clock, half_life_s=60)
 
+    def waiting(ahead: int) -> int:  # of the requests ahead and this one, for a slot
+        return max(0, ahead + 1 - 4)
+
     def ttft(ahead: int) -> float:
-        return 0.05 + 0.01 * ahead + 0.2 * max(0, ahead + 1 - 4)
+        return 0.05 + 0.01 * ahead + 0.2 * waiting(ahead)
 
     for _ in range(300):
         clock.now += 0.05
         ahead = rng.randrange(12)
-        fit.observe("u", ahead, 0, ttft(ahead), slots=4)
+        fit.observe("u", ahead, 0, ttft(ahead), waiting(ahead))
     for ahead in (0, 2, 3, 6, 11):
-        assert fit.predict("u", ahead, 0, slots=4) == pytest.approx(ttft(ahead), rel=0.02)
+        assert fit.predict("u", ahead, 0, waiting(ahead)) == pytest.approx(ttft(ahead), rel=0.02)
     # Within 0.5 s: 3 ahead (0.08 s) fits, 5 ahead (0.1 + 0.4 s) just does, 6 not.
     assert fit.holds("u", 0.5, 0.0, 64, slots=4) == pytest.approx(6, rel=0.02)
+
+
+def test_prompts_sent_and_not_started_are_prefill_queued_before_the_next() -> None:
+    """Each unit's ledger of attempts with no first token yet: their uncached prompts
+    are prefill the engine does before a request sent now, so a unit given a long
+    prompt a moment ago is predicted slower before anything is answered; a first token
+    seen at a choice goes to the fit at once, and the attempt's end does not count it
+    twice."""
+    router, _, _ = fleet()
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
+    learn(router)
+    fast1, fast2 = router.units["fast1"], router.units["fast2"]
+    long, short = Want(chars=40000), Want(chars=1000)
+    unstarted = Attempt()
+    sent = router.sent(fast1, long, unstarted)
+    assert sent is not None and sent.prefill_chars == 40000 and sent.own_chars == 40000
+    assert sent.predicted_s == pytest.approx(true_ttft(0.03, 0.02, 0.02, 0, 40000), rel=0.02)
+    started = Attempt(0.05)  # fast2 holds one request too, whose first token came
+    other = router.sent(fast2, short, started)
+    assert other is not None
+    # fast1: 0.03 + 0.02 x 1 ahead + 0.02 x 41 kchars = 0.87 s; fast2: 0.07 s.
+    assert policy.predict(fast1, short, 1) == pytest.approx(0.87, rel=0.02)
+    assert policy.predict(fast2, short, 1) == pytest.approx(0.07, rel=0.02)
+    assert router.pick((), short) is fast2
+    again = router.sent(fast1, short, Attempt())
+    assert again is not None and again.prefill_chars == 41000  # behind the long prompt
+    n = policy.latencies.units["fast1"].n
+    unstarted.ttft_s = 0.85  # its first token came: out of the ledger, into the fit
+    assert policy.scan("fast1")[0] == 1000 and policy.latencies.units["fast1"].n == n + 1
+    router.answered(fast1, long, sent, True)
+    assert policy.latencies.units["fast1"].n == n + 1  # once
+    router.answered(fast1, short, again, False)  # failed: out of the ledger, nothing learnt
+    assert policy.scan("fast1")[0] == 0 and policy.latencies.units["fast1"].n == n + 1
+
+
+def test_the_engines_slots_are_the_units_own_figure_where_it_reports_one() -> None:
+    router, _, _ = fleet()
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
+    router.apply_report("fast1", LoadReport("fast1", UnitState.SERVING, 3, 8, running=3, seq=2))
+    assert policy.slots["fast1"] == 3  # the most seen running, without a figure
+    named = {"engine_slots": 16.0}
+    report = LoadReport("fast1", UnitState.SERVING, 2, 64, running=2, seq=3, named_metrics=named)
+    router.apply_report("fast1", report)
+    assert policy.slots["fast1"] == 16
+
+
+def test_the_wait_for_a_slot_is_when_the_running_requests_end() -> None:
+    # 4 slots, 3 running with 0.5, 0.1 and 0.3 s of output left: one free slot.
+    assert slot_wait([0.5, 0.1, 0.3], 0, 4, 0.2) == 0.0
+    assert slot_wait([0.5, 0.1, 0.3], 1, 4, 0.2) == pytest.approx(0.1)  # it took the free one
+    assert slot_wait([0.5, 0.1, 0.3], 3, 4, 0.2) == pytest.approx(0.5)
+    assert slot_wait([0.5, 0.1, 0.3], 5, 4, 0.2) == pytest.approx(0.5 + 2 * 0.2)  # turnover
+    assert slot_wait([0.5], 9, 0, 0.2) == 0.0  # slots not known: no wait reckoned
+
+
+def test_the_policy_reckons_the_wait_from_the_output_each_running_request_has_left() -> None:
+    """A unit of 2 slots (its engine_slots) runs two requests that asked for 100 and 10
+    tokens, at 0.01 s a token: a request sent now waits for the shorter one to end; one
+    sent behind another that has not started waits for the longer; the wait is what
+    the fit sees, and the output a request asks for comes from its max_tokens."""
+    router, clock, _ = fleet()
+    policy = router.policy
+    assert isinstance(policy, LeastPredictedTtft)
+    named = {"engine_slots": 2.0}
+    router.apply_report("fast1", LoadReport("fast1", UnitState.SERVING, 0, 8, seq=2,
+                                            named_metrics=named))  # fmt: skip
+    assert policy.slots["fast1"] == 2
+    policy.mean_per_token_s = 0.01
+    unit = router.units["fast1"]
+    for tokens in (100, 10):
+        sent = router.sent(unit, Want(chars=100, max_tokens=tokens), Attempt(0.02))
+        assert sent is not None and sent.tokens == tokens
+    assert policy.scan("fast1") == (0.0, pytest.approx(0.1))  # both started: 0.1 s left
+    clock.now += 0.04
+    assert policy.scan("fast1") == (0.0, pytest.approx(0.06))
+    behind = router.sent(unit, Want(chars=300, max_tokens=5), Attempt())
+    assert behind is not None and behind.wait == pytest.approx(0.06)
+    assert policy.scan("fast1") == (300.0, pytest.approx(0.96))  # after the 100 tokens
+    unit2 = router.units["fast2"]
+    sent = router.sent(unit2, Want(chars=100), Attempt())  # no max_tokens: the mean
+    assert sent is not None and DEFAULT_TOKENS > sent.tokens > 5
+
+
+def test_a_requests_max_tokens_is_read_with_its_prompt_over_http_and_grpc() -> None:
+    router, _, _ = fleet()
+    read = router.policy.prompt_blocks
+    body = b'{"prompt": "hello", "max_tokens": 40}'
+    assert json_want(body, read).max_tokens == 40
+    chat = b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7}'
+    assert json_want(chat, read).max_tokens == 7
+    assert json_want(b'{"prompt": "hello"}', read).max_tokens == 0
+    assert json_want(b'{"prompt": "x", "max_tokens": "many"}', read).max_tokens == 0
+    asked = GenerateRequest(prompt="hello", sampling=SamplingParams(max_tokens=33))
+    assert grpc_want(asked.SerializeToString(), read).max_tokens == 33
+    assert grpc_want(GenerateRequest(prompt="hello").SerializeToString(), read).max_tokens == 0
+
+
+def test_with_goodput_a_request_past_the_objective_everywhere_goes_to_the_slowest() -> None:
+    """A TTFT objective of 0.25 s: with the fast units idle a request goes to one of
+    them either way; once each holds 11 (fast 0.27 s, slow 1.05 s predicted: none meets
+    it), the fastest takes it by default, the slowest with latency_goodput, leaving the
+    fast units' queues to requests that can still meet it; batch is still shed."""
+    for goodput, expected in ((False, {"fast1", "fast2"}), (True, {"slow"})):
+        router, _, _ = fleet(slo_ttft_s=0.25, latency_goodput=goodput)
+        learn(router)
+        assert router.pick((), Want(chars=1000)).id in ("fast1", "fast2")  # type: ignore[union-attr]
+        for u in SPEEDS:
+            router.apply_report(u, LoadReport(u, UnitState.SERVING, 11, 30, seq=5))
+        assert router.pick((), Want(chars=1000)).id in expected  # type: ignore[union-attr]
+        with pytest.raises(Overloaded):
+            router.pick((), Want(chars=1000, rank=RANK["batch"]))

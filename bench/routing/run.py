@@ -18,7 +18,9 @@ With ``--burst-period S`` each load alternates every S s between 40/110 of it an
 it (``--loads 110 --burst-period 20``: 40 % and 110 % of capacity, every 20 s).
 
 Policies: lor, p2c, round_robin, random, latency (the least predicted TTFT, its gateway
-given ``--slo-ttft``; each run reports its median prediction error), and lor-delayed (lor with every load report
+given ``--slo-ttft``; each run reports its median prediction error), latency-goodput
+(the same with ``--latency-goodput true``: a request past the objective everywhere goes
+to the unit predicted slowest), and lor-delayed (lor with every load report
 applied ``--report-delay`` s late and no correction by the gateway's own counts: herding
 on stale load) and lor-delayed-corrected (the same delay, correction on); lor-unbudgeted
 (every unit reports at its own rate: no report budget, no report_min_interval_s) and
@@ -85,7 +87,8 @@ QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
                 "lor-as-at-1000", "lor-2gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
-                "prefix-guess-2gw", "prefix-guess-3gw", "latency")  # fmt: skip
+                "prefix-guess-2gw", "prefix-guess-3gw", "latency",
+                "latency-goodput")  # fmt: skip
 # -Ngw: N gateway replicas, each with its own index and counts; clients spread over them
 REPLICATED = re.compile(r"(.+)-([23])gw")
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
@@ -170,6 +173,15 @@ class BenchSettings:
             ],
             "lor-as-at-1000": ["--policy", "lor", "--report-budget", f"{self.units / 4:g}"],
             "latency": ["--policy", "latency", "--slo-ttft", f"{self.slo_ttft_s:g}"],
+            # past the objective everywhere: to the unit predicted slowest
+            "latency-goodput": [
+                "--policy",
+                "latency",
+                "--slo-ttft",
+                f"{self.slo_ttft_s:g}",
+                "--latency-goodput",
+                "true",
+            ],
         }.get(policy, ["--policy", policy])
 
 

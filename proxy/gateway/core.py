@@ -337,7 +337,7 @@ class GatewayCore:
             if last is not None:  # a retry or migration happens once a unit takes it
                 self._counted(last, unit)
             self._count(self._routed, self._metrics.routed, unit.id)
-            ahead = router.ahead(unit) if learns else 0
+            sent = router.sent(unit, want, job) if learns else None
             health = Outcome.CANCELLED  # unless the attempt says otherwise: the client left
             on_unit = self._on_unit.get(unit.id)
             if on_unit is None:
@@ -356,10 +356,9 @@ class GatewayCore:
                 if health is Outcome.CANCELLED:
                     health = self._gave_up(unit, job)
                 self._router.release(unit, health)
-            if learns and health is Outcome.OK:
-                ttft_s = job.first_token_s()
-                if ttft_s > 0.0:
-                    router.answered(unit, want, ahead, ttft_s, job.per_token_s())
+                if sent is not None:  # out of the unit's unstarted work, its TTFT learnt
+                    ok = health is Outcome.OK
+                    router.answered(unit, want, sent, ok, job.per_token_s() if ok else -1.0)
             if result.next is Next.DONE:
                 if result.error is not None:
                     await job.give_up(result)  # the attempt ended the request with an error

@@ -3,23 +3,27 @@
 A unit's time to first token (TTFT) is modelled as linear in what the request finds
 there when it is sent:
 
-    ttft = a + b * ahead + c * prompt_kchars + q * queued
+    ttft = a + b * ahead + c * prefill_kchars + q * wait
 
 ``ahead``: the requests the unit already holds (its estimated outstanding, before this
-one: their prefill and decode share the engine's steps with it); ``prompt_kchars``: the
-part of the prompt the unit must prefill, in thousands of characters (the part its KV
-cache is not known to hold); ``queued``: how many of those ahead, and this one, wait
-for a batch slot (past the most requests its reports ever showed running: the
-engine's slots). ``a`` is the unit's fixed cost (network, scheduling, a short
-prefill), ``b`` what each request ahead adds to a step, ``c`` its prefill speed, ``q``
-what each request waiting for a slot adds (a running one must finish first).
+one: their prefill and decode share the engine's steps with it); ``prefill_kchars``:
+the prefill work before this request's first token, in thousands of characters: the
+part of its own prompt the unit must prefill (the part its KV cache is not known to
+hold) and the same of every request sent there earlier that has no first token yet
+(``Sent``: an engine prefills first come, first served, so their prompts go first);
+``wait``: the wait for a batch slot, as the caller reckons it: the policy, from the
+output each running request has left (``slot_wait``: when every slot is taken, the
+request starts when one ends), in s, so that ``q`` is near 1 (a count of the requests
+waiting serves too, with ``holds``'s turnover 1). ``a`` is the unit's fixed cost
+(network, scheduling, a short prefill), ``b`` what each request ahead adds to a step,
+``c`` its prefill speed, ``q`` what the wait adds.
 
 Its time per output token (TPOT) after the first, linear in the batch it decodes in:
 
     tpot = d + e * (ahead + 1)
 
 ``Regression`` fits (a, b, c, q), and (d, e), by recursive least squares with forgetting: each
-observation costs a few dozen multiplications, there is nothing to store but a 3x3
+observation costs a few dozen multiplications, there is nothing to store but a 4x4
 matrix, and old observations fade with time (``half_life_s`` on the injected clock),
 so a unit that slows down (or is replaced) is learnt again in a few half-lives. A unit
 is ``warm`` once it has ``WARM`` observations; before that it has no prediction. (Plain classes, compiled by mypyc: one call per answered attempt.)
@@ -28,10 +32,10 @@ is ``warm`` once it has ``WARM`` observations; before that it has no prediction.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 WARM = 5  # observations before a unit's own fit is trusted
 PRIOR = 1000.0  # the initial covariance: the coefficients are unknown
-MAX_TRACE = 1e6  # the covariance is scaled back past this (no wind-up while idle)
 MIN_FORGET = 0.8  # however long since the last observation, keep this much of the past
 MAX_FORGET = 0.999  # however soon, forget this much: a flood still adapts
 KCHARS = 0.001  # prompt characters to thousands
@@ -77,15 +81,19 @@ class Regression:
         for i in range(DIMS):
             t[i] += k[i] * err
         # P = (P - k (P x)^T) / forget; P is symmetric, so (P x)^T = x^T P.
-        trace = 0.0
         for i in range(DIMS):
             for j in range(DIMS):
                 p[i * DIMS + j] = (p[i * DIMS + j] - k[i] * px[j]) / forget
-            trace += p[i * (DIMS + 1)]
-        if trace > MAX_TRACE:
-            scale = MAX_TRACE / trace
-            for i in range(DIMS * DIMS):
-                p[i] *= scale
+        # No wind-up: a direction no observation excites (an idle unit's queue, say)
+        # grows by 1 / forget at each; its variance is brought back to PRIOR (row and
+        # column scaled: P stays positive definite), the others' left as they are.
+        for i in range(DIMS):
+            var = p[i * (DIMS + 1)]
+            if var > PRIOR:
+                scale = (PRIOR / var) ** 0.5
+                for j in range(DIMS):
+                    p[i * DIMS + j] *= scale
+                    p[j * DIMS + i] *= scale
         self.n += 1
 
     @property
@@ -93,10 +101,63 @@ class Regression:
         return self.n >= WARM
 
 
-def queued(ahead: float, slots: int) -> float:
-    """How many of the ``ahead`` requests and this one wait for a batch slot of an
-    engine with ``slots`` (0 when unknown: every one)."""
-    return max(0.0, ahead + 1.0 - slots)
+class Timed(Protocol):
+    """An attempt, as far as the model asks: its first token's time once it came."""
+
+    def first_token_s(self) -> float:
+        """Seconds from the attempt's start to its first token; -1 until it came."""
+
+
+class Sent:
+    """One attempt sent to a unit, as the model saw it then: what it found there
+    (``ahead``, ``prefill_chars`` before its first token, ``own_chars`` of its own,
+    the ``wait`` for a slot), the TTFT predicted for it (-1: the unit was not warm), and
+    the attempt (its first token's time), and the output it asked for. It stays in its
+    unit's ledger until the attempt ends."""
+
+    __slots__ = ("ahead", "attempt", "observed", "own_chars", "predicted_s", "prefill_chars",
+                 "started_at", "tokens", "unit_id", "wait")  # fmt: skip
+
+    def __init__(
+        self,
+        unit_id: str,
+        attempt: Timed,
+        ahead: float,
+        prefill_chars: float,
+        own_chars: float,
+        wait: float,
+        predicted_s: float,
+        tokens: float,
+    ):
+        self.unit_id = unit_id
+        self.attempt = attempt
+        self.ahead = ahead
+        self.prefill_chars = prefill_chars
+        self.own_chars = own_chars
+        self.wait = wait
+        self.predicted_s = predicted_s
+        self.tokens = tokens  # the output it asked for (max_tokens; a mean if it gave none)
+        self.observed = False  # its TTFT went to the fit
+        self.started_at = -1.0  # when its first token was seen (the policy's clock)
+
+
+def slot_wait(left_s: list[float], unstarted: int, slots: int, turnover_s: float) -> float:
+    """The wait for a batch slot of a request sent now to an engine of ``slots`` (0: not
+    known, no wait reckoned) whose running requests have ``left_s`` s of output each to
+    make, with ``unstarted`` requests before it that have no first token yet: they take
+    the free slots first, then the k-th of them past those starts when the k-th running
+    one ends; past the running ones, each waits ``turnover_s`` more (a slot's turnover).
+    Sorts ``left_s``."""
+    if slots <= 0:
+        return 0.0
+    behind = unstarted - max(0, slots - len(left_s))  # requests waiting ahead of this one
+    if behind < 0:
+        return 0.0
+    left_s.sort()
+    if behind < len(left_s):
+        return left_s[behind]
+    last = left_s[-1] if left_s else 0.0
+    return last + (behind - len(left_s) + 1) * turnover_s
 
 
 class Latencies:
@@ -125,27 +186,34 @@ class Latencies:
         fit = self.units.get(unit_id)
         return fit is not None and fit.warm
 
-    def predict(self, unit_id: str, ahead: float, chars: float, slots: int = 0) -> float:
+    def predict(self, unit_id: str, ahead: float, chars: float, wait: float = 0.0) -> float:
         """The unit's predicted TTFT in s (-1 when it is not warm), never below 0."""
         fit = self.units.get(unit_id)
         if fit is None or not fit.warm:
             return -1.0
-        return max(0.0, fit.predict(ahead, chars * KCHARS, queued(ahead, slots)))
+        return max(0.0, fit.predict(ahead, chars * KCHARS, wait))
 
     def observe(
-        self, unit_id: str, ahead: float, chars: float, ttft_s: float, slots: int = 0
+        self,
+        unit_id: str,
+        ahead: float,
+        chars: float,
+        ttft_s: float,
+        wait: float = 0.0,
+        own_chars: float = -1.0,
     ) -> None:
         """An attempt on the unit got its first token ``ttft_s`` after it was sent, with
-        ``ahead`` requests there and ``chars`` prompt characters to prefill, on an engine
-        of ``slots`` batch slots (0: not known)."""
+        ``ahead`` requests there and ``chars`` prompt characters to prefill before its
+        first token (``own_chars`` of them its own; -1: all), ``wait`` reckoned for a
+        batch slot."""
         fit = self.of(unit_id)
         kchars = chars * KCHARS
-        wait = queued(ahead, slots)
         if fit.warm and ttft_s > 0.0 and self.on_error is not None:
             predicted = max(0.0, fit.predict(ahead, kchars, wait))
             self.on_error(abs(predicted - ttft_s) / ttft_s)
         fit.update(ahead, kchars, ttft_s, self._clock(), wait)
-        self.mean_kchars += 0.05 * (kchars - self.mean_kchars)
+        own = kchars if own_chars < 0.0 else own_chars * KCHARS
+        self.mean_kchars += 0.05 * (own - self.mean_kchars)
 
     def observe_tpot(self, unit_id: str, ahead: float, per_token_s: float) -> None:
         """The attempt's stream came ``per_token_s`` per token after its first, in a
@@ -164,21 +232,31 @@ class Latencies:
         return max(0.0, fit.predict(ahead + 1.0, 0.0))
 
     def holds(
-        self, unit_id: str, slo_ttft_s: float, slo_tpot_s: float, capacity: int, slots: int = 0
+        self,
+        unit_id: str,
+        slo_ttft_s: float,
+        slo_tpot_s: float,
+        capacity: int,
+        slots: int = 0,
+        turnover: float = 1.0,
     ) -> float:
         """How many requests the unit can hold with a request of the fleet's mean prompt
         still predicted to start within ``slo_ttft_s`` and to stream within
         ``slo_tpot_s`` (0: no such objective): at most ``capacity``, and ``capacity``
-        by an objective whose fit is not warm (nothing learnt says otherwise)."""
+        by an objective whose fit is not warm (nothing learnt says otherwise). Past the
+        ``slots``, each request waiting adds ``turnover`` to the wait (a count: 1; in s:
+        the time a slot takes to free, the mean request's decode over the slots)."""
         most = float(capacity)
         fit = self.units.get(unit_id)
         if fit is not None and fit.warm and slo_ttft_s > 0.0:
             a, b, c, q = fit.theta
             spare = slo_ttft_s - a - c * self.mean_kchars
-            # n requests: n - 1 ahead of the one arriving; past the slots, q each waiting
+            # n requests: n - 1 ahead of the one arriving; past the slots, q x turnover
+            # each waiting
             n = _most(spare, b, 1.0)
-            if slots <= 0 or n > slots:
-                n = _most(spare + b + q * slots, b + q, 0.0)
+            if slots > 0 and n > slots:
+                qt = q * turnover
+                n = _most(spare + b + qt * slots, b + qt, 0.0)
             most = min(most, n)
         fit = self.tpot.get(unit_id)
         if fit is not None and fit.warm and slo_tpot_s > 0.0:

@@ -57,6 +57,9 @@ class Want:
     tenant: str = ""  # "": no tenants configured
     rank: int = STANDARD  # its priority class's rank in PRIORITIES (lower goes first)
     cost: int = 0  # tokens it is estimated to take (prompt + max_tokens); 0 without tenants
+    # The output it asks for at most (max_tokens; with blocks, a policy that reads
+    # prompts); 0: not given.
+    max_tokens: int = 0
 
     @property
     def priority(self) -> str:
@@ -218,12 +221,14 @@ def passed(headers: Mapping[str, str], traced: bool = False) -> dict[str, str]:
 
 def for_tenant(want: Want, tenant: str, priority: str, cost: int) -> Want:
     """``want`` of a request admitted for ``tenant`` in class ``priority``."""
-    return Want(want.model, want.blocks, want.chars, want.unit, tenant, RANK[priority], cost)
+    return Want(want.model, want.blocks, want.chars, want.unit, tenant, RANK[priority], cost,
+                want.max_tokens)  # fmt: skip
 
 
 def pinned(want: Want, unit: str) -> Want:
     """``want``, to go only to ``unit``."""
-    return Want(want.model, want.blocks, want.chars, unit, want.tenant, want.rank, want.cost)
+    return Want(want.model, want.blocks, want.chars, unit, want.tenant, want.rank, want.cost,
+                want.max_tokens)  # fmt: skip
 
 
 def json_want(body: bytes, blocks: Blocks | None) -> Want:
@@ -240,7 +245,9 @@ def json_want(body: bytes, blocks: Blocks | None) -> Want:
     if blocks is None:
         return Want(model)
     text = prompt_text(data)
-    return Want(model, blocks(text), len(text))
+    most = data.get("max_completion_tokens", data.get("max_tokens"))
+    most = most if isinstance(most, int) and most > 0 else 0
+    return Want(model, blocks(text), len(text), max_tokens=most)
 
 
 def grpc_want(request: bytes, blocks: Blocks | None) -> Want:
@@ -259,7 +266,8 @@ def grpc_want(request: bytes, blocks: Blocks | None) -> Want:
         text = prompt_text({"prompt": list(req.prompt_token_ids.ids)})
     else:
         text = req.prompt
-    return Want(req.model or None, blocks(text), len(text))
+    most = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else 0
+    return Want(req.model or None, blocks(text), len(text), max_tokens=most)
 
 
 def prompt_text(body: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.errors import NotFound, Overloaded, Unavailable
 from proxy.gateway.fairqueue import FairQueue, Waiter
+from proxy.gateway.latency import Sent, Timed
 from proxy.gateway.policies.base import Candidates, Policy, Shared, create
 from proxy.gateway.request import NO_WANT, Want
 from proxy.gateway.units import AS_REPORTED, CORRECTED, LoadView, Unit, reason
@@ -400,13 +401,18 @@ class Router:
         """The requests ``unit`` holds besides one just started there (``pick``)."""
         return max(0, self.view.estimate(unit) - 1)
 
+    def sent(self, unit: Unit, want: Want, attempt: Timed) -> Sent | None:
+        """An attempt is sent to ``unit`` (just acquired there): for a policy that
+        ``learns``, what it noted (its predicted TTFT: ``Sent.predicted_s``)."""
+        return self.policy.sent(unit, want, attempt)
+
     def answered(
-        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float = -1.0
+        self, unit: Unit, want: Want, sent: Sent, ok: bool, per_token_s: float = -1.0
     ) -> None:
-        """An attempt on ``unit`` (sent with ``ahead`` requests there) got its first
-        token after ``ttft_s`` and the next ones ``per_token_s`` apart (-1: not
-        known): for a policy that ``learns``."""
-        self.policy.answered(unit, want, ahead, ttft_s, per_token_s)
+        """The attempt ``sent`` on ``unit`` ended (``ok``: the unit answered), its
+        tokens after the first ``per_token_s`` apart (-1: not known): for a policy
+        that ``learns``."""
+        self.policy.answered(unit, want, sent, ok, per_token_s)
 
     def saturation(self) -> float:
         """The fleet's load against what it can hold within the latency objective:

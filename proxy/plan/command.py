@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
 from typing import TextIO
 
+from proxy.plan.measure import MeasureError, Shape, measure
 from proxy.plan.planner import Objectives, Plan, Trial, plan, table
 from proxy.plan.workload import Request, TraceError, Traffic, parse_lengths, read_trace
 from proxy.settings import PlanSettings, Settings
@@ -44,11 +46,25 @@ def run_plan(settings: Settings, out: TextIO | None = None) -> int:
             verdict = "meets" if trial.meets else "misses"
             print(f"  {trial.units} units: {verdict} ({trial.wall_s:.1f} s)", file=sys.stderr)
 
+    sim, shape = settings.engine.sim, None
+    if p.measure_url is not None:
+        if not p.json_output:
+            print(f"  measuring the unit at {p.measure_url} ...", file=sys.stderr)
+        try:
+            shape = asyncio.run(measure(p.measure_url, p.measure_api_key))
+        except MeasureError as exc:
+            print(f"unitproxy: plan.measure_url: {exc}", file=sys.stderr)
+            return 1
+        sim = sim.model_copy(update=shape.knobs())
+        if not p.json_output:
+            print(f"  measured: {describe(shape)}", file=sys.stderr)
     capacity = settings.sidecar.capacity
+    if capacity is None and shape is not None and shape.capacity > 0:
+        capacity = shape.capacity  # the measured unit's own admission limit
     if capacity is None:  # a simulator unit's own default: its engine's slots
-        capacity = settings.engine.sim.max_num_seqs
+        capacity = sim.max_num_seqs
     result = plan(
-        settings.engine.sim,
+        sim,
         capacity,
         requests,
         objectives,
@@ -61,6 +77,8 @@ def run_plan(settings: Settings, out: TextIO | None = None) -> int:
     if p.json_output:
         data = result.to_json()
         data["objectives"] = objectives.__dict__
+        if shape is not None:
+            data["measured"] = shape.to_json()
         if p.plot_file is not None:
             data["plot"] = str(p.plot_file) if plotted is None else None
             data["plot_skipped"] = plotted
@@ -70,6 +88,17 @@ def run_plan(settings: Settings, out: TextIO | None = None) -> int:
         if p.plot_file is not None:
             print(plotted or f"plot: {p.plot_file}", file=out)
     return 0 if result.units is not None else 1
+
+
+def describe(shape: Shape) -> str:
+    """The measured shape as the --sim-* flags that would give it."""
+    return (
+        f"--sim-max-num-seqs {shape.max_num_seqs} "
+        f"--sim-prefill-ms-per-token {shape.prefill_ms_per_token:g} "
+        f"--sim-decode-step-ms {shape.decode_step_ms:g} "
+        f"--sim-decode-ms-per-seq {shape.decode_ms_per_seq:g} "
+        f"(capacity {shape.capacity}; {shape.wall_s:g} s)"
+    )
 
 
 def draw(result: Plan, objectives: Objectives, path: Path) -> str | None:

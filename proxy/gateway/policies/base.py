@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
+from proxy.gateway.latency import Sent, Timed
 from proxy.gateway.request import Want
 from proxy.gateway.units import LoadView, Unit
 from proxy.load import LoadReport
@@ -130,12 +131,15 @@ class Policy:
         """The unit's estimated load changed: a request started or finished there, or a
         report applied."""
 
-    def answered(
-        self, unit: Unit, want: Want, ahead: int, ttft_s: float, per_token_s: float
-    ) -> None:
-        """(With ``learns``.) An attempt on ``unit`` got its first token ``ttft_s``
-        after it was sent, when the unit held ``ahead`` other requests, and the next
-        ones ``per_token_s`` apart (-1: not known)."""
+    def sent(self, unit: Unit, want: Want, attempt: Timed) -> Sent | None:
+        """(With ``learns``.) An attempt of the request is sent to ``unit`` now (counted
+        there): what the policy noted of it, handed back to ``answered``."""
+        return None
+
+    def answered(self, unit: Unit, want: Want, sent: Sent, ok: bool, per_token_s: float) -> None:
+        """(With ``learns``.) The attempt ``sent`` on ``unit`` ended (``ok``: answered;
+        its first token's time is the attempt's), its tokens after the first
+        ``per_token_s`` apart (-1: not known)."""
 
     def predicted_ttft(self, unit: Unit, want: Want, ahead: int) -> float:
         """The TTFT in s the policy predicts for ``want`` on ``unit`` with ``ahead``
