@@ -187,13 +187,24 @@ class SidecarCore:
         resumed request that another unit delivered, counted in the usage as completion
         tokens rather than prompt tokens. Always releases ``lease``.
         """
-        if self.held is not None:
-            self.held.expect(request, *self.engine.prompt_blocks(request))
         try:
+            await self.expect_blocks(request)
             async with self.tracked(lease, deadline):
                 return await self._generate(lease, request, route, emit, delivered_tokens)
         finally:
             self.finish(lease, route)
+
+    async def expect_blocks(self, request: EngineRequest) -> None:
+        """Before the engine gets ``request``: note which of its prompt's chunks each
+        engine block covers, so that the KV cache events that follow name them."""
+        if self.held is None:
+            return
+        try:
+            text, spans = await self.engine.find_prompt_blocks(request)
+        except Exception as exc:  # the prompt is not the engine's to name: nothing held
+            log.debug("unit %s: prompt blocks not found: %s", self.unit_id, exc)
+            return
+        self.held.expect(request, text, spans)
 
     @asynccontextmanager
     async def tracked(self, lease: Lease, deadline: float | None) -> AsyncIterator[None]:
