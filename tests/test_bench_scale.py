@@ -123,6 +123,14 @@ def test_emulated_units_report_their_prefix_blocks_as_a_sidecar_s_change_stream(
     assert len(blocks.added) == len(blocks.removed) > 0
     assert set(blocks.removed) <= set(first.prefix_blocks.added)
     assert emulated_fleet("--units", "1").units[0].report().prefix_blocks is None
+    # More stores than the set holds: a reader from before gets the whole new set.
+    held = unit.held
+    assert held is not None
+    at = held.seq
+    held.store(f.rng, 200)
+    assert held.seq == at + 2 * 200 and len(held) == 64
+    again = held.delta(blocks.epoch, at)
+    assert again.full and not set(again.added) & set(blocks.added)
 
 
 @pytest.mark.slow

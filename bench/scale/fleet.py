@@ -88,7 +88,15 @@ class EmulatedHeld(HeldChunks):
     """A unit's held chunks, moved by requests' stores instead of an engine's events."""
 
     def store(self, rng: random.Random, n: int) -> None:
-        for _ in range(n):
+        # Past max_blocks stores the whole set is new: the stores before the last
+        # max_blocks are evicted again before anyone reads them. They are numbered (2
+        # changes each) but not played, and the log is emptied, so that a reader from
+        # before gets the whole set, as from a sidecar whose log they overran.
+        skipped = max(0, n - self.max_blocks)
+        if skipped:
+            self.seq += 2 * skipped
+            self._log.clear()
+        for _ in range(n - skipped):
             self._add(rng.getrandbits(64))
 
 
