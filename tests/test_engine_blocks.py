@@ -157,6 +157,21 @@ def test_a_gateways_view_applies_only_changes_that_follow_on() -> None:
     assert [d for d, _ in view.matches([1, 2])] == [1]
 
 
+def test_a_block_two_units_hold_stays_matched_when_one_lets_it_go() -> None:
+    view = EngineBlocks(512)
+    assert view.apply("a", PrefixBlocks(1, 0, 3, True, (5, 6, 7), (), 512))
+    assert view.apply("b", PrefixBlocks(2, 0, 2, True, (5, 6), (), 512))
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6, 7])] == [(3, ["a"]), (2, ["b"])]
+    # a removes 6 and 7 (and names 9, which it never held), adds 8 and 5 again
+    assert view.apply("a", PrefixBlocks(1, 3, 7, False, (8, 5), (6, 7, 9), 512))
+    assert view.held("a") == {5, 8} and view.held("b") == {5, 6}
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6, 7])] == [(2, ["b"]), (1, ["a"])]
+    assert view.apply("b", PrefixBlocks(2, 2, 4, False, (), (5, 6), 512))
+    assert [(d, u) for d, u in view.matches([5, 6])] == [(1, ["a"])]
+    view.forget("a")
+    assert list(view.matches([5, 6, 8])) == []
+
+
 @pytest.fixture
 async def cluster() -> AsyncIterator[str]:
     client = Redis.from_url(REDIS_URL, socket_timeout=2, decode_responses=True)
