@@ -288,3 +288,16 @@ async def test_a_redis_reader_that_missed_a_message_rereads_the_whole_set(
         await wait_until(lambda: frozenset(policy.engine.held("u0")) == want,
                          what="the whole set re-read")  # fmt: skip
         assert want and json.loads(stale.to_json())["prefix_blocks"]["full"] is False
+
+
+@pytest.mark.parametrize("bad", [True, -1, 1 << 64, "1", 1.0])
+def test_a_report_naming_a_block_that_is_not_a_64_bit_number_is_refused(bad: Any) -> None:
+    good = PrefixBlocks(1, 0, 2, False, (5, 1 << 63), (7,), 512)
+    report = LoadReport("u", UnitState.SERVING, 0, 1, seq=1, prefix_blocks=good)
+    data = json.loads(report.to_json())
+    assert LoadReport.from_dict(data) == report
+    for side in ("added", "removed"):
+        data["prefix_blocks"][side] = [5, bad]
+        with pytest.raises(TypeError, match="not a 64-bit unsigned number"):
+            LoadReport.from_dict(data)
+        data["prefix_blocks"][side] = [5]
