@@ -273,6 +273,7 @@ class KVEventNames:
 
     def __init__(self) -> None:
         self._keys: dict[Any, int] = {}  # vLLM's block hash -> block_key
+        self.block_size = 0  # tokens per block, as the engine core's events say
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -305,7 +306,7 @@ class KVEventNames:
         if getattr(event, "lora_name", None) or getattr(event, "lora_id", None):
             return None  # an adapter's blocks: the same tokens are not the same KV
         extra = getattr(event, "extra_keys", None) or ()
-        size = int(event.block_size)
+        size = self.block_size = int(event.block_size)
         parent_hash = event.parent_block_hash
         parent = None if parent_hash is None else self._keys.get(parent_hash)
         if parent_hash is not None and parent is None:
@@ -469,7 +470,10 @@ class VllmEngine(Engine):
             self._rendered[id(request)] = (request, ids)
             while len(self._rendered) > _MAX_RENDERED:
                 self._rendered.popitem(last=False)
-        return text, token_blocks(ids, ends, self._block_size)
+        # the engine core's block size once its events said it (the attention backend
+        # may have chosen another than the configuration shows here)
+        size = self._kv_names.block_size or self._block_size
+        return text, token_blocks(ids, ends, size)
 
     async def _read_kv_events(self, socket: Any, decode: Callable[[bytes], Any]) -> None:
         """Each batch vLLM publishes, in order, renamed, to the listener. A batch
@@ -501,6 +505,13 @@ class VllmEngine(Engine):
             events.extend(self._kv_names.translate(batch.events))
             if events:
                 listener(events)
+
+    async def _stop_kv_reader(self) -> None:
+        if self._kv_reader is not None:
+            self._kv_reader.cancel()
+            await asyncio.wait([self._kv_reader])
+            self._kv_reader = None
+        self._kv_names = KVEventNames()
 
     def _start_kv_reader(self, built: _Vllm) -> None:
         if self._kv_listener is None or self._kv_endpoint is None:
@@ -550,6 +561,7 @@ class VllmEngine(Engine):
             self._start_kv_reader(built)
             self.frontend = await self._frontend(built)
         except BaseException:
+            await self._stop_kv_reader()
             await _shutdown(built)
             raise
         self._vllm = built
@@ -642,11 +654,7 @@ class VllmEngine(Engine):
         if self._chat_thread is not None:
             self._chat_thread.shutdown(wait=False, cancel_futures=True)
         self.frontend = None
-        if self._kv_reader is not None:
-            self._kv_reader.cancel()
-            await asyncio.wait([self._kv_reader])
-            self._kv_reader = None
-        self._kv_names = KVEventNames()
+        await self._stop_kv_reader()
         self._rendered.clear()
         await _shutdown(built)
         # Shut down and let go: the worker thread's frame that built it may still hold

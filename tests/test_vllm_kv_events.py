@@ -222,6 +222,7 @@ def test_vllms_block_hashes_are_renamed_by_their_tokens_as_a_prompt_is_cut() -> 
     assert spans == [(k1, 2), (k2, 4)]
     out = names.translate([stored([b"a"], None, [5, 6]), stored([b"b"], b"a", [7, 8])])
     assert out == [BlockStored((k1,), None, 2), BlockStored((k2,), k1, 2)]
+    assert names.block_size == 2  # as the engine core's events say it
     # A block after one never named here cannot be named either.
     assert names.translate([stored([b"z"], b"unknown", [1, 2])]) == []
     # An offloading tier's copy is not what a prefill finds.
