@@ -143,6 +143,11 @@ class Engine(abc.ABC):
         ends. ("", []) when the engine cannot tell (a prompt of token ids, say)."""
         return "", []
 
+    async def find_prompt_blocks(self, request: EngineRequest) -> tuple[str, list[tuple[int, int]]]:
+        """``prompt_blocks``, for an engine that needs its tokenizer to tell (vLLM): it
+        runs off the event loop there."""
+        return self.prompt_blocks(request)
+
     @abc.abstractmethod
     async def start(self) -> None: ...
 

@@ -14,6 +14,17 @@ ranks summed) and ``stats`` combines it with the requests this process has in fl
 a request aborted while the engine is idle produces no further step, and the count of
 our own in-flight requests is what brings running and waiting back to 0 at once.
 
+Prefix blocks (``subscribe_kv_events``, ``find_prompt_blocks``): vLLM's KV cache events
+(``kv_events_config``), published by its scheduler on a ZMQ socket, are read on a
+loopback IPC socket of this process's own (a ``kv_events_config`` in ``engine_args``
+is kept and read where it binds). vLLM names a block by a hash this process cannot
+recompute (seeded in the engine core); its ``BlockStored`` event carries the block's
+token ids and its parent, so each block is renamed here by a hash chained over its
+tokens (``block_key``), which ``find_prompt_blocks`` computes from the prompt's token ids
+as the tokenizer cuts them, each block's end found in the prompt text through the
+tokenizer's offsets. Blocks of a LoRA adapter, of multimodal or salted prompts (vLLM's
+``extra_keys``), of another KV cache group or off the device are not named.
+
 Errors: start-up failures become one ``EngineUnavailable`` (bad configuration, vLLM
 missing) or ``EngineError`` (the engine did not come up) with the cause in one line;
 per request, vLLM's validation errors become ``InvalidRequest``, its queue rejections
@@ -29,7 +40,10 @@ import inspect
 import itertools
 import logging
 import os
-from collections.abc import AsyncGenerator
+import secrets
+import tempfile
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -39,11 +53,13 @@ from engine import EngineUnavailable
 from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, TokenDelta
 from engine.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
 from engine.frontend import OpenAIFrontend
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
 from engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 600  # characters of a cause kept in a one-line error
+_MAX_RENDERED = 256  # chat prompts rendered for their blocks, kept for their generate
 
 
 def one_line(exc: BaseException) -> str:
@@ -232,6 +248,103 @@ def stat_logger_class(view: SchedulerView) -> type:
     return SchedulerRecorder
 
 
+# -- KV cache events --------------------------------------------------------------------
+
+
+def block_key(parent: int | None, tokens: Sequence[int]) -> int:
+    """A block's name in this process: chained over its tokens and every block before
+    it, as vLLM's own block hash is (which this process cannot recompute)."""
+    return hash((parent, tuple(tokens)))
+
+
+def token_blocks(ids: Sequence[int], ends: Sequence[int], block_size: int) -> list[tuple[int, int]]:
+    """Each full block of ``ids``: its ``block_key`` and the end, in the prompt text,
+    of its last token (``ends[i]``: where token i ends, never before an earlier one)."""
+    spans: list[tuple[int, int]] = []
+    parent: int | None = None
+    for stop in range(block_size, len(ids) + 1, block_size):
+        parent = block_key(parent, ids[stop - block_size : stop])
+        spans.append((parent, ends[stop - 1]))
+    return spans
+
+
+def token_ends(offsets: Sequence[Sequence[int]]) -> list[int]:
+    """Where each token ends in the text, from the tokenizer's offsets mapping (a
+    special token's (0, 0) ends where the one before it did)."""
+    ends: list[int] = []
+    end = 0
+    for pair in offsets:
+        end = max(end, int(pair[1]))
+        ends.append(end)
+    return ends
+
+
+class KVEventNames:
+    """vLLM's KV cache events with each block renamed by ``block_key``: vLLM's hash of
+    every block the engine holds maps to its key here."""
+
+    def __init__(self) -> None:
+        self._keys: dict[Any, int] = {}  # vLLM's block hash -> block_key
+        self.block_size = 0  # tokens per block, as the engine core's events say
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def translate(self, events: Sequence[Any]) -> list[KVEvent]:
+        """One batch of vLLM's events (``vllm.distributed.kv_events``) in our terms."""
+        out: list[KVEvent] = []
+        for event in events:
+            name = type(event).__name__
+            if name == "AllBlocksCleared":
+                self._keys.clear()
+                out.append(AllBlocksCleared())
+            elif not _named_medium(event):
+                continue
+            elif name == "BlockStored":
+                stored = self._stored(event)
+                if stored is not None:
+                    out.append(stored)
+            elif name == "BlockRemoved":
+                gone = tuple(
+                    key
+                    for key in (self._keys.pop(h, None) for h in event.block_hashes)
+                    if key is not None
+                )
+                if gone:
+                    out.append(BlockRemoved(gone))
+        return out
+
+    def _stored(self, event: Any) -> BlockStored | None:
+        if getattr(event, "lora_name", None) or getattr(event, "lora_id", None):
+            return None  # an adapter's blocks: the same tokens are not the same KV
+        extra = getattr(event, "extra_keys", None) or ()
+        size = self.block_size = int(event.block_size)
+        parent_hash = event.parent_block_hash
+        parent = None if parent_hash is None else self._keys.get(parent_hash)
+        if parent_hash is not None and parent is None:
+            return None  # follows a block not named here: neither can these be
+        keys: list[int] = []
+        key = parent
+        tokens = event.token_ids
+        for i, block in enumerate(event.block_hashes):
+            if i < len(extra) and extra[i]:
+                break  # multimodal or salted: more than its tokens
+            chunk = tokens[i * size : (i + 1) * size]
+            if len(chunk) < size:
+                break
+            key = block_key(key, chunk)
+            self._keys[block] = key
+            keys.append(key)
+        return BlockStored(tuple(keys), parent, size) if keys else None
+
+
+def _named_medium(event: Any) -> bool:
+    """The device's cache of the first KV cache group (an offloading tier's copies and
+    a hybrid model's other groups are not what a request finds at prefill)."""
+    medium = getattr(event, "medium", None)
+    return medium in (None, "GPU") and getattr(event, "group_idx", None) in (None, 0)
+
+
 # -- requests ---------------------------------------------------------------------------
 
 
@@ -300,6 +413,8 @@ class _Vllm:
     sampling_cls: Any
     delta_kind: Any
     tokenizer: Any = None
+    kv_context: Any = None  # the zmq context and socket that read vLLM's KV events
+    kv_socket: Any = None
 
 
 class VllmEngine(Engine):
@@ -318,6 +433,14 @@ class VllmEngine(Engine):
         # One thread renders chat templates: off the loop, and never two at once on
         # one tokenizer (HF fast tokenizers are not safe to share between threads).
         self._chat_thread: ThreadPoolExecutor | None = None
+        # KV cache events: who is told, where vLLM publishes them, the reader's task.
+        self._kv_listener: KVEvents | None = None
+        self._kv_endpoint: str | None = None
+        self._kv_reader: asyncio.Task[None] | None = None
+        self._kv_names = KVEventNames()
+        self._block_size = 0
+        # Token ids find_prompt_blocks rendered for a chat request, for its generate.
+        self._rendered: OrderedDict[int, tuple[EngineRequest, list[int]]] = OrderedDict()
 
     @property
     def scheduler_view(self) -> SchedulerView:
@@ -328,6 +451,102 @@ class VllmEngine(Engine):
     def async_llm(self) -> Any:
         """The embedded AsyncLLM (tests and debugging); None when not started."""
         return None if self._vllm is None else self._vllm.engine
+
+    # -- prefix blocks ----------------------------------------------------------------
+
+    def subscribe_kv_events(self, listener: KVEvents) -> bool:
+        """vLLM's KV cache events, from the next start: its own config is set here
+        unless ``engine_args`` has one (then read where it binds, if it does)."""
+        endpoint = kv_events_endpoint(self._kwargs)
+        if endpoint is None:
+            return False
+        self._kv_listener, self._kv_endpoint = listener, endpoint
+        return True
+
+    async def find_prompt_blocks(self, request: EngineRequest) -> tuple[str, list[tuple[int, int]]]:
+        """The prompt's text as the engine gets it (the chat template rendered) and its
+        full blocks, by the model's tokenizer on the chat template's thread."""
+        built = self._vllm
+        if (
+            built is None
+            or self._kv_listener is None
+            or self._block_size <= 0
+            or request.prompt_token_ids is not None
+            or (request.model not in (None, self.model_name))
+        ):
+            return "", []
+        loop = asyncio.get_running_loop()
+        render = functools.partial(_prompt_tokens_and_ends, built.tokenizer, request)
+        text, ids, ends = await loop.run_in_executor(self._chat_thread, render)
+        if request.messages is not None:
+            self._rendered[id(request)] = (request, ids)
+            while len(self._rendered) > _MAX_RENDERED:
+                self._rendered.popitem(last=False)
+        # the engine core's block size once its events said it (the attention backend
+        # may have chosen another than the configuration shows here)
+        size = self._kv_names.block_size or self._block_size
+        return text, token_blocks(ids, ends, size)
+
+    async def _read_kv_events(self, socket: Any, decode: Callable[[bytes], Any]) -> None:
+        """Each batch vLLM publishes, in order, renamed, to the listener. A batch
+        missed (a gap in vLLM's sequence) empties what the listener holds: it knows
+        nothing it cannot be sure of, and the blocks stored next are named again."""
+        listener = self._kv_listener
+        assert listener is not None
+        expected = 0
+        while True:
+            frames = await socket.recv_multipart()
+            if len(frames) != 3:
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            try:
+                batch = decode(frames[2])
+            except Exception as exc:
+                logger.warning("engine vllm: a KV events batch does not decode: %s", one_line(exc))
+                continue  # a gap at the next one
+            events: list[KVEvent] = []
+            if seq != expected:
+                logger.warning(
+                    "engine vllm: KV events %d..%d were missed; prefix blocks start over",
+                    expected,
+                    seq - 1,
+                )
+                self._kv_names = KVEventNames()
+                events.append(AllBlocksCleared())
+            expected = seq + 1
+            events.extend(self._kv_names.translate(batch.events))
+            if events:
+                listener(events)
+
+    async def _stop_kv_reader(self) -> None:
+        if self._kv_reader is not None:
+            self._kv_reader.cancel()
+            await asyncio.wait([self._kv_reader])
+            self._kv_reader = None
+        self._kv_names = KVEventNames()
+
+    def _start_kv_reader(self, built: _Vllm) -> None:
+        if self._kv_listener is None or self._kv_endpoint is None:
+            return
+        import msgspec  # type: ignore[import-not-found,unused-ignore]
+        import zmq  # type: ignore[import-not-found,unused-ignore]
+        import zmq.asyncio  # type: ignore[import-not-found,unused-ignore]
+        from vllm.distributed.kv_events import (  # type: ignore[import-not-found,unused-ignore]
+            KVEventBatch,
+        )
+
+        config: Any = getattr(built.engine, "vllm_config", None)
+        self._block_size = int(getattr(getattr(config, "cache_config", None), "block_size", 0) or 0)
+        built.kv_context = zmq.asyncio.Context()
+        socket = built.kv_context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(self._kv_endpoint)
+        built.kv_socket = socket
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._kv_reader = asyncio.create_task(
+            self._read_kv_events(socket, decoder.decode), name="vllm kv events"
+        )
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -351,8 +570,10 @@ class VllmEngine(Engine):
             tokenizer = await tokenizer
         built.tokenizer = tokenizer
         try:
+            self._start_kv_reader(built)
             self.frontend = await self._frontend(built)
         except BaseException:
+            await self._stop_kv_reader()
             await _shutdown(built)
             raise
         self._vllm = built
@@ -410,8 +631,11 @@ class VllmEngine(Engine):
             raise EngineUnavailable(f"engine vllm: vLLM does not import: {one_line(exc)}") from exc
         self._check_device(platform_device(current_platform))
         otlp_protocol(self._kwargs)
+        kwargs = dict(self._kwargs)
+        if self._kv_listener is not None and "kv_events_config" not in kwargs:
+            kwargs["kv_events_config"] = _kv_events_config(self._kv_endpoint)
         try:
-            args = AsyncEngineArgs(**self._kwargs)
+            args = AsyncEngineArgs(**kwargs)
         except (TypeError, ValueError) as exc:
             raise EngineUnavailable(f"engine vllm: bad engine arguments: {one_line(exc)}") from exc
         # The AsyncLLM goes straight into _Vllm, never into a local of this frame: a
@@ -443,6 +667,8 @@ class VllmEngine(Engine):
         if self._chat_thread is not None:
             self._chat_thread.shutdown(wait=False, cancel_futures=True)
         self.frontend = None
+        await self._stop_kv_reader()
+        self._rendered.clear()
         await _shutdown(built)
         # Shut down and let go: the worker thread's frame that built it may still hold
         # the _Vllm (see _build), but no longer the AsyncLLM and its zmq contexts.
@@ -572,6 +798,9 @@ class VllmEngine(Engine):
             return {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.messages is None:
             return {"prompt": request.prompt or ""}
+        rendered = self._rendered.pop(id(request), None)
+        if rendered is not None and rendered[0] is request:
+            return {"prompt_token_ids": rendered[1]}
         conversation = [{"role": m.role, "content": m.content} for m in request.messages]
         render = functools.partial(
             _render_chat,
@@ -597,6 +826,10 @@ async def _shutdown(built: _Vllm) -> None:
         await asyncio.wait([handler])
     # shutdown() joins the engine core process (seconds): not on the loop.
     await asyncio.to_thread(built.engine.shutdown)
+    if built.kv_socket is not None:
+        built.kv_socket.close(linger=0)
+        built.kv_context.destroy(linger=0)
+        built.kv_socket = built.kv_context = None
     # vLLM closes its client's sockets (a call it schedules on this loop) but leaves
     # their zmq context to the garbage collector, whenever that comes, and zmq's
     # Context.__del__ then warns that it was never closed: terminated here.
@@ -605,6 +838,36 @@ async def _shutdown(built: _Vllm) -> None:
     if context is not None and not context.closed:
         await asyncio.sleep(0)  # the sockets' close, if still scheduled, first
         await asyncio.to_thread(context.destroy, 0)  # term() blocks: not on the loop
+
+
+def kv_events_endpoint(kwargs: dict[str, Any]) -> str | None:
+    """Where this process reads vLLM's KV cache events: a loopback IPC socket of its
+    own, or, where ``engine_args`` sets ``kv_events_config``, the socket it binds
+    (tcp://*:PORT read on 127.0.0.1). None: no events to read (turned off, published
+    elsewhere, several data-parallel engines, prefix caching off)."""
+    if int(kwargs.get("data_parallel_size", 1) or 1) > 1:
+        return None  # each rank binds its own socket; an IPC path is not offset by rank
+    if kwargs.get("enable_prefix_caching") is False:
+        return None
+    config = kwargs.get("kv_events_config")
+    if config is None:
+        name = f"unitproxy-kv-{os.getpid()}-{secrets.token_hex(4)}"
+        return f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
+    fields = config if isinstance(config, dict) else vars(config)
+    if not fields.get("enable_kv_cache_events") or fields.get("publisher") not in (None, "zmq"):
+        return None
+    endpoint = str(fields.get("endpoint") or "tcp://*:5557")
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return endpoint
+    if endpoint.startswith("tcp://*:") and not endpoint.endswith(":0"):
+        return "tcp://127.0.0.1:" + endpoint.rsplit(":", 1)[1]
+    return None  # the publisher connects out to a subscriber elsewhere
+
+
+def _kv_events_config(endpoint: str | None) -> Any:
+    from vllm.config import KVEventsConfig  # type: ignore[import-not-found,unused-ignore]
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
 
 
 def _check_local_paths(kwargs: dict[str, Any]) -> None:
@@ -626,19 +889,60 @@ def _render_chat(
 ) -> list[int]:
     # Text first, then ids without special tokens, as vLLM's chat server does: the
     # template already holds the BOS it wants, and every tokenizer wrapper has both.
+    text = _chat_text(
+        tokenizer,
+        conversation,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _chat_text(
+    tokenizer: Any,
+    conversation: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
     # A continued final message (a resumed partial answer) opens no new turn.
     if continue_final_message:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=False,
-            continue_final_message=True,
+        return str(
+            tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=False,
+                continue_final_message=True,
+            )
         )
-    else:
-        text = tokenizer.apply_chat_template(
+    return str(
+        tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    )
+
+
+def _prompt_tokens_and_ends(
+    tokenizer: Any, request: EngineRequest
+) -> tuple[str, list[int], list[int]]:
+    """The text the engine prefills for ``request``, its token ids as generate passes
+    them (a chat: the template rendered, no special tokens added; a prompt: as vLLM
+    tokenizes it) and where each token ends in that text."""
+    if request.messages is not None:
+        conversation = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = _chat_text(
+            tokenizer,
+            conversation,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
+    else:
+        text = request.prompt or ""
+    # A chat's text is tokenized as _render_chat does; a prompt, as vLLM's input
+    # processor does (special tokens added, a BOS say).
+    special = request.messages is None
+    encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    return text, list(encoded["input_ids"]), token_ends(encoded["offset_mapping"])
 
 
 def _count_tokens(tokenizer: Any, text: str) -> int:

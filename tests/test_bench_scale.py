@@ -106,3 +106,47 @@ def test_the_redis_publisher_s_schedule_follows_the_asked_interval() -> None:
     schedule.changed(2)
     schedule.changed(2)  # one report for both
     assert sorted(schedule.due(4.5)) == [1, 2]  # unit 2 once, unit 1 its heartbeat
+
+
+def test_emulated_units_report_their_prefix_blocks_as_a_sidecar_s_change_stream() -> None:
+    f = emulated_fleet("--units", "2", "--chunks-per-request", "10", "--held-blocks", "64")
+    unit = f.units[0]
+    first = unit.report()
+    assert first.prefix_blocks is not None and first.prefix_blocks.full
+    assert len(first.prefix_blocks.added) == 64  # starts full
+    f.arrival_rate[0] = 300.0  # a few requests (fewer chunks than held), 10 chunks each
+    f.drawn_at[0] = unit.blocks_at = unit.blocks_at - 0.01
+    later = unit.report((first.prefix_blocks.epoch, first.prefix_blocks.seq))
+    blocks = later.prefix_blocks
+    assert blocks is not None and not blocks.full and blocks.from_seq == first.prefix_blocks.seq
+    # each chunk stored past the bound evicts the oldest: as many removed as added
+    assert len(blocks.added) == len(blocks.removed) > 0
+    assert set(blocks.removed) <= set(first.prefix_blocks.added)
+    assert emulated_fleet("--units", "1").units[0].report().prefix_blocks is None
+    # More stores than the set holds: a reader from before gets the whole new set.
+    held = unit.held
+    assert held is not None
+    at = held.seq
+    held.store(f.rng, 200)
+    assert held.seq == at + 2 * 200 and len(held) == 64
+    again = held.delta(blocks.epoch, at)
+    assert again.full and not set(again.added) & set(blocks.added)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_quick_run_with_prefix_blocks_says_their_bytes_per_unit(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    argv = [sys.executable, "-m", "bench.scale.run", "--quick", "--sizes", "30",
+            "--sources", "watch,redis", "--request-sources", "none", "--policies", "prefix",
+            "--window", "1.5", "--chunks-per-request", "10", "--held-blocks", "128",
+            "--out", str(out)]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert [c["source"] for c in cells] == ["watch", "redis"]
+    for cell in cells:
+        assert "error" not in cell and not cell["gateway_problems"], cell
+        assert cell["chunks_per_request"] == 10 and cell["held_blocks"] == 128, cell
+        assert cell["bytes_per_unit_s"] > 0 and cell["reports_per_s"] > 0, cell
+    assert "prefix blocks reported: 10 chunks stored per request" in done.stdout

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.routing import imbalance, workload  # noqa: E402
+from bench.routing import imbalance, report, workload  # noqa: E402
 from engine.prefix_cache import PrefixCache  # noqa: E402
 from engine.tokens import TokenCounter  # noqa: E402
 
@@ -36,6 +36,51 @@ def test_each_chat_turn_resends_the_history_of_its_conversation() -> None:
     )
     assert extended > 300  # most turns come back as the start of a later one
     assert all(p.startswith("<|system|>\n") and p.endswith("<|assistant|>\n") for p in drawn)
+
+
+def test_agent_sessions_share_one_preamble_and_grow_by_tool_results() -> None:
+    drawn = prompts("agent", 400)
+    preamble = drawn[0].split("<|user|>")[0]
+    assert len(preamble) > 2000 * 4  # 2k tokens of words of about 5 characters
+    assert all(p.startswith(preamble) for p in drawn)  # every session opens with it
+    extended = sum(
+        any(later.startswith(earlier) for later in drawn[i + 1 :])
+        for i, earlier in enumerate(drawn)
+    )
+    assert extended > 250  # most turns come back as the start of the session's next
+    assert max(p.count("<|tool|>") for p in drawn) >= 10  # long sessions
+    assert all(p.endswith("<|assistant|>\n") for p in drawn)
+
+
+def test_a_ramp_says_each_policy_s_knee_ttft_p90_and_success() -> None:
+    def row(
+        policy: str, load: int, tok_s: float, ttfts: list[float], errors: int = 0
+    ) -> report.RunMetrics:
+        m = report.RunMetrics(policy, load, 1.0, 10.0, 10, 1.0, 1.0, None, None, {"1s": 1.0},
+                              {"x": errors} if errors else {}, 0, {}, None)  # fmt: skip
+        m.output_tok_s, m.ttfts_s = tok_s, ttfts
+        return m
+
+    rows = [
+        row("prefix", 50, 500.0, [0.1] * 9 + [0.2]),
+        row("prefix", 90, 900.0, [0.3] * 10),
+        row("prefix-guess", 50, 480.0, [0.2] * 10),
+        row("prefix-guess", 90, 600.0, [2.0] * 10, errors=1),
+        row("sglang-router:cache_aware", 50, 450.0, [0.5] * 10),
+        row("sglang-router:cache_aware", 90, 700.0, [math.inf] * 10),
+    ]
+    ramp = report.ramp(rows)
+    assert ramp["prefix"]["knee_tok_s"] == 900.0 and ramp["prefix"]["knee_load_pct"] == 90
+    assert ramp["prefix"]["ttft_p90_ms"] == 300.0 and ramp["prefix"]["success"] == 1.0
+    assert ramp["prefix-guess"]["success"] == 19 / 20
+    assert math.isinf(ramp["sglang-router:cache_aware"]["ttft_p90_ms"])
+    goal = report.ramp_goal(ramp, ["sglang-router:cache_aware", "vllm-router:cache_aware"])
+    assert goal["by"] == {"vs_guess": True, "vs_peers_tok_s": True, "vs_peers_ttft": True,
+                          "success": True} and goal["met"]  # fmt: skip
+    assert "1.50x (want >= 1.25x): MET" in goal["lines"][0]
+    assert "tok/s@90%" in report.ramp_table(ramp)
+    slower = report.ramp_goal(report.ramp(rows[:2] + rows[2:3]), [])
+    assert slower["by"]["vs_guess"] and len(slower["lines"]) == 2
 
 
 def test_tenants_share_system_prompts_zipf_and_hot() -> None:

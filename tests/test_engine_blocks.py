@@ -154,6 +154,21 @@ def test_a_gateways_view_applies_only_changes_that_follow_on() -> None:
     assert [d for d, _ in view.matches([1, 2])] == [1]
 
 
+def test_a_block_two_units_hold_stays_matched_when_one_lets_it_go() -> None:
+    view = EngineBlocks(512)
+    assert view.apply("a", PrefixBlocks(1, 0, 3, True, (5, 6, 7), (), 512))
+    assert view.apply("b", PrefixBlocks(2, 0, 2, True, (5, 6), (), 512))
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6, 7])] == [(3, ["a"]), (2, ["b"])]
+    # a removes 6 and 7 (and names 9, which it never held), adds 8 and 5 again
+    assert view.apply("a", PrefixBlocks(1, 3, 7, False, (8, 5), (6, 7, 9), 512))
+    assert view.held("a") == {5, 8} and view.held("b") == {5, 6}
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6, 7])] == [(2, ["b"]), (1, ["a"])]
+    assert view.apply("b", PrefixBlocks(2, 2, 4, False, (), (5, 6), 512))
+    assert [(d, u) for d, u in view.matches([5, 6])] == [(1, ["a"])]
+    view.forget("a")
+    assert list(view.matches([5, 6, 8])) == []
+
+
 def _views(gw: Gateway) -> dict[str, frozenset[int]]:
     policy = gw.router.policy
     assert isinstance(policy, PrefixAffinity)
@@ -254,3 +269,16 @@ async def test_a_redis_reader_that_missed_a_message_rereads_the_whole_set(
         await wait_until(lambda: frozenset(policy.engine.held("u0")) == want,
                          what="the whole set re-read")  # fmt: skip
         assert want and json.loads(stale.to_json())["prefix_blocks"]["full"] is False
+
+
+@pytest.mark.parametrize("bad", [True, -1, 1 << 64, "1", 1.0])
+def test_a_report_naming_a_block_that_is_not_a_64_bit_number_is_refused(bad: Any) -> None:
+    good = PrefixBlocks(1, 0, 2, False, (5, 1 << 63), (7,), 512)
+    report = LoadReport("u", UnitState.SERVING, 0, 1, seq=1, prefix_blocks=good)
+    data = json.loads(report.to_json())
+    assert LoadReport.from_dict(data) == report
+    for side in ("added", "removed"):
+        data["prefix_blocks"][side] = [5, bad]
+        with pytest.raises(TypeError, match="not a 64-bit unsigned number"):
+            LoadReport.from_dict(data)
+        data["prefix_blocks"][side] = [5]

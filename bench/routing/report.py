@@ -8,6 +8,13 @@ Over the measured window ``[warmup, duration]`` of one run:
                  a first token when the drain bound passed counts as infinite; failed
                  requests are left out (they are in "errors")
     goodput@SLO  requests DUE in the window that succeeded with TTFT <= SLO / window
+    output tok/s output tokens of the successes that ENDED in the window / window (the
+                 simulator generates exactly max_tokens)
+
+Over a ramp (every load of a run, ``ramp``): each policy's output tok/s at the knee (the
+most it sustained at any load: past the knee the curve flattens or falls), its TTFT p90
+over every request of the ramp (the requests due in each run's window, pooled) and its
+success rate (requests answered whole over requests sent, every run).
 """
 
 from __future__ import annotations
@@ -67,6 +74,11 @@ class RunMetrics:
     load_busy_s: float = 0.0  # their total duration
     # policy latency: median |predicted - actual| / actual TTFT (the gateway's histogram)
     prediction_error_p50: float | None = None
+    output_tok_s: float = 0.0
+    ttft_p90_ms: float | None = None
+    # every TTFT of the window, s (inf: none by the drain bound), for a ramp's pooled
+    # percentiles; not in the JSON
+    ttfts_s: list[float] = field(default_factory=list, repr=False)
 
     @property
     def error_count(self) -> int:
@@ -74,7 +86,8 @@ class RunMetrics:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("ttft_p50_ms", "ttft_p99_ms"):
+        del data["ttfts_s"]
+        for key in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms"):
             if data[key] is not None and math.isinf(data[key]):
                 data[key] = "inf"  # JSON has no infinity
         data["error_count"] = self.error_count
@@ -93,6 +106,11 @@ def run_metrics(
     due = [o for o in run.outcomes if warmup_s <= o.arrival_s < duration_s]
     ended = [o.done_s for o in run.outcomes if o.ok and o.done_s is not None]
     ttfts = [_ttft_or_inf(o) for o in due if o.error is None]
+    output = sum(
+        o.max_tokens
+        for o in run.outcomes
+        if o.ok and o.done_s is not None and warmup_s <= o.done_s <= duration_s
+    )
     return RunMetrics(
         policy=policy,
         load_pct=load_pct,
@@ -108,6 +126,9 @@ def run_metrics(
         unfinished=run.unfinished,
         per_unit=dict(sorted(Counter(o.unit for o in run.outcomes if o.unit).items())),
         send_lag_p99_ms=_ms(percentile(run.send_lag_s, 99)),
+        output_tok_s=output / window,
+        ttft_p90_ms=_ms(percentile(ttfts, 90)),
+        ttfts_s=ttfts,
     )
 
 
@@ -270,6 +291,98 @@ def _peer_goal_line(mine: str, load_pct: int, peers: dict[str, dict[str, Any]]) 
         f"goal (peers): {mine} goodput@1s {a:.1f} r/s at {load_pct} % load >= every peer "
         f"policy's ({against}): {'MET' if met else 'NOT MET'}"
     )
+
+
+# -- a ramp of loads ----------------------------------------------------------------
+
+
+# On the b2b ramp: prefix (by the engines' blocks) >= 1.25x prefix-guess's output tok/s
+# at the knee, >= every peer policy's, a lower TTFT p90 over the ramp, 100 % success.
+RAMP_GOAL = ("prefix", "prefix-guess", 1.25)
+
+
+def ramp(rows: Sequence[RunMetrics]) -> dict[str, dict[str, Any]]:
+    """Per policy, over every load it ran: output tok/s at the knee (and that load),
+    TTFT p90 of every request pooled, success over every request sent."""
+    out: dict[str, dict[str, Any]] = {}
+    for policy in dict.fromkeys(m.policy for m in rows):
+        mine = sorted((m for m in rows if m.policy == policy), key=lambda m: m.load_pct)
+        knee = max(mine, key=lambda m: m.output_tok_s)
+        sent = sum(m.sent for m in mine)
+        failed = sum(m.error_count + m.unfinished for m in mine)
+        out[policy] = {
+            "loads": [m.load_pct for m in mine],
+            "output_tok_s": {m.load_pct: round(m.output_tok_s, 1) for m in mine},
+            "knee_tok_s": round(knee.output_tok_s, 1),
+            "knee_load_pct": knee.load_pct,
+            "ttft_p90_ms": _ms(percentile([t for m in mine for t in m.ttfts_s], 90)),
+            "success": (sent - failed) / sent if sent else None,
+        }
+    return out
+
+
+def ramp_table(summary: dict[str, dict[str, Any]]) -> str:
+    loads = sorted({load for v in summary.values() for load in v["loads"]})
+    name_w = max(len("policy"), *(len(p) for p in summary))
+    head = "policy".ljust(name_w) + "".join(f"{f'tok/s@{x}%':>12}" for x in loads)
+    head += f"{'knee tok/s':>12}{'TTFT p90 ms':>13}{'success %':>11}"
+    lines = [head, "-" * len(head)]
+    for policy, v in summary.items():
+        cells = "".join(f"{_fmt(v['output_tok_s'].get(x), 0):>12}" for x in loads)
+        success = None if v["success"] is None else 100 * v["success"]
+        lines.append(
+            policy.ljust(name_w) + cells + f"{_fmt(v['knee_tok_s'], 0):>12}"
+            f"{_fmt(v['ttft_p90_ms'], 0):>13}{_fmt(success, 2):>11}"
+        )
+    return "\n".join(lines)
+
+
+def _or_inf(ms: float | None) -> float:
+    return math.inf if ms is None else ms
+
+
+def ramp_goal(
+    summary: dict[str, dict[str, Any]],
+    peer_policies: Sequence[str],
+    spec: tuple[str, str, float] = RAMP_GOAL,
+) -> dict[str, Any]:
+    mine, guess, want = spec
+    ours = summary.get(mine)
+    if ours is None:
+        return {"checked": False, "lines": [f"goal (ramp): not checked ({mine} was not run)"]}
+    lines: list[str] = []
+    met: dict[str, bool] = {}
+    base = summary.get(guess)
+    if base is not None:
+        ratio = math.inf if base["knee_tok_s"] == 0 else ours["knee_tok_s"] / base["knee_tok_s"]
+        met["vs_guess"] = ratio >= want
+        lines.append(
+            f"goal (ramp): {mine} output {ours['knee_tok_s']:.0f} tok/s at the knee vs {guess} "
+            f"{base['knee_tok_s']:.0f}: {ratio:.2f}x (want >= {want}x): "
+            f"{'MET' if met['vs_guess'] else 'NOT MET'}"
+        )
+    theirs = {p: summary[p] for p in peer_policies if p in summary}
+    if theirs:
+        met["vs_peers_tok_s"] = all(ours["knee_tok_s"] >= v["knee_tok_s"] for v in theirs.values())
+        against = ", ".join(f"{p} {v['knee_tok_s']:.0f}" for p, v in theirs.items())
+        lines.append(
+            f"goal (ramp): {mine} {ours['knee_tok_s']:.0f} tok/s at the knee >= every peer "
+            f"policy's ({against}): {'MET' if met['vs_peers_tok_s'] else 'NOT MET'}"
+        )
+        p90 = _or_inf(ours["ttft_p90_ms"])
+        met["vs_peers_ttft"] = all(p90 < _or_inf(v["ttft_p90_ms"]) for v in theirs.values())
+        against = ", ".join(f"{p} {_fmt(v['ttft_p90_ms'], 0)}" for p, v in theirs.items())
+        lines.append(
+            f"goal (ramp): {mine} TTFT p90 over the ramp {_fmt(ours['ttft_p90_ms'], 0)} ms < "
+            f"every peer policy's ({against}): {'MET' if met['vs_peers_ttft'] else 'NOT MET'}"
+        )
+    success = ours["success"]
+    met["success"] = success == 1.0
+    lines.append(
+        f"goal (ramp): {mine} success {_fmt(None if success is None else 100 * success, 2)} % "
+        f"(want 100 %): {'MET' if met['success'] else 'NOT MET'}"
+    )
+    return {"checked": True, "met": all(met.values()), "by": met, "lines": lines}
 
 
 # -- the picture ----------------------------------------------------------------------

@@ -660,7 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=tuple(workload.WORKLOADS),
         default="plain",
         help="plain: no shared prefixes; chat: multi-turn conversations; tenants: Zipf-popular "
-        "tenants with 1-4k-token system prompts; tenants-hot: tenant 0 sends half. "
+        "tenants with 1-4k-token system prompts; tenants-hot: tenant 0 sends half; b2b: 60 "
+        "tenants with 3-6k-token prefixes, the loads a ramp; agent: multi-turn agent "
+        "sessions over one shared 2k-token preamble, long tool results, short actions. "
         "Default plain.",
     )
     add(
@@ -814,6 +816,12 @@ def build_report(
             ("prefix", 85) if "prefix" in s.policies else report.PEER_GOAL,
         ),
         "goal_plain": report.goal(r.rows, PLAIN_GOAL) if not s.mix.shares_prefixes else None,
+        "ramp": report.ramp(r.rows) if r.rows else None,
+        "goal_ramp": (
+            report.ramp_goal(report.ramp(r.rows), list(peers.PEER_POLICIES))
+            if r.rows and s.workload == "b2b"
+            else None
+        ),
         "sidecar_exits": r.sidecar_exits,
         "sidecar_problems": {k: v[:50] for k, v in r.sidecar_problems.items() if v},
         "png": str(s.png),
@@ -889,12 +897,23 @@ def print_report(data: dict[str, Any], r: Results) -> None:
     if data["goal_plain"] is not None:
         print(data["goal_plain"]["line"])
     print("\n".join(data["goal_peers"]["lines"]))
+    if data["ramp"]:
+        print("\nover the ramp (output tok/s by load; the knee: the most at any load):")
+        print(report.ramp_table(data["ramp"]))
+    if data["goal_ramp"] is not None:
+        print("\n".join(data["goal_ramp"]["lines"]))
     _print_peers(data)
     _print_problems(r)
     print(f"\nwall time {data['wall_s'] / 60:.1f} min; JSON {s['out']}; PNG {data['png']}")
 
 
 def _prefix_shape(w: dict[str, Any]) -> str:
+    if w["name"] == "agent":
+        return (
+            f"{w['conversations']} agent sessions of up to {w['turns']} turns over one "
+            f"{w['preamble']}-token preamble, tasks {w['system'][0]}-{w['system'][1]} tokens, "
+            f"tool results {w['message']}"
+        )
     if w["name"] == "chat":
         return (
             f"{w['conversations']} conversations of up to {w['turns']} turns, system prompt "

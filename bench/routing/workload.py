@@ -18,6 +18,11 @@ cache (``engine.prefix_cache`` in the simulator):
               tenants of equal popularity, each with a long shared prefix (3-6k tokens),
               a distinct 0.3k-token query (long-tailed up to 1.2k) per request; the
               loads (``--loads``) are the ramp of Poisson arrival rates.
+``agent``     a multi-turn agent trace: sessions of a coding agent, every one opening with
+              the same long tool-definition preamble (2k tokens, shared by all), then its
+              own task; each turn appends the model's short action (a tool call) and the
+              tool's long result (a file, a test log), so a session's context grows by
+              hundreds of tokens a turn over up to 24 turns, while each answer is short.
 
 Every prompt is sent as /v1/completions text (the chat rendered with role markers), so
 every router, the peers' included, sees the same bytes. Outputs are exact: the
@@ -237,8 +242,11 @@ class PrefixWorkload:
     zipf: float = 1.0
     hot_share: float = 0.0  # tenants-hot: tenant 0's share of the requests
     shares_prefixes: bool = True
+    preamble: int = 0  # agent: tokens of the preamble every session opens with
 
     def source(self) -> Source:
+        if self.name == "agent":
+            return _Agent(self)
         return _Chat(self) if self.name == "chat" else _Tenants(self)
 
     def means(self, samples: int = 20_000, seed: int = 12345) -> tuple[float, float]:
@@ -273,6 +281,39 @@ class _Chat:
         # the answer, as the next turn will resend it
         history.append(f"{words(rng, max_tokens)}\n")
         self._lengths[c] += max_tokens + 1
+        self._turns[c] += 1
+        return spec, body
+
+
+class _Agent:
+    """Agent sessions: the shared preamble, the session's task, then turns of an
+    action (the previous answer, as long as it was asked to be) and a tool result."""
+
+    def __init__(self, w: PrefixWorkload) -> None:
+        self._w = w
+        rng = random.Random(11)  # the preamble is the same whatever the run's seed
+        self._preamble = f"<|system|>\ntools:{words(rng, w.preamble)}\n"
+        self._histories: list[list[str]] = [[] for _ in range(w.conversations)]
+        self._lengths = [0] * w.conversations
+        self._turns = [0] * w.conversations
+
+    def draw(self, rng: random.Random, index: int) -> tuple[RequestSpec, bytes]:
+        w, c = self._w, rng.randrange(self._w.conversations)
+        history = self._histories[c]
+        if self._turns[c] >= w.turns or not history:
+            n = rng.randint(*w.system)  # the task
+            history[:] = [self._preamble, f"<|user|>\ntask:{words(rng, n)}\n"]
+            self._lengths[c], self._turns[c] = w.preamble + 4 + n + 5, 0
+        else:  # the tool's result for the last action
+            n = w.message.draw(rng)
+            history.append(f"<|tool|>\n{words(rng, n)}\n")
+            self._lengths[c] += n + 4
+        history.append("<|assistant|>\n")
+        max_tokens = w.output.draw(rng)
+        spec = RequestSpec(self._lengths[c] + 4, max_tokens)
+        body = _body("".join(history), max_tokens)
+        history.append(f"{words(rng, max_tokens)}\n")  # the action, as the next turn resends it
+        self._lengths[c] += 4 + max_tokens + 1
         self._turns[c] += 1
         return spec, body
 
@@ -321,12 +362,22 @@ B2B = PrefixWorkload(
     tenants=60,
     zipf=0.0,
 )
+AGENT = PrefixWorkload(
+    "agent",
+    LogNormal(median=60, sigma=0.6, low=8, high=300),  # an action: a tool call
+    LogNormal(median=250, sigma=0.9, low=20, high=2000),  # a tool's result
+    conversations=48,
+    turns=24,
+    system=(50, 300),  # the session's task
+    preamble=2000,
+)
 WORKLOADS: dict[str, Workload | PrefixWorkload] = {
     "plain": DEFAULT_WORKLOAD,
     "chat": CHAT,
     "tenants": TENANTS,
     "tenants-hot": TENANTS_HOT,
     "b2b": B2B,
+    "agent": AGENT,
 }
 
 

@@ -23,9 +23,19 @@ queue's next event would come (exponential, at the unit's event rate: memoryless
 the first change a watch sees after its report comes when it would have with every
 event played), and that change notifies the unit's watchers. A watch folds changes
 into its next report at the interval it asked for, exactly as a sidecar's does.
-``GET /stats`` on the control port says how many reports went out, how many changes
-were notified, and how many events the model stands for (``events``: the expected
-arrivals and finishes between draws, summed).
+``GET /stats`` on the control port says how many reports went out (and their bytes,
+as the wire carries them: protobuf for gRPC, JSON otherwise), how many changes were
+notified, and how many events the model stands for (``events``: the expected arrivals
+and finishes between draws, summed).
+
+Prefix blocks (``--chunks-per-request N``, 0 by default: none): each unit then reports
+the prefix blocks its engine holds as a sidecar does, with the sidecar's own change
+stream (``proxy.sidecar.blocks.HeldChunks``: whole set first, then the changes since
+what each reader holds, a resync after a gap). Its engine starts full
+(``--held-blocks`` chunks) and stores N new chunks per request that arrives (the part
+of a prompt not yet cached), each past the bound evicting the oldest: at steady state
+2N changes per request. Chunks are random (no two units share one), the worst case
+for the gateway's map from block to units.
 
     .venv/bin/python -m bench.scale.fleet --units 1000 --source watch --ready-file f.json
 
@@ -38,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import json
 import math
@@ -60,6 +71,7 @@ from proxy.broadcast import Broadcast
 from proxy.load import LoadReport, NodeStatus, UnitState
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
 from proxy.redis_reports import Keys, asked_s
+from proxy.sidecar.blocks import HeldChunks
 from proxy.sidecar.watch import ReportWatch
 
 HOST = "127.0.0.1"
@@ -70,6 +82,22 @@ REDIS_BATCH = 500  # units' commands per pipeline
 class _Health:
     def __init__(self) -> None:
         self.state_changes = Broadcast()
+
+
+class EmulatedHeld(HeldChunks):
+    """A unit's held chunks, moved by requests' stores instead of an engine's events."""
+
+    def store(self, rng: random.Random, n: int) -> None:
+        # Past max_blocks stores the whole set is new: the stores before the last
+        # max_blocks are evicted again before anyone reads them. They are numbered (2
+        # changes each) but not played, and the log is emptied, so that a reader from
+        # before gets the whole set, as from a sidecar whose log they overran.
+        skipped = max(0, n - self.max_blocks)
+        if skipped:
+            self.seq += 2 * skipped
+            self._log.clear()
+        for _ in range(n - skipped):
+            self._add(rng.getrandbits(64))
 
 
 class EmulatedUnit:
@@ -85,6 +113,13 @@ class EmulatedUnit:
         self.changes = Broadcast()
         self.serving_now = 0  # requests the HTTP port is answering
         self._seq = 0
+        self.held: EmulatedHeld | None = None
+        self.blocks_at = 0.0  # when the held chunks were last moved
+        self.redis_since: tuple[int, int] | None = None  # the Redis channel's reader
+        if fleet.chunks_per_request > 0:
+            self.held = EmulatedHeld(fleet.chunk_chars, fleet.held_blocks, fleet.rng)
+            self.held.store(fleet.rng, fleet.held_blocks)
+            self.blocks_at = fleet.clock()
         started = int(time.time() * 1000)
         self.nodes = (
             NodeStatus(f"{unit_id}-leader", "leader", "", True, "", started),
@@ -104,6 +139,14 @@ class EmulatedUnit:
         outstanding = f.draw(i, now) + self.serving_now
         f.schedule_change(i, now)
         running = min(outstanding, f.slots)
+        blocks = None
+        held = self.held
+        if held is not None:
+            # the chunks stored by the requests that arrived since the last report
+            arrived = poisson(f.rng, f.arrival_rate[i] * (now - self.blocks_at))
+            self.blocks_at = now
+            held.store(f.rng, arrived * f.chunks_per_request)
+            blocks = held.full() if blocks_since is None else held.delta(*blocks_since)
         return LoadReport(
             unit_id=self.id,
             state=UnitState.SERVING,
@@ -117,6 +160,7 @@ class EmulatedUnit:
             timestamp_ms=int(time.time() * 1000),
             http_url=self.http_url,
             grpc_target=self.grpc_target,
+            prefix_blocks=blocks,
         )
 
 
@@ -130,6 +174,9 @@ class Fleet:
         self.interval_s = args.report_interval_s
         self.rng = random.Random(args.seed)
         rng = self.rng
+        self.chunks_per_request = args.chunks_per_request
+        self.held_blocks = args.held_blocks
+        self.chunk_chars = args.chunk_chars
         # Mean request duration per unit, 0.75-1.5x the fleet's; arrivals at
         # ``utilization`` of what the unit finishes when it holds ``capacity``.
         self.finish_rate = [1 / (args.duration_s * rng.uniform(0.75, 1.5)) for _ in range(n)]
@@ -150,6 +197,7 @@ class Fleet:
         self.changed: set[int] | None = None
         self.stats: dict[str, float] = {
             "reports": 0,
+            "report_bytes": 0,  # as the wire carries them (protobuf, or JSON)
             "changes": 0,  # notified to watchers
             "events": 0.0,  # arrivals and finishes the model stands for (expected)
             "draws": 0,
@@ -244,7 +292,9 @@ class LoadService(load_pb2_grpc.LoadReportingServicer):
     async def GetLoad(
         self, request: load_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> load_pb2.LoadReport:
-        return self._unit.report().to_pb()
+        msg = self._unit.report().to_pb()
+        self._unit.fleet.stats["report_bytes"] += msg.ByteSize()
+        return msg
 
     async def WatchLoad(
         self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
@@ -252,8 +302,10 @@ class LoadService(load_pb2_grpc.LoadReportingServicer):
         stats = self._unit.fleet.stats
         asked = request.min_interval_ms / 1000, request.heartbeat_ms / 1000
         async for report in self._watch.reports(*asked):
+            msg = report.to_pb()
             stats["reports"] += 1
-            yield report.to_pb()
+            stats["report_bytes"] += msg.ByteSize()
+            yield msg
 
 
 def watch_of(fleet: Fleet, unit: EmulatedUnit) -> ReportWatch:
@@ -286,8 +338,14 @@ def unit_of(request: web.Request) -> EmulatedUnit:
 
 async def load(request: web.Request) -> web.Response:
     unit = unit_of(request)
+    q = request.query
+    since = None
+    if "blocks_since" in q:  # as a sidecar's /load: the changes since what the reader holds
+        since = int(q.get("blocks_epoch", 0)), int(q["blocks_since"])
+    body = unit.report(since).to_json().encode()
     unit.fleet.stats["reports"] += 1
-    return web.Response(text=unit.report().to_json(), content_type="application/json")
+    unit.fleet.stats["report_bytes"] += len(body)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def load_watch(request: web.Request) -> web.StreamResponse:
@@ -299,8 +357,10 @@ async def load_watch(request: web.Request) -> web.StreamResponse:
     asked = int(q.get("min_interval_ms", 0)) / 1000, int(q.get("heartbeat_ms", 0)) / 1000
     with contextlib.suppress(ConnectionResetError):
         async for report in watch_of(unit.fleet, unit).reports(*asked):
+            event = b"data: " + report.to_json().encode() + b"\n\n"
             stats["reports"] += 1
-            await response.write(b"data: " + report.to_json().encode() + b"\n\n")
+            stats["report_bytes"] += len(event)
+            await response.write(event)
     return response
 
 
@@ -445,10 +505,20 @@ async def publish_redis(fleet: Fleet, url: str, cluster: str) -> None:
                 async with redis.pipeline(transaction=False) as pipe:
                     for i in due[start : start + REDIS_BATCH]:
                         unit = fleet.units[i]
-                        data = unit.report().to_json()
-                        pipe.set(keys.unit(unit.id), data, px=ttl_ms)
+                        report = unit.report(unit.redis_since)
+                        data = key_data = report.to_json()
+                        blocks = report.prefix_blocks
+                        if blocks is not None and unit.held is not None:
+                            # as a sidecar's publisher: the changes on the channel, the
+                            # whole set in the key (for a reader that missed some)
+                            unit.redis_since = blocks.epoch, blocks.seq
+                            if not blocks.full:
+                                whole = dataclasses.replace(report, prefix_blocks=unit.held.full())
+                                key_data = whole.to_json()
+                        pipe.set(keys.unit(unit.id), key_data, px=ttl_ms)
                         pipe.sadd(keys.units, unit.id)
                         pipe.publish(keys.channel, data)
+                        fleet.stats["report_bytes"] += len(data)
                     await pipe.execute()
                 fleet.stats["reports"] += min(REDIS_BATCH, len(due) - start)
             await fleet.any_change.wait(seen, fleet.coalesce_s)
@@ -527,6 +597,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=8, help="chunks per streamed answer")
     p.add_argument("--chunk-ms", type=float, default=0.0, help="pause between two chunks")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--chunks-per-request", type=int, default=0,
+                   help="prefix blocks: chunks each arriving request stores (0: no blocks)")  # fmt: skip
+    p.add_argument("--held-blocks", type=int, default=4096,
+                   help="prefix blocks a unit holds (sidecar.prefix_report_blocks)")  # fmt: skip
+    p.add_argument("--chunk-chars", type=int, default=512, help="as gateway.prefix_chunk_chars")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--cluster", default=f"scale-{os.getpid()}")
     return p.parse_args(argv)

@@ -23,6 +23,10 @@ def cell_line(c: dict[str, Any]) -> str:
             f"{c['report_cpu_pct']:>6.1f} %core {_f(c['us_per_report']):>7} µs/rep "
             f"{c['rss_mb']:>7.1f} MB  age p99 {c['report_age_p99_s']:.3f} s  load {c['loadavg'][0]}"
             f"  emulator {c.get('fleet_cpu_pct', '-')} %core")  # fmt: skip
+    if "bytes_per_unit_s" in c:
+        line += f"  {c['bytes_per_unit_s']:.0f} B/unit/s"
+    if c.get("chunks_per_request"):
+        line += f"  blocks: {c['chunks_per_request']} chunks/request, {c['held_blocks']} held"
     if "added_ttft_p50_ms" in c:
         line += (f"  | TTFT +{c['added_ttft_p50_ms']:.2f} ms p50, "
                  f"{_f(c['cpu_us_per_request'])} µs CPU/req")  # fmt: skip
@@ -49,7 +53,7 @@ def kb_per_unit(result: dict[str, Any]) -> dict[tuple[int, str], float]:
 def table(result: dict[str, Any]) -> str:
     kb = kb_per_unit(result)
     rows = ["", "units source      reports/s  CPU %core  µs/report   RSS MB  KB/unit  age p99 s  "
-            "TTFT+ p50 ms  CPU µs/req  load"]  # fmt: skip
+            "TTFT+ p50 ms  CPU µs/req  B/unit/s  load"]  # fmt: skip
     for c in result["cells"]:
         if "error" in c:
             rows.append(cell_line(c))
@@ -58,8 +62,14 @@ def table(result: dict[str, Any]) -> str:
             f"{c['units']:>5} {c['source']:<10} {c['reports_per_s']:>10.0f} {c['report_cpu_pct']:>10.1f} "
             f"{_f(c['us_per_report']):>10} {c['rss_mb']:>8.1f} {_f(kb.get((c['units'], c['source']))):>8} "
             f"{c['report_age_p99_s']:>10.3f} {_f(c.get('added_ttft_p50_ms'), '{:.2f}'):>13} "
-            f"{_f(c.get('cpu_us_per_request')):>11}  {c['loadavg'][0]}"
+            f"{_f(c.get('cpu_us_per_request')):>11} {_f(c.get('bytes_per_unit_s'), '{:.0f}'):>9}"
+            f"  {c['loadavg'][0]}"
         )
+    blocks = {(c.get("chunks_per_request"), c.get("held_blocks")) for c in result["cells"]}
+    blocks.discard((None, None))
+    for per_request, held in sorted(blocks):
+        rows.append(f"(prefix blocks reported: {per_request} chunks stored per request, "
+                    f"{held} held per unit; gateway policy prefix)")  # fmt: skip
     rows += ["", "selection, µs of CPU per request (pick + release, reports arriving)"]
     policies = list(dict.fromkeys(r["policy"] for r in result["selection"]))
     sizes = sorted({r["units"] for r in result["selection"]})
@@ -82,7 +92,8 @@ def goals(result: dict[str, Any]) -> list[str]:
     cells = [c for c in result["cells"] if "error" not in c]
     for c in (c for c in cells if c["units"] == 1000):
         ok = c["report_cpu_pct"] <= GOAL_REPORT_CPU_PCT
-        out.append(f"  1,000 units, {c['source']}: reports {c['report_cpu_pct']:.1f} % of a core "
+        what = " with prefix blocks" if c.get("chunks_per_request") else ""
+        out.append(f"  1,000 units, {c['source']}{what}: reports {c['report_cpu_pct']:.1f} % of a core "
                    f"(goal <= {GOAL_REPORT_CPU_PCT:g}) {'MET' if ok else 'NOT MET'}")  # fmt: skip
     for r in (
         r for r in result["selection"] if r["units"] == 1000 and r["us_per_request"] is not None

@@ -21,6 +21,12 @@ Besides, in this process: the router's selection cost per request (``Router.pick
 ``release`` while reports arrive) for each ``--policies`` name at each fleet size; a
 policy this build lacks is reported as missing.
 
+With ``--chunks-per-request N`` the units also report the prefix blocks their engines
+hold (the sidecar's change stream: see bench/scale/fleet.py), N chunks stored per
+request, and the gateway runs policy prefix, which keeps every unit's set: the cells
+then say the reports' bytes per unit per second and the block changes per second, and
+the CPU is the reports' with their blocks (compare a run without).
+
 The machine's load average is recorded next to every window: the figures are CPU
 time of the gateway process, not wall-clock rates, so other work on the machine moves
 them less, but it still shares caches and cores.
@@ -90,6 +96,8 @@ class Plan:
     request_rounds: int
     selection_s: float
     chunk_ms: float
+    chunks_per_request: int
+    held_blocks: int
     out: Path
     extra_gateway: list[str]
 
@@ -98,9 +106,13 @@ class Plan:
         return self.out.parent / "scale-logs"
 
 
-def gateway_config(path: Path, units: list[dict[str, str]], source: str, cluster: str) -> None:
+def gateway_config(
+    path: Path, units: list[dict[str, str]], source: str, cluster: str, blocks: bool = False
+) -> None:
     # A fleet this size is over the gateway's default max_units (256), on purpose.
     lines = ["[gateway]", f"max_units = {len(units) + 8}"]
+    if blocks:  # the policy that keeps the units' prefix blocks
+        lines += ['policy = "prefix"']
     if source == "watch-grpc":
         lines += ['load_source = "watch"', f"watch_grpc_max_units = {len(units)}"]
     else:
@@ -131,7 +143,9 @@ async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
     cluster = f"scale-{os.getpid()}-{tag}"
     fleet_argv = [sys.executable, "-m", "bench.scale.fleet", "--units", str(size),
                   "--source", fleet_source(source), "--ready-file", str(ready), "--cluster", cluster,
-                  "--redis-url", REDIS_URL, "--chunk-ms", str(plan.chunk_ms)]  # fmt: skip
+                  "--redis-url", REDIS_URL, "--chunk-ms", str(plan.chunk_ms),
+                  "--chunks-per-request", str(plan.chunks_per_request),
+                  "--held-blocks", str(plan.held_blocks)]  # fmt: skip
     cell: dict[str, Any] = {"units": size, "source": source}
     async with running(
         f"fleet {tag}", fleet_argv, plan.log_dir / f"fleet-{tag}.log", cwd=REPO
@@ -144,7 +158,7 @@ async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
             await asyncio.sleep(0.2)
         spec = json.loads(ready.read_text())
         config = plan.log_dir / f"gateway-{tag}.toml"
-        gateway_config(config, spec["units"], source, cluster)
+        gateway_config(config, spec["units"], source, cluster, plan.chunks_per_request > 0)
         http_port, grpc_port = free_ports(2)
         gateway_argv = [*python_m("gateway"), "--config", str(config),
                         "--host", "127.0.0.1", "--http-port", str(http_port),
@@ -160,6 +174,10 @@ async def one_cell(plan: Plan, size: int, source: str) -> dict[str, Any]:
                 )
                 await asyncio.sleep(1.0)  # every stream open and reporting
                 cell.update(await reports_window(plan, session, spec["control"], gateway.pid))
+                cell["bytes_per_unit_s"] = round(cell.pop("report_bytes_per_s") / size, 1)
+                if plan.chunks_per_request > 0:
+                    cell["chunks_per_request"] = plan.chunks_per_request
+                    cell["held_blocks"] = plan.held_blocks
                 ages: list[float] = []
                 for _ in range(3):
                     ages += await measure.report_ages(session, url)
@@ -196,6 +214,7 @@ async def reports_window(
         "window_s": round(t1 - t0, 2),
         "reports_per_s": round(reports / (t1 - t0), 1),
         "changes_per_s": round((after["changes"] - before["changes"]) / (t1 - t0), 1),
+        "report_bytes_per_s": (after["report_bytes"] - before["report_bytes"]) / (t1 - t0),
         "report_cpu_pct": round(100 * cpu / (t1 - t0), 2),
         "fleet_cpu_pct": round(100 * fleet_cpu / (t1 - t0), 1),  # the emulator's own
         "us_per_report": round(cpu / reports * 1e6, 2) if reports else None,
@@ -321,6 +340,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
                    help="the units' pause between two chunks of a stream (default 20): "
                         "paced so that concurrency 64 does not fill the cores, as in "
                         "bench/overhead's stream-5ms; 0: as fast as they go")  # fmt: skip
+    p.add_argument("--chunks-per-request", type=int, default=0,
+                   help="prefix blocks: chunks each request stores on its unit, reported as "
+                        "sidecars report them, with policy prefix in the gateway (default 0: "
+                        "no blocks)")  # fmt: skip
+    p.add_argument("--held-blocks", type=int, default=512,
+                   help="prefix blocks each unit holds, with --chunks-per-request (default 512)")  # fmt: skip
     p.add_argument("--out", type=Path)
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra argument for every gateway (repeatable), e.g. --gateway-arg=--policy=p2c")  # fmt: skip
@@ -342,6 +367,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, bool]:
         request_rounds=max(1, a.request_rounds or (2 if quick else 4)),
         selection_s=0.3 if quick else 1.0,
         chunk_ms=a.chunk_ms,
+        chunks_per_request=a.chunks_per_request,
+        held_blocks=a.held_blocks,
         out=a.out or (QUICK_OUT if quick else DEFAULT_OUT),
         extra_gateway=a.gateway_arg,
     )

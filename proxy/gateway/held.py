@@ -44,8 +44,7 @@ class EngineBlocks:
                 return True  # an older whole set (a re-read that crossed newer changes)
             self.forget(unit_id)
             held = self._units[unit_id] = set()
-            for block in blocks.added:
-                self._add(unit_id, held, block)
+            self._add_all(unit_id, held, blocks.added)
         else:
             if at is None or at != (blocks.epoch, blocks.from_seq):
                 if at is None or at[0] != blocks.epoch or blocks.seq > at[1]:
@@ -53,21 +52,30 @@ class EngineBlocks:
                     return False
                 return True  # changes already applied (a late duplicate)
             held = self._units[unit_id]
-            for block in blocks.removed:
-                if block in held:
-                    held.discard(block)
-                    self._drop(unit_id, block)
-            for block in blocks.added:
-                self._add(unit_id, held, block)
+            if blocks.removed:
+                gone = held.intersection(blocks.removed)
+                held.difference_update(gone)
+                holders = self._holders
+                for block in gone:  # each held here, so its holders name this unit
+                    units = holders[block]
+                    if len(units) == 1:
+                        del holders[block]
+                    else:
+                        units.discard(unit_id)
+            self._add_all(unit_id, held, blocks.added)
         self._at[unit_id] = (blocks.epoch, blocks.seq)
         return True
 
-    def _add(self, unit_id: str, held: set[int], block: int) -> None:
-        if block not in held:
-            held.add(block)
-            units = self._holders.get(block)
+    def _add_all(self, unit_id: str, held: set[int], added: tuple[int, ...]) -> None:
+        """One pass per report (a report carries up to a thousand changes)."""
+        new = set(added)
+        new.difference_update(held)
+        held.update(new)
+        holders = self._holders
+        for block in new:
+            units = holders.get(block)
             if units is None:
-                self._holders[block] = {unit_id}
+                holders[block] = {unit_id}
             else:
                 units.add(unit_id)
 

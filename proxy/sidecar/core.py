@@ -273,14 +273,13 @@ class SidecarCore:
         resumed request that another unit delivered, counted in the usage as completion
         tokens rather than prompt tokens. Always releases ``lease``.
         """
-        if self.held is not None:
-            self.held.expect(request, *self.engine.prompt_blocks(request))
         span = NO_SPAN
         trace = lease.trace
         if trace is not None:  # the engine's own spans (vLLM's) hang under this one
             span = self._engine_span(trace, request, route)
             request = dataclasses.replace(request, trace_headers=trace.headers(span))
         try:
+            await self.expect_blocks(request)
             async with self.tracked(lease, deadline):
                 last = await self._generate(lease, request, route, emit, delivered_tokens)
             if trace is not None and span.recording:
@@ -303,6 +302,18 @@ class SidecarCore:
                 target.set("gen_ai.request.model", model)
             span.set("gen_ai.request.max_tokens", request.sampling.max_tokens)
         return span
+
+    async def expect_blocks(self, request: EngineRequest) -> None:
+        """Before the engine gets ``request``: note which of its prompt's chunks each
+        engine block covers, so that the KV cache events that follow name them."""
+        if self.held is None:
+            return
+        try:
+            text, spans = await self.engine.find_prompt_blocks(request)
+        except Exception as exc:  # the prompt is not the engine's to name: nothing held
+            log.debug("unit %s: prompt blocks not found: %s", self.unit_id, exc)
+            return
+        self.held.expect(request, text, spans)
 
     @asynccontextmanager
     async def tracked(self, lease: Lease, deadline: float | None) -> AsyncIterator[None]:

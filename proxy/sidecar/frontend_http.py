@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl
 
 from aiohttp import web
 
+from engine.base import ChatMessage, EngineRequest
 from engine.frontend import (
     FORM_ROUTES,
     FormFile,
@@ -98,6 +99,30 @@ def streamed(route: FrontendRoute, fields: dict[str, Any]) -> bool:
     return stream is True
 
 
+def blocks_request(
+    route: FrontendRoute, fields: dict[str, Any], request_id: str
+) -> EngineRequest | None:
+    """The prompt of a chat or completion body, as the sidecar's own parser would make
+    it, for naming the prefix blocks it fills; None where its prompt is not plain text
+    (content parts, token ids, a batch of prompts)."""
+    if route == "completions":
+        prompt = fields.get("prompt")
+        return EngineRequest(request_id, prompt=prompt) if isinstance(prompt, str) else None
+    if route != "chat" or not isinstance(fields.get("messages"), list):
+        return None
+    messages: list[ChatMessage] = []
+    for m in fields["messages"]:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            return None
+        messages.append(ChatMessage(str(m.get("role")), m["content"]))
+    return EngineRequest(
+        request_id,
+        messages=tuple(messages),
+        add_generation_prompt=fields.get("add_generation_prompt", True) is not False,
+        continue_final_message=fields.get("continue_final_message") is True,
+    )
+
+
 async def serve(
     request: web.Request,
     route: FrontendRoute,
@@ -141,6 +166,9 @@ async def serve(
                 fields, resumed = await _resume(
                     frontend, route, fields, hint, request_id, core.resume_key
                 )
+            named = blocks_request(route, fields, request_id)
+            if named is not None:  # the prefix blocks it fills, for the load report
+                await core.expect_blocks(named)
             fr = FrontendRequest(route, fields, request_id, headers, raw)
             if isinstance(resumed, FrontendReply):
                 reply, resumed = resumed, None  # nothing left to generate
