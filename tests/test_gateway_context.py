@@ -1,7 +1,8 @@
 """A request's context at the gateway (proxy/gateway/request.py), from both wires.
 
 The unit gets the client's end-to-end headers as they came, on the lean path and on
-aiohttp's, and none of the hop-by-hop ones nor a client's own ``x-unitproxy-*``; the
+aiohttp's, and a gRPC call's metadata by the same rule on both unit wires (less what
+gRPC reserves), and none of the hop-by-hop ones nor a client's own ``x-unitproxy-*``; the
 gateway's own answers from the head alone (401, 413, 408) and its gRPC errors name
 the request (``x-request-id``) and the unit (``x-unitproxy-unit``, ``none`` where
 none was tried), as its 504 does.
@@ -19,6 +20,7 @@ import grpc
 import pytest
 from aiohttp import web
 
+from proxy import grpcweb
 from proxy.gateway.server import Gateway
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
 from proxy.settings import load
@@ -45,6 +47,7 @@ class RecordingUnit:
         app = web.Application()
         app.router.add_get("/load", self._load)
         app.router.add_post("/v1/completions", self._completion)
+        self.routes(app)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, HOST, 0)
@@ -55,6 +58,9 @@ class RecordingUnit:
     async def __aexit__(self, *exc: object) -> None:
         assert self._runner is not None
         await self._runner.cleanup()
+
+    def routes(self, app: web.Application) -> None:
+        """More routes, a subclass's."""
 
     async def _load(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -69,6 +75,51 @@ class RecordingUnit:
                                                "finish_reason": "stop"}]})  # fmt: skip
 
 
+class RecordingGrpcUnit(RecordingUnit):
+    """A unit that keeps each Generate call's metadata (``calls``) and answers one
+    chunk, on both of a gateway's unit wires: gRPC (its ``grpc_target``) and gRPC-Web
+    on its HTTP port."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict[str, str | bytes]] = []
+        self.grpc_target = ""
+        self._server: grpc.aio.Server | None = None
+
+    async def __aenter__(self) -> RecordingGrpcUnit:
+        await super().__aenter__()
+        method = grpc.unary_stream_rpc_method_handler(self._generate)
+        handler = grpc.method_handlers_generic_handler("unitproxy.v1.Inference",
+                                                       {"Generate": method})  # fmt: skip
+        self._server = grpc.aio.server()
+        self._server.add_generic_rpc_handlers((handler,))
+        port = self._server.add_insecure_port(f"{HOST}:0")
+        await self._server.start()
+        self.grpc_target = f"{HOST}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        await self._server.stop(None)
+        await super().__aexit__(*exc)
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post(grpcweb.PATH, self._generate_web)
+
+    async def _generate(
+        self, request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        self.calls.append(dict(context.invocation_metadata() or ()))
+        yield CHUNK
+
+    async def _generate_web(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.calls.append({k.lower(): v for k, v in request.headers.items()})
+        body = grpcweb.frame(CHUNK) + grpcweb.OK_TRAILERS
+        return web.Response(body=body, headers={"Content-Type": grpcweb.CONTENT_TYPE})
+
+
+CHUNK = inference_pb2.GenerateChunk(text="ok", finish_reason="stop").SerializeToString()
 Start = Callable[..., Awaitable[Gateway]]
 
 
@@ -168,6 +219,50 @@ async def test_the_unit_gets_the_clients_end_to_end_headers(start_gw: Start, pat
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
+
+
+@pytest.mark.parametrize("wire", ["http", "grpc"])
+async def test_the_unit_gets_a_grpc_calls_metadata_on_both_wires(
+    start_gw: Start, wire: str
+) -> None:
+    async with RecordingGrpcUnit() as unit:
+        gw = await start_gw([f"rec={unit.url},{unit.grpc_target}"], load_source="poll",
+                            poll_interval_s=0.05, grpc_unit_wire=wire)  # fmt: skip
+        metadata = (
+            ("x-custom-thing", "kept"),
+            ("x-request-id", "g-ctx"),
+            ("authorization", "Bearer client"),
+            ("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01"),
+            # unitproxy's own: the gateway's to set, never the client's
+            ("x-unitproxy-priority", "interactive"),
+            ("x-unitproxy-priority-sig", "forged"),
+            ("x-unitproxy-resume", "forged"),
+            # what gRPC reserves or its transport sets: it must not break the call
+            ("grpc-custom", "reserved"),
+            ("host", "elsewhere.example"),
+            ("user-agent", "client-agent"),
+            ("x-blob-bin", b"\x00\xff"),
+        )
+        request = inference_pb2.GenerateRequest(prompt="x")
+        async with grpc.aio.insecure_channel(gw.grpc_target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            chunks = [c async for c in stub.Generate(request, metadata=metadata, timeout=CALL_S)]
+        assert [c.text for c in chunks] == ["ok"], chunks
+        assert len(unit.calls) == 1, unit.calls
+        got = unit.calls[0]
+        if wire == "http":
+            assert got["content-type"] == grpcweb.CONTENT_TYPE, got
+            assert got["host"] != "elsewhere.example", got
+        else:
+            assert "host" not in got, got
+        assert got["x-custom-thing"] == "kept", got
+        assert got["x-request-id"] == "g-ctx", got
+        assert got["authorization"] == "Bearer client", got
+        assert got["traceparent"] == f"00-{TRACE_ID}-{CLIENT_SPAN}-01", got
+        for name in ("x-unitproxy-priority", "x-unitproxy-priority-sig", "x-unitproxy-resume",
+                     "grpc-custom", "x-blob-bin"):  # fmt: skip
+            assert name not in got, f"{name} reached the unit: {got}"
+        assert "client-agent" not in str(got.get("user-agent", "")), got
 
 
 @pytest.mark.parametrize("path", ["lean", "aiohttp"])

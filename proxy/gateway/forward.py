@@ -47,7 +47,7 @@ from proxy.gateway.core import (
 )
 from proxy.gateway.http1.front import Producer
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
-from proxy.gateway.request import Context, Want, passed
+from proxy.gateway.request import Context, Want, unit_fields
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Usage
@@ -63,7 +63,6 @@ from proxy.httputil import (
 from proxy.metrics import GatewayMetrics, LoopBuckets
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
-from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
 
 log = logging.getLogger(__name__)
@@ -168,25 +167,12 @@ class Forwarder:
                 job.measure(ctx.admission.usage)
 
     def unit_headers(self, ctx: Context) -> dict[str, str]:
-        """The head of an attempt: the client's end-to-end headers as they came
-        (``request.passed``), and the gateway's own (with its trace context in place of
-        the client's when it traces the request)."""
-        headers = passed(ctx.headers, ctx.trace is not None)
+        """The head of an attempt: ``request.unit_fields`` (the client's end-to-end
+        headers and the gateway's own), and a JSON content type where the client named
+        none."""
+        headers = unit_fields(ctx, self._unit_auth, self.resume_key)
         if "content-type" not in headers:
             headers["content-type"] = "application/json"
-        headers[REQUEST_ID_HEADER] = ctx.request_id
-        authorization = self._unit_auth or ctx.authorization
-        if authorization:
-            headers["authorization"] = authorization
-        if ctx.admission is not None:  # the unit passes the class to its engine
-            priority = headers[PRIORITY_HEADER] = ctx.admission.priority
-            if priority == "interactive" and self.resume_key is not None:
-                # the unit grants interactive only to what a gateway signed
-                headers[PRIORITY_SIG_HEADER] = self.resume_key.sign_priority(
-                    ctx.request_id, priority
-                )
-        if ctx.trace is not None:  # its traceparent names the attempt's span
-            headers.update(ctx.trace.headers())
         return headers
 
 

@@ -63,7 +63,7 @@ from proxy.gateway.core import (
     unit_error,
 )
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
-from proxy.gateway.request import Context, grpc_context
+from proxy.gateway.request import Context, grpc_context, unit_fields
 from proxy.gateway.resume import GrpcTranscript, resume_generate
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Admission, TenantGate, Usage
@@ -75,13 +75,10 @@ from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.ratelimit import RateLimited
 from proxy.resume import HintKey
 from proxy.settings import GatewaySettings
-from proxy.tenants import PRIORITY_HEADER, PRIORITY_SIG_HEADER
 from proxy.timers import Deadline, Timer, Wheel
-from proxy.tracing import TRACEPARENT, TRACESTATE, Tracer
+from proxy.tracing import Tracer
 
 log = logging.getLogger(__name__)
-
-TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
 
 SERVICE = "unitproxy.v1.Inference"
 METHOD = f"/{SERVICE}/Generate"
@@ -236,23 +233,14 @@ class GrpcJob:
         started: float,
     ):
         self._proxy = proxy
-        self._admission = admission = ctx.admission
+        self._admission = ctx.admission
         self._context = context
         self._started = started
         self._request = request
         self._next: tuple[bytes, str | None] | None = (request, None)
         self._migrate = ctx.migrate
-        self._auth = _authorization(ctx.authorization, proxy.unit_auth)
-        # The unit passes the class to its engine (with tenants; the client's own header
-        # never goes to the unit).
-        if admission is not None:
-            self._auth = (
-                *self._auth,
-                *_priority(admission.priority, ctx.request_id, proxy.resume_key),
-            )
+        self._ctx = ctx
         self.trace: RequestTrace | None = ctx.trace
-        headers = ctx.headers
-        self._client_trace = tuple((k, headers[k]) for k in TRACE_HEADERS if k in headers)
         self._deadline = ctx.deadline(started, proxy.settings.request_timeout_s)
         self.unit_id = NO_UNIT  # the unit tried last
         self._loop = asyncio.get_running_loop()
@@ -369,17 +357,17 @@ class GrpcJob:
                     return tried
         return await self._attempt_grpc(unit, request, hint)
 
-    def _traced(self) -> tuple[tuple[str, str], ...]:
-        """The trace metadata of an attempt: a traceparent naming its span (not traced
-        here: the client's own)."""
-        trace = self.trace
-        if trace is None:
-            return self._client_trace
-        return tuple(trace.headers().items())
+    def _fields(self) -> dict[str, str]:
+        """What an attempt sends the unit: the client's metadata by HTTP's rule, less
+        what gRPC reserves, and the gateway's own (``request.unit_fields``)."""
+        proxy = self._proxy
+        return unit_fields(self._ctx, proxy.unit_auth, proxy.resume_key, grpc=True)
 
     async def _attempt_grpc(self, unit: Unit, request: bytes, hint: str | None) -> Tried:
-        metadata = self._auth if hint is None else (*self._auth, (RESUME_HEADER, hint))
-        metadata = (*metadata, *self._traced())
+        fields = self._fields()
+        if hint is not None:
+            fields[RESUME_HEADER] = hint
+        metadata = tuple(fields.items())
         timeout = None
         if self._deadline is not None:
             timeout = self._deadline - time.monotonic()
@@ -417,12 +405,9 @@ class GrpcJob:
     ) -> Tried | None:
         """The call over the unit's HTTP port; None: the unit does not serve it there."""
         settings = self._proxy.settings
-        headers = {
-            "Content-Type": grpcweb.CONTENT_TYPE,
-            grpcweb.INTERVAL_HEADER: self._proxy.interval(),
-        }
-        for key, value in (*self._auth, *self._traced()):
-            headers["Authorization" if key == "authorization" else key] = value
+        headers = self._fields()
+        headers["content-type"] = grpcweb.CONTENT_TYPE
+        headers[grpcweb.INTERVAL_HEADER] = self._proxy.interval()
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._asked_at = self._loop.time()
@@ -711,21 +696,6 @@ def refusal_metadata(exc: UnitProxyError, request_id: str) -> tuple[tuple[str, s
         return ((GRPC_CODE_KEY, exc.code), ("retry-after", str(exc.retry_after_s)),
                 *exc.headers.items(), *own)  # fmt: skip
     return own
-
-
-def _priority(priority: str, request_id: str, key: HintKey | None) -> tuple[tuple[str, str], ...]:
-    """The metadata that gives the unit the request's class: interactive with this
-    gateway's signature over the request's id (the unit grants interactive only so)."""
-    if priority != "interactive" or key is None:
-        return ((PRIORITY_HEADER, priority),)
-    return ((PRIORITY_HEADER, priority), (REQUEST_ID_HEADER, request_id),
-            (PRIORITY_SIG_HEADER, key.sign_priority(request_id, priority)))  # fmt: skip
-
-
-def _authorization(given: str | None, unit_auth: str | None) -> tuple[tuple[str, str], ...]:
-    """What the unit gets: this gateway's unit key, or the client's own authorization."""
-    authorization = unit_auth or given
-    return () if authorization is None else (("authorization", authorization),)
 
 
 def _trailer_code(exc: grpc.aio.AioRpcError) -> str | None:

@@ -7,8 +7,9 @@ same one).
 
 The context carries every request header (lower-case names, the hop-by-hop ones
 removed), so a new header needs no allow-list anywhere: its field is read in the
-builders, and the forwarder passes what is end to end to the unit by one rule
-(``passed``). With tenants configured, the wire's admission adds the tenant's fields
+builders, and an attempt on either wire sends the unit what is end to end by one rule
+(``passed``) with the gateway's own fields (``unit_fields``; over gRPC as metadata,
+less what gRPC reserves). With tenants configured, the wire's admission adds the tenant's fields
 to the Want (``for_tenant``); without, every request is the same tenant ("") of class
 standard.
 """
@@ -32,7 +33,8 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.pb.unitproxy.v1 import inference_pb2
-from proxy.tenants import PRIORITIES, PRIORITY_HEADER, RANK
+from proxy.resume import HintKey
+from proxy.tenants import PRIORITIES, PRIORITY_HEADER, PRIORITY_SIG_HEADER, RANK
 from proxy.tracing import TRACEPARENT, TRACESTATE, Parent, parse_traceparent, trace_state
 
 STANDARD = RANK["standard"]
@@ -87,6 +89,13 @@ OWN_PREFIX = "x-unitproxy-"
 # A request the gateway traces goes to the unit with the gateway's W3C trace context
 # (naming its attempt span) in place of the client's.
 NOT_PASSED_TRACED = NOT_PASSED | {TRACEPARENT, TRACESTATE}
+# What gRPC reserves or its transport sets: a gRPC attempt (metadata, or the gRPC-Web
+# head) carries none of the client's. Names with one of GRPC_PREFIXES are gRPC's own
+# (``grpc-timeout``, ``grpc-encoding``...; ``:path``...); a binary ``-bin`` value is
+# bytes, which a context does not keep (``grpc_context``).
+GRPC_NOT_PASSED = frozenset({"content-type", "user-agent", "host", "te"})
+GRPC_PREFIXES = ("grpc-", ":")
+BINARY_SUFFIX = "-bin"
 POST = b"POST"
 
 
@@ -210,13 +219,44 @@ def drop_hop_by_hop(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
-def passed(headers: Mapping[str, str], traced: bool = False) -> dict[str, str]:
+def passed(headers: Mapping[str, str], traced: bool = False, grpc: bool = False) -> dict[str, str]:
     """What of a request's ``headers`` goes to the unit as it came: every end-to-end
     field but unitproxy's own and those in NOT_PASSED; ``traced``: nor the client's
-    trace context, which the gateway's replaces."""
+    trace context, which the gateway's replaces; ``grpc`` (an attempt of a gRPC call):
+    nor what gRPC reserves (``grpc_reserved``)."""
     dropped = NOT_PASSED_TRACED if traced else NOT_PASSED
     return {name: value for name, value in headers.items()
-            if name not in dropped and not name.startswith(OWN_PREFIX)}  # fmt: skip
+            if name not in dropped and not name.startswith(OWN_PREFIX)
+            and not (grpc and grpc_reserved(name))}  # fmt: skip
+
+
+def grpc_reserved(name: str) -> bool:
+    """Whether a gRPC call's metadata ``name`` is gRPC's or its transport's to set."""
+    return (name in GRPC_NOT_PASSED or name.startswith(GRPC_PREFIXES)
+            or name.endswith(BINARY_SUFFIX))  # fmt: skip
+
+
+def unit_fields(
+    ctx: Context, unit_auth: str | None, key: HintKey | None, grpc: bool = False
+) -> dict[str, str]:
+    """What an attempt sends the unit, the same on both wires (HTTP headers; gRPC
+    metadata, ``grpc``): the client's end-to-end fields as they came (``passed``), and
+    the gateway's own: the request id, the authorization (``unit_auth``, the unit key,
+    else the client's), with tenants the class it settled on (interactive with the
+    signature of ``key``: the unit grants interactive only to what a gateway signed),
+    and when it traces, its trace context naming the attempt's span."""
+    fields = passed(ctx.headers, ctx.trace is not None, grpc)
+    fields[REQUEST_ID_HEADER] = ctx.request_id
+    authorization = unit_auth or ctx.authorization
+    if authorization:
+        fields["authorization"] = authorization
+    if ctx.admission is not None:  # the unit passes the class to its engine
+        priority = fields[PRIORITY_HEADER] = ctx.admission.priority
+        if priority == "interactive" and key is not None:
+            fields[PRIORITY_SIG_HEADER] = key.sign_priority(ctx.request_id, priority)
+    if ctx.trace is not None:
+        fields.update(ctx.trace.headers())
+    return fields
 
 
 def for_tenant(want: Want, tenant: str, priority: str, cost: int) -> Want:
