@@ -19,6 +19,9 @@ from proxy.gateway.server import Gateway
 from proxy.load import (
     MAX_METRIC_NAME,
     MAX_NAMED_METRICS,
+    OUTSTANDING_BATCH,
+    OUTSTANDING_STANDARD,
+    PRIORITY_HEADROOM,
     LoadReport,
     NodeStatus,
     PrefixBlocks,
@@ -65,12 +68,17 @@ async def test_a_named_metric_set_by_the_sidecar_reaches_the_gateway(
         await wait_until(lambda: unit.metric("queue_wait_s") == 1.5, what="its change")
         async with http.get(f"{gw.http_url}/units") as resp:
             (shown,) = (await resp.json())["units"]
-        # beside it, the engine's slots every sidecar reports (the simulator's 32), and the
-        # simulator's prefill queue (policy prefix bounds affinity by it)
+        # beside it, the engine's slots every sidecar reports (the simulator's 32), the
+        # simulator's prefill queue (policy prefix bounds affinity by it), and the
+        # allowance over capacity for a higher class with what it may go over (a quarter of
+        # the capacity; nothing outstanding)
         assert shown["named_metrics"] == {
             "queue_wait_s": 1.5,
             ENGINE_SLOTS: 32.0,
             "prefill_queue_tokens": 0.0,
+            PRIORITY_HEADROOM: 8.0,
+            OUTSTANDING_BATCH: 0.0,
+            OUTSTANDING_STANDARD: 0.0,
         }
 
 
