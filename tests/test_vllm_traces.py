@@ -111,6 +111,8 @@ async def test_the_engine_path_hands_the_context_to_vllm(
     await wait_until(lambda: _vllm_span(receiver) is not None, 20, "vLLM's llm_request span")
     vllm_span = _vllm_span(receiver)
     assert vllm_span is not None
+    # vLLM's process exports its span on its own; the sidecar's come with its next batch
+    await wait_until(lambda: bool(receiver.named("engine")), 5, "the sidecar's engine span")
     engine = receiver.one("engine", "unitproxy-sidecar")
     assert engine.trace_id == TRACE_ID
     assert vllm_span.parent_id == engine.span_id  # vLLM's span hangs under the engine span
