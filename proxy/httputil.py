@@ -124,25 +124,51 @@ NOT_FOUND = b'{"detail":"Not Found"}'
 # unitproxy's own paths, which vLLM's server has not: an unknown one under them is
 # answered with unitproxy's error body.
 OWN_PATHS = ("/admin", "/units", "/load")
+# vLLM's API routes outside /v1/ and /v2/: a wrong method on an API route is answered
+# as vLLM's server (FastAPI) answers it, on unitproxy's own paths with its error body.
+API_ROOT_PATHS = frozenset(
+    {"/pooling", "/classify", "/score", "/rerank", "/tokenize", "/detokenize"}
+)
 
 
-def not_found(request_id: str | None, unit_id: str | None = None) -> web.Response:
-    """vLLM's 404 for a path it has no route for, with unitproxy's headers."""
+def detail_response(
+    status: int,
+    detail: str,
+    request_id: str | None,
+    unit_id: str | None = None,
+    allow: str | None = None,
+) -> web.Response:
+    """An answer in FastAPI's shape, ``{"detail": ...}`` (application/json), as vLLM's
+    server gives it for a path or method it has no route for or a form that does not
+    parse, with unitproxy's headers."""
     headers = {"Content-Type": "application/json"}
+    if allow is not None:
+        headers["Allow"] = allow
     if request_id:
         headers[REQUEST_ID_HEADER] = request_id
     if unit_id:
         headers[UNIT_HEADER] = unit_id
-    return web.Response(status=404, body=NOT_FOUND, headers=headers)
+    body = json.dumps({"detail": detail}, separators=(",", ":")).encode()
+    return web.Response(status=status, body=body, headers=headers)
+
+
+def not_found(request_id: str | None, unit_id: str | None = None) -> web.Response:
+    """vLLM's 404 for a path it has no route for, with unitproxy's headers."""
+    return detail_response(404, "Not Found", request_id, unit_id)
 
 
 def _own_path(path: str) -> bool:
     return any(path == own or path.startswith(own + "/") for own in OWN_PATHS)
 
 
+def _api_path(path: str) -> bool:
+    return path.startswith(("/v1/", "/v2/")) or path in API_ROOT_PATHS
+
+
 def error_middleware(unit_id: str | None = None) -> Any:
     """Answer our errors, and aiohttp's own refusals, with the OpenAI error body; an
-    unknown path as vLLM's server answers it (``NOT_FOUND``), but for unitproxy's own."""
+    unknown path (``NOT_FOUND``), and a wrong method on an API route, as vLLM's server
+    answers them, but for unitproxy's own paths."""
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -156,9 +182,15 @@ def error_middleware(unit_id: str | None = None) -> Any:
             if isinstance(refusal, web.HTTPNotFound) and not _own_path(request.path):
                 return not_found(id_to_answer(request_id), unit_id)
             err = _from_http_exception(request, refusal)
+            if not isinstance(refusal, web.HTTPMethodNotAllowed):
+                return error_response(err, id_to_answer(request_id), unit_id)
+            allow = ", ".join(sorted(refusal.allowed_methods))
+            if _api_path(request.path):  # as vLLM's server (FastAPI) answers it
+                return detail_response(
+                    405, "Method Not Allowed", id_to_answer(request_id), unit_id, allow
+                )
             response = error_response(err, id_to_answer(request_id), unit_id)
-            if isinstance(refusal, web.HTTPMethodNotAllowed):
-                response.headers["Allow"] = ", ".join(sorted(refusal.allowed_methods))
+            response.headers["Allow"] = allow
             return response
         except web.RequestPayloadError as unreadable:  # e.g. not the gzip it claims
             err = InvalidRequest(

@@ -4,7 +4,9 @@ The body is the one the server already read whole, within ``server.max_body_byte
 nothing here reads a socket, writes a temporary file or holds more than that body and,
 for ``parse``, the parts' values. The parts are bounded in number (``MAX_PARTS``) and
 each part's head in size (``MAX_PART_HEAD``) and in header lines (``MAX_PART_HEADERS``).
-A body that does not parse is ``InvalidRequest`` (400) naming what is wrong.
+A body that does not parse is ``InvalidRequest`` (400) naming what is wrong; one that is
+no well-formed form is ``MalformedForm``, which carries the ``detail`` vLLM's server
+(starlette) answers it with.
 
 The gateway calls ``model_of`` for the one field it routes by (``model``): it walks
 the parts' heads and copies that field's value only, never the file's bytes. The sidecar
@@ -17,10 +19,12 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from urllib.parse import parse_qsl
 
 from proxy.errors import InvalidRequest
 
 FORM_TYPE = "multipart/form-data"
+URLENCODED_TYPE = "application/x-www-form-urlencoded"
 MAX_PARTS = 64
 MAX_PART_HEAD = 8 * 1024  # bytes of one part's header lines
 MAX_PART_HEADERS = 16
@@ -28,6 +32,21 @@ MAX_FIELD_CHARS = 64 * 1024  # a text field's value (a file's is bounded by the 
 # RFC 2046 section 5.1.1: 1 to 70 characters, of these (a space not last).
 _BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
 _PARAM = re.compile(r';\s*([A-Za-z0-9_*-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;\s]*)')
+
+
+# vLLM's server's (starlette's) 400 details for a multipart body that is no form.
+INVALID = "Invalid multipart data."
+NO_BOUNDARY = "Missing boundary in multipart."
+NO_NAME = 'The Content-Disposition header field "name" must be provided.'
+
+
+class MalformedForm(InvalidRequest):
+    """A multipart body that is no well-formed form: vLLM's server answers it 400
+    ``{"detail": detail}`` (the message says more, for logs and the gateway's own)."""
+
+    def __init__(self, message: str, detail: str = INVALID):
+        super().__init__(message)
+        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +71,8 @@ def boundary_of(content_type: str | None) -> bytes:
         )
     found = _params(";" + params).get("boundary")
     if found is None or not _BOUNDARY.fullmatch(found):
-        raise InvalidRequest(f"content-type {FORM_TYPE}: no valid boundary parameter")
+        message = f"content-type {FORM_TYPE}: no valid boundary parameter"
+        raise MalformedForm(message, NO_BOUNDARY if found is None else INVALID)
     return found.encode("ascii")
 
 
@@ -67,17 +87,34 @@ def field(body: bytes, content_type: str | None, name: str) -> str | None:
 
 def model_of(body: bytes, content_type: str | None) -> str | None:
     """The model an audio request names, to route it by: a form's model field. A body
-    of another type is no form to vLLM's server (no field: it refuses the missing file,
-    or has no such route for its model); routed by its JSON object's ``model``, it gets
-    the answer of a unit that serves that model. None when it names none."""
-    if kind_of(content_type) == FORM_TYPE:
+    or an url-encoded form's (its last, as FastAPI reads it). A body of another type is
+    no form to vLLM's server (no field: it refuses the missing file, or has no such route
+    for its model); routed by its JSON object's ``model``, it gets the answer of a unit
+    that serves that model. None when it names none."""
+    kind = kind_of(content_type)
+    if kind == FORM_TYPE:
         return field(body, content_type, "model")
+    if kind == URLENCODED_TYPE:
+        model = None
+        for name, value in urlencoded(body):
+            if name == "model":
+                model = value
+        return model
     try:
         fields = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
     model = fields.get("model") if isinstance(fields, dict) else None
     return model if isinstance(model, str) else None
+
+
+def urlencoded(body: bytes) -> list[tuple[str, str]]:
+    """An url-encoded form's fields, as vLLM's server (starlette) reads them, at most
+    ``MAX_PARTS``."""
+    try:
+        return parse_qsl(body.decode("latin-1"), keep_blank_values=True, max_num_fields=MAX_PARTS)
+    except ValueError:
+        raise InvalidRequest(f"form body: more than {MAX_PARTS} fields") from None
 
 
 def parse(body: bytes, content_type: str | None) -> list[Part]:
@@ -95,9 +132,11 @@ def parse(body: bytes, content_type: str | None) -> list[Part]:
 def _parts(body: bytes, boundary: bytes) -> Iterator[tuple[dict[str, str], int, int]]:
     """Each part's headers and where its value lies in ``body``."""
     delimiter = b"--" + boundary
+    if not body:
+        return  # no part: a form with no field, to vLLM's server too
     at = body.find(delimiter)
     if at < 0 or (at > 0 and body[at - 2 : at] != b"\r\n"):
-        raise InvalidRequest("multipart body: no opening boundary")
+        raise MalformedForm("multipart body: no opening boundary")
     at += len(delimiter)
     count = 0
     while True:
@@ -105,7 +144,7 @@ def _parts(body: bytes, boundary: bytes) -> Iterator[tuple[dict[str, str], int, 
             return  # the closing delimiter; the epilogue is ignored
         line_end = body.find(b"\r\n", at)
         if line_end < 0 or body[at:line_end].strip(b" \t"):
-            raise InvalidRequest("multipart body: a boundary line is malformed")
+            raise MalformedForm("multipart body: a boundary line is malformed")
         count += 1
         if count > MAX_PARTS:
             raise InvalidRequest(f"multipart body: more than {MAX_PARTS} parts")
@@ -119,7 +158,7 @@ def _parts(body: bytes, boundary: bytes) -> Iterator[tuple[dict[str, str], int, 
         start = head_end + 4
         end = body.find(b"\r\n" + delimiter, start - 2)
         if end < start:
-            raise InvalidRequest("multipart body: a part is not closed by the boundary")
+            raise MalformedForm("multipart body: a part is not closed by the boundary")
         yield head, start, end
         at = end + 2 + len(delimiter)
 
@@ -132,11 +171,11 @@ def _headers(raw: bytes) -> dict[str, str]:
     for line in lines:
         name, colon, value = line.partition(b":")
         if not colon or not name.strip():
-            raise InvalidRequest("multipart body: a part header is malformed")
+            raise MalformedForm("multipart body: a part header is malformed")
         try:
             headers[name.strip().decode("ascii").lower()] = value.strip().decode("utf-8")
         except UnicodeDecodeError:
-            raise InvalidRequest("multipart body: a part header is not UTF-8") from None
+            raise MalformedForm("multipart body: a part header is not UTF-8") from None
     return headers
 
 
@@ -147,8 +186,8 @@ def _disposition(head: dict[str, str]) -> tuple[str, str | None, str | None]:
     found = _params(";" + params)
     name = found.get("name")
     if kind.strip().lower() != "form-data" or name is None:
-        raise InvalidRequest(
-            "multipart body: a part has no Content-Disposition: form-data; name=..."
+        raise MalformedForm(
+            "multipart body: a part has no Content-Disposition: form-data; name=...", NO_NAME
         )
     return name, found.get("filename"), head.get("content-type")
 

@@ -66,3 +66,43 @@ def test_what_does_not_parse_is_a_400_saying_why(ctype: str, body: bytes, messag
     with pytest.raises(InvalidRequest, match=message) as refused:
         multipart.parse(body, ctype)
     assert refused.value.http_status == 400
+
+
+@pytest.mark.parametrize(
+    ("ctype", "body", "detail"),
+    [
+        ("multipart/form-data", b"--b\r\n", multipart.NO_BOUNDARY),
+        ("multipart/form-data; boundary=b", b"garbage", multipart.INVALID),
+        ("multipart/form-data; boundary=b", b"--bjunk\r\n", multipart.INVALID),
+        ("multipart/form-data; boundary=b",
+         b"--b\r\nnocolon\r\n\r\nv\r\n--b--\r\n", multipart.INVALID),
+        ("multipart/form-data; boundary=b",
+         b"--b\r\nContent-Disposition: form-data\r\n\r\nv\r\n--b--\r\n", multipart.NO_NAME),
+    ],
+)  # fmt: skip
+def test_a_body_that_is_no_form_carries_vllms_detail(ctype: str, body: bytes, detail: str) -> None:
+    """What vLLM's server (starlette) answers these with: 400 {"detail": ...}."""
+    with pytest.raises(multipart.MalformedForm) as refused:
+        multipart.parse(body, ctype)
+    assert refused.value.detail == detail and refused.value.http_status == 400
+    # a bound of unitproxy's own is no malformed form: its error body stays
+    many = b"".join(
+        b"--b\r\nContent-Disposition: form-data; name=f\r\n\r\nv\r\n" for _ in range(65)
+    )
+    with pytest.raises(InvalidRequest, match="more than 64 parts") as bound:
+        multipart.parse(many + b"--b--", "multipart/form-data; boundary=b")
+    assert not isinstance(bound.value, multipart.MalformedForm)
+
+
+def test_an_empty_multipart_body_is_a_form_with_no_field() -> None:
+    assert multipart.parse(b"", "multipart/form-data; boundary=b") == []
+    assert multipart.model_of(b"", "multipart/form-data; boundary=b") is None
+
+
+def test_an_urlencoded_forms_model_is_read_as_fastapi_reads_it() -> None:
+    ctype = "application/x-www-form-urlencoded"
+    assert multipart.model_of(b"language=en&model=speech+one&x=%C3%BC", ctype) == "speech one"
+    assert multipart.model_of(b"model=a&model=b", ctype) == "b"  # the last, as FastAPI
+    assert multipart.model_of(b"language=en", ctype) is None
+    with pytest.raises(InvalidRequest, match="more than 64 fields"):
+        multipart.model_of(b"&".join(b"f=v" for _ in range(65)), ctype)

@@ -204,12 +204,22 @@ async def test_a_known_route_with_the_wrong_method_is_405_with_allow(
     a = await start_sidecar(sidecar={"unit_id": "a"})
     gw = await start_gateway([a])
     for base in (a.http_url, gw.http_url):
-        async with http.get(f"{base}/v1/chat/completions") as resp:
+        # an API route: as vLLM's server (FastAPI) answers it
+        for method, path, allow in (("GET", "/v1/chat/completions", "POST"),
+                                    ("DELETE", "/v1/embeddings", "POST"),
+                                    ("PUT", "/tokenize", "POST"),
+                                    ("POST", "/v1/models", "GET"),
+                                    ("HEAD", "/v1/models", "GET")):  # fmt: skip
+            async with http.request(method, f"{base}{path}") as resp:
+                assert resp.status == 405 and resp.headers["allow"] == allow
+                assert resp.headers["content-type"] == "application/json"
+                body = b"" if method == "HEAD" else b'{"detail":"Method Not Allowed"}'
+                assert await resp.read() == body
+                assert resp.headers["x-unitproxy-unit"] in ("a", "none")
+        # a path of unitproxy's own keeps its error body
+        async with http.get(f"{base}/admin/drain") as resp:
             assert resp.status == 405 and resp.headers["allow"] == "POST"
-            body = await resp.json()
-        assert body["error"]["code"] == "method_not_allowed"
-        async with http.post(f"{base}/v1/models") as resp:
-            assert resp.status == 405 and resp.headers["allow"] == "GET, HEAD"
+            assert (await resp.json())["error"]["code"] == "method_not_allowed"
         async with http.get(f"{base}/v1/nothing") as resp:
             assert resp.status == 404
 

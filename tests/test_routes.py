@@ -638,24 +638,44 @@ async def test_audio_routes_are_routed_by_the_forms_model_field(
         assert (await resp.json())["error"]["code"] == "model_not_found"
 
 
-async def test_an_audio_body_that_does_not_parse_is_the_gateways_400(
+async def test_an_audio_body_that_does_not_parse_is_answered_as_vllms_server_answers_it(
     start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
 ) -> None:
-    gw = await start_gateway([await start_sidecar()])
+    """A multipart body that is no form: vLLM's server (starlette) answers 400
+    {"detail": ...} on a route it has; the gateway routes it to a unit (by the model
+    field when that comes before the fault) and passes the unit's answer on. A bound of
+    unitproxy's own is the gateway's 400."""
+    a = await start_sidecar(sidecar={"unit_id": "a"})
+    gw = await start_gateway([a])
     url = f"{gw.http_url}/v1/audio/transcriptions"
-    cases = [
-        ("multipart/form-data", b"--x\r\n", "no valid boundary"),
-        ("multipart/form-data; boundary=x", b"no boundary here", "no opening boundary"),
+    malformed = [
+        ("multipart/form-data", b"--x\r\n", "Missing boundary in multipart."),
+        ("multipart/form-data; boundary=x", b"no boundary here", "Invalid multipart data."),
         ("multipart/form-data; boundary=x",
          b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nunitproxy-sim',
-         "not closed by the boundary"),
+         "Invalid multipart data."),
+        ("multipart/form-data; boundary=x",
+         b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nunitproxy-sim\r\n'
+         b"--x\r\nContent-Disposition: form-data\r\n\r\nv\r\n--x--",
+         'The Content-Disposition header field "name" must be provided.'),
+    ]  # fmt: skip
+    for ctype, body, detail in malformed:
+        expected = json.dumps({"detail": detail}, separators=(",", ":")).encode()
+        for base in (a.http_url, gw.http_url):
+            async with http.post(f"{base}/v1/audio/transcriptions", data=body,
+                                 headers={"Content-Type": ctype}) as resp:  # fmt: skip
+                assert resp.status == 400, (ctype, await resp.text())
+                assert resp.headers["content-type"] == "application/json"
+                assert resp.headers["x-unitproxy-unit"] == "a", "the unit answered"
+                assert await resp.read() == expected
+    bounds = [
         ("multipart/form-data; boundary=x",
          b"--x\r\n" + b"X-Pad: 1\r\n" * 20 + b"\r\nv\r\n--x--", "more than 16 headers"),
         ("multipart/form-data; boundary=x",
          b"".join(b'--x\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nv\r\n' % i
                   for i in range(65)) + b"--x--", "more than 64 parts"),
     ]  # fmt: skip
-    for ctype, body, message in cases:
+    for ctype, body, message in bounds:
         async with http.post(url, data=body, headers={"Content-Type": ctype}) as resp:
             assert resp.status == 400, (ctype, await resp.text())
             assert resp.headers["x-unitproxy-unit"] == "none", "no unit was asked"
@@ -706,6 +726,24 @@ async def test_a_body_that_is_no_form_gets_the_units_answer_as_vllms_server_give
                 assert error["param"] == "model", error
     # the unit answered every one the gateway took: none was the gateway's own refusal
     assert counter(gw, "unitproxy_routed_requests_total", unit="b") >= 2
+
+
+async def test_an_urlencoded_audio_body_is_routed_by_its_model_field(
+    start_sidecar: SidecarFactory, start_gateway: GatewayFactory, http: aiohttp.ClientSession
+) -> None:
+    a = await start_sidecar(sidecar={"unit_id": "a"}, engine={"served_model_name": "chat-model"})
+    b = await start_sidecar(sidecar={"unit_id": "b"}, engine={"served_model_name": "speech"})
+    gw = await start_gateway([a, b], policy="round_robin")
+    for _ in range(4):  # round robin would send half of them to a
+        form = aiohttp.FormData({"language": "en", "model": "speech"})  # url-encoded
+        async with http.post(f"{gw.http_url}/v1/audio/translations", data=form) as resp:
+            assert resp.request_info.headers["Content-Type"].startswith(
+                "application/x-www-form-urlencoded"
+            )
+            assert resp.status == 400 and resp.headers["x-unitproxy-unit"] == "b"
+    async with http.post(f"{gw.http_url}/v1/audio/translations", data={"model": "nobody"}) as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["code"] == "model_not_found"
 
 
 async def test_audio_requests_retry_on_another_unit_before_the_first_byte(

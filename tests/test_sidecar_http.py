@@ -138,7 +138,10 @@ async def test_oversize_body_unknown_path_and_wrong_method(
         assert "/load/nothing" in (await resp.json())["error"]["message"]
     async with http.get(f"{sidecar.http_url}/v1/completions") as resp:
         assert resp.status == 405 and resp.headers["allow"] == "POST"
-        assert "GET" in (await resp.json())["error"]["message"]
+        assert await resp.json() == {"detail": "Method Not Allowed"}  # as vLLM's server
+    async with http.post(f"{sidecar.http_url}/metrics") as resp:  # a path of its own
+        assert resp.status == 405 and resp.headers["allow"] == "GET, HEAD"
+        assert "POST" in (await resp.json())["error"]["message"]
     async with http.get(f"{sidecar.http_url}/ready") as resp:
         assert resp.status == 200
 

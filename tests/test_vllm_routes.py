@@ -463,6 +463,33 @@ async def test_a_route_the_model_has_no_task_for_is_404_on_both(
                         answers.append((resp.status, resp.headers["Content-Type"],
                                         await resp.json()))  # fmt: skip
                 assert answers == [got[0]] * 3, (ctype, answers)
+            # a multipart body that is no form: the same 404 (no route to parse it for)
+            for ctype, body in MALFORMED_FORMS:
+                answers = []
+                for base in (url, unit, gateway):
+                    async with http.post(f"{base}/v1/audio/transcriptions", data=body,
+                                         headers={"Content-Type": ctype}) as resp:  # fmt: skip
+                        answers.append((resp.status, resp.headers["Content-Type"],
+                                        await resp.json()))  # fmt: skip
+                assert answers == [got[0]] * 3, (ctype, answers)
+        # a wrong method on an API route of the model: FastAPI's 405 with its allow header
+        for url, unit, method, path in (
+            (vllm_generate, gen.http_url, "GET", "/v1/chat/completions"),
+            (vllm_generate, gen.http_url, "PUT", "/tokenize"),
+            (vllm_generate, gen.http_url, "POST", "/v1/models"),
+            (vllm_generate, gen.http_url, "HEAD", "/v1/models"),
+            (vllm_pooling, pool.http_url, "DELETE", "/v1/embeddings"),
+        ):
+            answers_405 = []
+            for base in (url, unit, gateway):
+                async with http.request(method, base + path) as resp:
+                    allow = set(resp.headers.get("allow", "").split(", "))  # vLLM's: a set's
+                    answers_405.append(
+                        (resp.status, resp.headers["Content-Type"], allow, await resp.read())
+                    )
+            assert answers_405 == [answers_405[0]] * 3, (path, answers_405)
+            detail = b"" if method == "HEAD" else b'{"detail":"Method Not Allowed"}'
+            assert answers_405[0][::3] == (405, detail), answers_405
         # a path vLLM's server has no route for: FastAPI's 404, from the unit and the gateway
         for method, path, body in (("GET", "/v1/nothing", None),
                                    ("POST", "/v1/chat/completion", CHAT),
@@ -481,6 +508,15 @@ async def test_a_route_the_model_has_no_task_for_is_404_on_both(
 
 
 # -- the audio routes ---------------------------------------------------------------------
+# Multipart bodies that are no form (content type, body).
+MALFORMED_FORMS = [
+    ("multipart/form-data", b"--x\r\n"),
+    ("multipart/form-data; boundary=x", b"garbage"),
+    ("multipart/form-data; boundary=x", b"--xjunk\r\nContent-Disposition: form-data\r\n\r\n"),
+    ("multipart/form-data; boundary=x", b"--x\r\nnocolon\r\n\r\nv\r\n--x--\r\n"),
+    ("multipart/form-data; boundary=x",
+     b"--x\r\nContent-Disposition: form-data\r\n\r\nv\r\n--x--\r\n"),
+]  # fmt: skip
 # No transcription model can be made here (a Whisper needs its tokenizer and feature
 # extractor files from a model hub): what is checked against vLLM is the form as vLLM's
 # own request model and upload reader take it, and the 404 of a model without the task.
@@ -535,6 +571,8 @@ async def test_a_body_that_is_no_form_is_refused_as_vllms_server_refuses_it(
     from pydantic import TypeAdapter, ValidationError
 
     from engine import vllm_frontend
+    from proxy.httputil import detail_response
+    from proxy.multipart import MalformedForm
     from proxy.sidecar.frontend_http import form_fields
 
     app = FastAPI()
@@ -571,3 +609,13 @@ async def test_a_body_that_is_no_form_is_refused_as_vllms_server_refuses_it(
                 reply = await frontend._invalid(refused.value)
                 assert (reply.status, "application/json", reply.body) == theirs, (route, ctype)
                 assert theirs[0] == 400 and json.loads(theirs[2])["error"]["param"] == "body.file"
+            # a multipart body that is no form: starlette's 400 {"detail": ...}, before
+            # the handler; the sidecar answers what its form reader finds
+            for ctype, body in MALFORMED_FORMS:
+                resp = await client.post(f"/v1/audio/{route}", content=body,
+                                         headers={"Content-Type": ctype})  # fmt: skip
+                theirs = (resp.status_code, resp.headers["content-type"], resp.content)
+                with pytest.raises(MalformedForm) as malformed:
+                    form_fields(body, ctype)
+                mine = detail_response(400, malformed.value.detail, "r", "unit-gen")
+                assert (mine.status, mine.content_type, mine.body) == theirs, (route, body)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -451,8 +452,11 @@ class Gateway(Service):
             ctx.trace = RequestTrace(tracer.start(ctx.traceparent, ctx.tracestate, name))
         try:  # the API key was checked from the head, before the body was read
             form = ctx.route in FORM_LABELS
-            # a form's model field, found without reading the file (proxy/multipart.py)
-            model = multipart.model_of(body, ctx.headers.get("content-type")) if form else None
+            model = None
+            if form:  # a form's model field, found without reading the file (multipart.py)
+                # no form: to some unit, which answers it as vLLM's server does
+                with contextlib.suppress(multipart.MalformedForm):
+                    model = multipart.model_of(body, ctx.headers.get("content-type"))
             tenancy = self.tenancy
             if tenancy is not None:  # the tenant's limits, before a unit is chosen
                 key, priority = ctx.authorization, ctx.priority
@@ -520,13 +524,16 @@ class Gateway(Service):
 
         for path, route in (*ROUTES.items(), *FORM_ROUTES.items()):
             app.router.add_post(path, inference(route), expect_handler=self.api_keys.expect_handler)
-        app.router.add_get("/v1/responses/{response_id}", inference("responses_retrieve"))
+        # the API routes answer GET alone, as vLLM's server (FastAPI) does: HEAD is 405
+        app.router.add_get(
+            "/v1/responses/{response_id}", inference("responses_retrieve"), allow_head=False
+        )
         app.router.add_post(
             "/v1/responses/{response_id}/cancel", inference("responses_cancel"),
             expect_handler=self.api_keys.expect_handler,
         )  # fmt: skip
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model:.+}", self._model)
+        app.router.add_get("/v1/models", self._models, allow_head=False)
+        app.router.add_get("/v1/models/{model:.+}", self._model, allow_head=False)
         app.router.add_get("/health", _health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/units", self._units)

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Mapping
 from contextlib import aclosing
 from typing import Any
-from urllib.parse import parse_qsl
 
 from aiohttp import web
 
@@ -68,13 +67,8 @@ def form_fields(body: bytes, content_type: str | None) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     kind = multipart.kind_of(content_type)
     values: list[tuple[str, Any]] = []
-    if kind == "application/x-www-form-urlencoded":
-        try:
-            values += parse_qsl(
-                body.decode("latin-1"), keep_blank_values=True, max_num_fields=multipart.MAX_PARTS
-            )
-        except ValueError:
-            raise InvalidRequest(f"form body: more than {multipart.MAX_PARTS} fields") from None
+    if kind == multipart.URLENCODED_TYPE:
+        values += multipart.urlencoded(body)
     elif kind == multipart.FORM_TYPE:
         for part in multipart.parse(body, content_type):
             if part.filename is None:

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.base import TokenDelta
 from engine.frontend import FrontendRoute
-from proxy import grpcweb, ingress, openai_api, resume
+from proxy import grpcweb, ingress, multipart, openai_api, resume
 from proxy.auth import ApiKeys
 from proxy.errors import InvalidRequest, NotFound, UnitProxyError
 from proxy.httputil import (
@@ -28,6 +28,7 @@ from proxy.httputil import (
     UNIT_HEADER,
     ClientGone,
     admin_drain,
+    detail_response,
     error_middleware,
     error_response,
     json_response,
@@ -101,12 +102,15 @@ def build_app(
     app.router.add_post(
         "/v1/chat/completions", _inference("chat"), expect_handler=keys.expect_handler
     )
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model_id:.+}", _model)
+    # the API routes answer GET alone, as vLLM's server (FastAPI) does: HEAD is 405
+    app.router.add_get("/v1/models", _models, allow_head=False)
+    app.router.add_get("/v1/models/{model_id:.+}", _model, allow_head=False)
     # Served where the engine's own layer has them, else 404.
     for path, route in ENGINE_ROUTES.items():
         app.router.add_post(path, _inference(route), expect_handler=keys.expect_handler)
-    app.router.add_get("/v1/responses/{response_id}", _inference("responses_retrieve"))
+    app.router.add_get(
+        "/v1/responses/{response_id}", _inference("responses_retrieve"), allow_head=False
+    )
     app.router.add_post("/v1/responses/{response_id}/cancel", _inference("responses_cancel"))
     inference = grpc_api.InferenceService(core, metrics, max_prompt_chars, keys)
     app.router.add_post(grpcweb.PATH, _grpc_web(inference, core))
@@ -138,6 +142,8 @@ def _inference(route: FrontendRoute) -> Handler:
             return response
         except UnitProxyError as exc:
             code = str(exc.http_status)
+            if isinstance(exc, multipart.MalformedForm):  # vLLM's server's answer to it
+                return detail_response(400, exc.detail, request_id, core.unit_id)
             return error_response(exc, request_id, core.unit_id)
         except web.RequestPayloadError:
             code = "400"  # the body could not be read; the error middleware answers
