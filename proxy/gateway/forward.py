@@ -174,6 +174,7 @@ class Forwarder:
         if authorization:
             headers["authorization"] = authorization
         if ctx.admission is not None:  # the unit passes the class to its engine
+            headers[openai_api.USAGE_HEADER] = "1"  # a stream's usage, for the accounting
             priority = headers[PRIORITY_HEADER] = ctx.admission.priority
             if priority == "interactive" and self.resume_key is not None:
                 # the unit grants interactive only to what a gateway signed
@@ -266,7 +267,7 @@ class HttpJob:
     def measure(self, usage: Usage) -> None:
         """What the request used, as far as the client got it (tenants' accounting)."""
         transcript = self._transcript
-        if transcript is not None:
+        if transcript is not None and not usage.reported:  # no usage comment came
             text = transcript.text()
             usage.read_usage(transcript.usage)
             usage.count_output(text)
@@ -469,6 +470,9 @@ class HttpJob:
         at = data.find(ERROR_EVENT)
         if at >= 0:
             data, self._unit_error = data[:at], data[at:]
+        admission = self._ctx.admission
+        if admission is not None:  # the unit's usage comment, out of the client's stream
+            data = admission.usage.take_comment(data)
         if data:
             self._delivered(data)
         return data
