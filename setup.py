@@ -41,6 +41,7 @@ COMPILED = [
     "proxy/gateway/resume.py",
     "proxy/gateway/router.py",
     "proxy/gateway/server.py",
+    "proxy/gateway/tenancy.py",
     "proxy/gateway/units.py",
     "proxy/gateway/http1/front.py",
     "proxy/gateway/http1/pool.py",

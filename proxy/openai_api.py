@@ -439,6 +439,12 @@ def response_body(parsed: ParsedRequest, text: str, last: TokenDelta, created: i
 
 
 DONE = b"data: [DONE]\n\n"
+# A gateway counting its tenants' usage sends this header; a stream then ends with the
+# usage as an SSE comment before [DONE] (``USAGE_COMMENT``, then the usage object), which
+# the gateway reads and takes out: the client never gets it. (Reading the usage chunk
+# of stream_options.include_usage instead would change the chunks the client gets.)
+USAGE_HEADER = "x-unitproxy-usage"
+USAGE_COMMENT = b": usage "
 
 
 class StreamEncoder:
@@ -483,11 +489,15 @@ class StreamEncoder:
             tail = b'}],"usage":' + _dumps(usage(delta)).encode() + b"}\n\n"
         return b"".join((self._prefix, _dumps(delta.text).encode(), self._mid, reason, tail))
 
-    def end(self, last: TokenDelta | None) -> bytes:
-        """The usage chunk when asked for, then [DONE]."""
+    def end(self, last: TokenDelta | None, comment: bool = False) -> bytes:
+        """The usage chunk when asked for, then [DONE]; ``comment``: the usage comment
+        for a gateway (``USAGE_HEADER``) before [DONE]."""
+        end = DONE
+        if comment and last is not None:
+            end = USAGE_COMMENT + _dumps(usage(last)).encode() + b"\n\n" + end
         if self._include_usage and last is not None:
-            return self._usage_head + _dumps(usage(last)).encode() + b"}\n\n" + DONE
-        return DONE
+            return self._usage_head + _dumps(usage(last)).encode() + b"}\n\n" + end
+        return end
 
 
 def sse_error(error_body: dict[str, Any]) -> bytes:

@@ -59,6 +59,7 @@ RENEW_S = 60.0  # how often leases and this replica's presence are renewed
 PRESENCE_S = 3 * RENEW_S  # a replica not heard from for this long no longer counts
 PROBE_S = 1.0  # while Redis is down, how often it is tried again
 MAX_UNSENT = 10_000  # settlements kept for Redis while it is down
+MAX_KEY_SETS = 4096  # tenants' key lists kept (one a tenant a minute): then built anew
 
 
 class RateLimited(Overloaded):
@@ -429,6 +430,10 @@ class Limiter:
         self._admitted = 0
         self._gauge = shared_gauge
         self._set_gauge()
+        # A tenant's seven keys for a minute and a day (rpm, tpm, tpd: this one and the
+        # one before; concurrent), built once, not per request.
+        self._keys: dict[tuple[str, int, int], list[str]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # get_running_loop: a getpid()
 
     @property
     def shared(self) -> bool:
@@ -461,6 +466,26 @@ class Limiter:
 
     def _key(self, tenant: str, what: str) -> str:
         return f"{self._prefix}:limit:{tenant}:{what}"
+
+    def _keys_of(self, name: str, minute: int, day: int) -> list[str]:
+        """The admission's keys (``_keys``); a settlement's are [2], [4], [6]."""
+        found = self._keys.get((name, minute, day))
+        if found is None:
+            if len(self._keys) >= MAX_KEY_SETS:  # the minutes before: dropped
+                self._keys.clear()
+            found = self._keys[(name, minute, day)] = [
+                self._key(name, f"rpm:{minute}"), self._key(name, f"rpm:{minute - 1}"),
+                self._key(name, f"tpm:{minute}"), self._key(name, f"tpm:{minute - 1}"),
+                self._key(name, f"tpd:{day}"), self._key(name, f"tpd:{day - 1}"),
+                self._key(name, "concurrent"),
+            ]  # fmt: skip
+        return found
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     # -- admission -------------------------------------------------------------------
 
@@ -510,21 +535,14 @@ class Limiter:
     async def _admit_shared(
         self, tenant: Tenant, need: int, now: float, member: str
     ) -> Check | None:
-        minute, day = int(now // MINUTE_S), int(now // DAY_S)
-        name = tenant.name
-        keys = [
-            self._key(name, f"rpm:{minute}"), self._key(name, f"rpm:{minute - 1}"),
-            self._key(name, f"tpm:{minute}"), self._key(name, f"tpm:{minute - 1}"),
-            self._key(name, f"tpd:{day}"), self._key(name, f"tpd:{day - 1}"),
-            self._key(name, "concurrent"),
-        ]  # fmt: skip
+        keys = self._keys_of(tenant.name, int(now // MINUTE_S), int(now // DAY_S))
         fm, fd = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
         arg = (
             f"a,{fm!r},{fd!r},{tenant.requests_per_minute},{tenant.tokens_per_minute},"
             f"{tenant.tokens_per_day},{tenant.max_concurrent},{need},{member},"
             f"{now + LEASE_S!r},{int(2 * MINUTE_S + 10)},{int(2 * DAY_S + 10)}"
         )
-        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[str] = self._running_loop().create_future()
         self._send(_Op(keys, arg, done, need=need, member=member))
         try:
             answer = await done
@@ -572,13 +590,12 @@ class Limiter:
 
     def _settle_shared(self, r: Reservation, difference: int) -> _Op:
         """Goes out with the next batch; kept for later if that batch fails."""
-        name = r.tenant.name
-        keys = [self._key(name, f"tpm:{r.minute}"), self._key(name, f"tpd:{r.day}"),
-                self._key(name, "concurrent")]  # fmt: skip
+        every = self._keys_of(r.tenant.name, r.minute, r.day)
+        keys = [every[2], every[4], every[6]]
         op = _Op(keys, f"s,{difference},{r.member}", None, r, difference)
         self._ops.append(op)
         if self._timer is None and (self._sender is None or self._sender.done()):
-            self._timer = asyncio.get_running_loop().call_later(SETTLE_WITHIN_S, self._start)
+            self._timer = self._running_loop().call_later(SETTLE_WITHIN_S, self._start)
         return op
 
     # -- the batches to Redis --------------------------------------------------------
@@ -597,7 +614,7 @@ class Limiter:
             self._timer.cancel()
             self._timer = None
         if self._ops and (self._sender is None or self._sender.done()):
-            self._sender = asyncio.get_running_loop().create_task(self._send_loop())
+            self._sender = self._running_loop().create_task(self._send_loop())
 
     async def _send_loop(self) -> None:
         while self._ops:

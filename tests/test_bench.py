@@ -109,10 +109,12 @@ def test_overhead_runs_the_compiled_gateway(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_overhead_runs_the_gateway_with_tenants(tmp_path: Path) -> None:
     """Target unitproxy+tenants: this tree's gateway with a tenants file and a Redis of the
-    bench's own, beside unitproxy without; every target's load sends the tenant's key."""
+    bench's own, beside unitproxy without and a commit's gateway with tenants
+    (unitproxy+tenants@REF); every target's load sends the tenant's key."""
     out = tmp_path / "overhead.json"
     argv = [sys.executable, "bench/overhead/run.py", "--quick", "--out", str(out),
-            "--targets", "unitproxy,unitproxy+tenants", "--scenarios", "completions,grpc",
+            "--targets", "unitproxy,unitproxy+tenants,unitproxy+tenants@HEAD",
+            "--scenarios", "completions,grpc",
             "--concurrency", "2", "--duration", "0.5", "--warmup", "0.2"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=190, check=False)
     output = done.stdout + done.stderr
@@ -121,9 +123,12 @@ def test_overhead_runs_the_gateway_with_tenants(tmp_path: Path) -> None:
     rows = [r for r in report["rows"] if r["target"] == "unitproxy+tenants"]
     assert {r["scenario"] for r in rows} == {"completions", "grpc"}, output[-3000:]
     assert all(r["requests_per_s"] > 0 and r["error_count"] == 0 for r in rows), rows
-    (status,) = [s for p in report["phases"] for s in p["targets"]
-                 if s["name"] == "unitproxy+tenants"]  # fmt: skip
-    assert "--tenants-file" in status["argv"] and "--redis-url" in status["argv"]
+    for name in ("unitproxy+tenants", "unitproxy+tenants@HEAD"):
+        (status,) = [s for p in report["phases"] for s in p["targets"]
+                     if s["name"] == name]  # fmt: skip
+        assert "--tenants-file" in status["argv"] and "--redis-url" in status["argv"]
+        assert ("commit" in status["version"]) == name.endswith("@HEAD"), status
+        assert any(r["target"] == name and r["error_count"] == 0 for r in report["rows"])
 
 
 @pytest.mark.timeout(200)

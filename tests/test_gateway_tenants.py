@@ -172,6 +172,54 @@ async def test_tokens_settle_to_the_units_usage_streamed_or_not(
     )
 
 
+async def test_a_stream_is_charged_the_units_usage_which_its_client_never_sees(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    # add_generation_prompt false: the unit counts 3 prompt tokens fewer than the
+    # gateway's estimate, so only the unit's own usage settles to its figure
+    sidecar, gw = await start(start_sidecar, start_gateway, tenants_file)
+    headers = {"Authorization": "Bearer sk-beta"}
+    body = {**CHAT, "model": "unitproxy-sim", "max_tokens": 5, "add_generation_prompt": False}
+    url = f"{gw.http_url}/v1/chat/completions"
+    async with http.post(url, json=body, headers=headers) as resp:
+        reference = (await resp.json())["usage"]
+    charged = tpm(gw, "beta")
+    assert charged == reference["total_tokens"]
+    for options in (None, {"include_usage": True}):
+        streamed = {**body, "stream": True}
+        if options is not None:
+            streamed["stream_options"] = options
+        async with http.post(url, json=streamed, headers=headers) as resp:
+            raw = await resp.read()
+        async with http.post(f"{sidecar.http_url}/v1/chat/completions", json=streamed) as resp:
+            direct = await resp.read()
+        await wait_until(lambda: in_flight(gw, "beta") == 0)
+        assert tpm(gw, "beta") == charged + reference["total_tokens"], "the unit's count"
+        charged = tpm(gw, "beta")
+        # what the client got is what the unit sends a client (no usage comment)
+        assert b": usage" in (await _usage_stream(sidecar, streamed))
+        assert b": usage" not in raw and raw.endswith(b"data: [DONE]\n\n")
+        assert raw.count(b'"usage"') == direct.count(b'"usage"')
+        assert (b'"usage":{' in raw) == (options is not None)
+        assert raw.count(b"data:") == direct.count(b"data:")
+
+
+async def _usage_stream(sidecar: Sidecar, body: dict[str, Any]) -> bytes:
+    """A stream of ``sidecar``'s as a gateway that counts usage gets it."""
+    url = f"{sidecar.http_url}/v1/chat/completions"
+    headers = {"x-unitproxy-usage": "1"}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body,
+                                                                headers=headers) as resp:  # fmt: skip
+        raw = await resp.read()
+    usage = [e for e in raw.split(b"\n\n") if e.startswith(b": usage ")]
+    assert len(usage) == 1 and raw.endswith(usage[0] + b"\n\ndata: [DONE]\n\n")
+    assert json.loads(usage[0][len(b": usage ") :])["completion_tokens"] == 5
+    return raw
+
+
 async def test_limits_and_allow_list_hold_before_a_unit_is_chosen(
     start_sidecar: SidecarFactory,
     start_gateway: GatewayFactory,

@@ -104,6 +104,20 @@ def grpc_chunks(*texts: str, ids_from: int = 0) -> list[bytes]:
     ]
 
 
+def test_a_grpc_transcripts_usage_is_its_last_chunks_read_alone() -> None:
+    t = GrpcTranscript()
+    for m in grpc_chunks(" a", " b"):
+        t.add(m)
+    assert t.last_usage() is None and t.output_tokens() == 2
+    last = inference_pb2.GenerateChunk(text=" c", token_ids=[3], finish_reason="stop")
+    last.usage.prompt_tokens, last.usage.completion_tokens = 5, 3
+    t.add(last.SerializeToString())
+    assert t.last_usage() == (5, 3)
+    assert t.text() == " a b c"  # the chunks before it still read when asked
+    t.add(grpc_chunks(" d")[0])  # a chunk after it without usage: the last that had one
+    assert t.last_usage() == (5, 3)
+
+
 def test_grpc_requests_resume_by_their_input_kind() -> None:
     t = GrpcTranscript()
     for m in grpc_chunks(" a", " b", ids_from=7):

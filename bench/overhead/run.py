@@ -21,9 +21,9 @@ sidecar would push load reports to it while the other targets run.)
 Targets: direct, unitproxy (the gateway, policy lor), vllm-router and sglang-router
 (round_robin: with one worker their cheapest policy), and sglang-router+nodelay (the
 same with TCP_NODELAY forced on its accepted sockets); unitproxy+tenants is the gateway
-with tenants (--tenants-file, --tenants-redis), and with it in the run every target's
-load carries the same API key. The peers are PyPI packages in
-their own virtual environments under bench/.venvs, put there by
+with tenants (--tenants-file, --tenants-redis; unitproxy+tenants@REF: a commit's), and
+with one in the run every target's load carries the same API key. The peers are PyPI
+packages in their own virtual environments under bench/.venvs, put there by
 
     bash bench/overhead/setup_peers.sh
 
@@ -47,6 +47,7 @@ client is this process (uvloop, one aiohttp session or one gRPC channel per run)
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy@main --quick
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy+tenants  # tenants A/B
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy+trace0.01,unitproxy+trace1
+    .venv/bin/python bench/overhead/run.py --targets unitproxy+tenants,unitproxy+tenants@main
 
 Writes the table to stdout, JSON to bench/results/overhead.json, a PNG beside it and
 the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
@@ -95,6 +96,7 @@ from bench.overhead.targets import (
     Backend,
     Target,
     TargetStatus,
+    is_tenants,
     known_target,
     protocols,
     start_backend,
@@ -204,7 +206,7 @@ async def run_one(
         cpu.update({role: s for role, s in waits.items() if s is not None})
         return cpu
 
-    api_key = API_KEY if TENANTS in settings.targets else None
+    api_key = API_KEY if any(map(is_tenants, settings.targets)) else None
     async with open_client(scenario, address, MODEL, concurrency, api_key) as request:
         window = await measure(
             request,
@@ -327,7 +329,7 @@ def _mark_failed(target: Target, statuses: list[TargetStatus], reason: str) -> N
 
 async def run_all(settings: BenchSettings) -> dict[str, Any]:
     settings.log_dir.mkdir(parents=True, exist_ok=True)
-    if TENANTS not in settings.targets:
+    if not any(map(is_tenants, settings.targets)):
         return await _run_phases(settings)
     path = settings.tenants_file
     if path is None:
@@ -407,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
         " for an A/B), unitproxy+traceR (this tree's gateway tracing R of its requests, e.g."
         " unitproxy+trace0.01), unitproxy+compiled (this tree built by"
         f" scripts/compiled_tree.sh) or {TENANTS} (this tree with tenants, their limits"
-        " counted in Redis). Default all but these four; direct is always run (the baseline).",
+        f" counted in Redis; {TENANTS}@REF: a commit's). Default all but these four;"
+        " direct is always run (the baseline).",
     )
     add(
         "--max-requests",

@@ -219,18 +219,25 @@ def trace_ratio(name: str) -> float | None:
 
 def is_unitproxy(name: str) -> bool:
     """``unitproxy`` (this tree), ``unitproxy@REF`` (a commit of it), ``unitproxy+compiled``,
-    ``unitproxy+tenants``, ``unitproxy+traceR``."""
+    ``unitproxy+tenants`` (``@REF``: a commit's), ``unitproxy+traceR``."""
     return (
-        name in ("unitproxy", COMPILED, TENANTS)
+        name in ("unitproxy", COMPILED)
         or name.startswith("unitproxy@")
+        or is_tenants(name)
         or trace_ratio(name) is not None
     )
+
+
+def is_tenants(name: str) -> bool:
+    """``unitproxy+tenants`` or ``unitproxy+tenants@REF``: a gateway with tenants."""
+    return name == TENANTS or (name.startswith(TENANTS + "@") and len(name) > len(TENANTS) + 1)
 
 
 def known_target(name: str) -> bool:
     return (
         name in ALL_TARGETS
-        or name in (COMPILED, TENANTS)
+        or name == COMPILED
+        or is_tenants(name)
         or trace_ratio(name) is not None
         or (name.startswith("unitproxy@") and len(name) > len("unitproxy@"))
     )
@@ -304,7 +311,7 @@ async def _start_gateway(
     child = await stack.enter_async_context(running(name, argv, log, cwd=cwd))
     child.http_url = f"http://{HOST}:{http_port}"
     await child.until_ready(READY_TIMEOUT_S)
-    key = TENANTS_API_KEY if name == TENANTS else None
+    key = TENANTS_API_KEY if is_tenants(name) else None
     await child.until(answers(child.http_url, key), READY_TIMEOUT_S, "answering")
     return Target(name, child.http_url, f"{HOST}:{grpc_port}", child, backend, version)
 
@@ -350,7 +357,7 @@ async def start_target(
     try:
         env: dict[str, str] = {}
         if is_unitproxy(name):
-            extra = [*gateway_args, *(tenants_args if name == TENANTS else ())]
+            extra = [*gateway_args, *(tenants_args if is_tenants(name) else ())]
             target = await _start_gateway(own, backend, log_dir, extra, name)
         else:
             target, env = await _start_peer(own, name, backend, log_dir)

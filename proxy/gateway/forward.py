@@ -173,6 +173,8 @@ class Forwarder:
         headers = unit_fields(ctx, self._unit_auth, self.resume_key)
         if "content-type" not in headers:
             headers["content-type"] = "application/json"
+        if ctx.admission is not None:  # a stream's usage, for the tenant's accounting
+            headers[openai_api.USAGE_HEADER] = "1"
         return headers
 
 
@@ -259,7 +261,7 @@ class HttpJob:
     def measure(self, usage: Usage) -> None:
         """What the request used, as far as the client got it (tenants' accounting)."""
         transcript = self._transcript
-        if transcript is not None:
+        if transcript is not None and not usage.reported:  # no usage comment came
             text = transcript.text()
             usage.read_usage(transcript.usage)
             usage.count_output(text)
@@ -462,6 +464,9 @@ class HttpJob:
         at = data.find(ERROR_EVENT)
         if at >= 0:
             data, self._unit_error = data[:at], data[at:]
+        admission = self._ctx.admission
+        if admission is not None:  # the unit's usage comment, out of the client's stream
+            data = admission.usage.take_comment(data)
         if data:
             self._delivered(data)
         return data

@@ -333,12 +333,13 @@ class GrpcJob:
     def measure(self, usage: Usage) -> None:
         """What the call used, as far as the client got it (tenants' accounting)."""
         transcript = self._transcript
-        completion = transcript.output_tokens()
-        if transcript.usage is not None:
-            usage.read_usage({"prompt_tokens": transcript.usage[0],
-                              "completion_tokens": transcript.usage[1]})  # fmt: skip
-        elif completion:
-            usage.completion = completion
+        reported = transcript.last_usage()
+        if reported is not None:
+            usage.read_usage({"prompt_tokens": reported[0], "completion_tokens": reported[1]})
+        else:
+            completion = transcript.output_tokens()
+            if completion:
+                usage.completion = completion
 
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None

@@ -141,6 +141,16 @@ class GrpcTranscript:
         self._fold()
         return len(self._ids)
 
+    def last_usage(self) -> tuple[int, int] | None:
+        """The usage of the last chunk that carried one (prompt, completion); reads
+        only the last chunk when it has it (a finished stream's does)."""
+        if self._raw:
+            last = GenerateChunk.FromString(self._raw[-1])
+            if last.HasField("usage"):
+                return last.usage.prompt_tokens, last.usage.completion_tokens
+            self._fold()
+        return self.usage
+
     def _fold(self) -> None:
         parts = [self._text]
         for message in self._raw:

@@ -12,6 +12,7 @@ ended the request (finished, cancelled, migrated, failed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from typing import Any
 from engine import tokens
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.metrics import TenantMetrics
+from proxy.openai_api import USAGE_COMMENT
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateRequest
 from proxy.ratelimit import Limiter, RateLimited
 from proxy.tenants import Tenant, TenantSource
@@ -101,6 +103,21 @@ class Usage:
         except (ValueError, UnicodeDecodeError):
             return
         self.read_usage(usage)
+
+    def take_comment(self, events: bytes) -> bytes:
+        """Whole SSE events of a unit asked for its usage (``USAGE_HEADER``): read the
+        usage comment it ends its stream with and take it out (the client never gets
+        it). A comment starts an event; no data line can start one."""
+        at = events.find(USAGE_COMMENT)
+        while at > 0 and events[at - 2 : at] != b"\n\n":
+            at = events.find(USAGE_COMMENT, at + 1)
+        if at < 0:
+            return events
+        end = events.find(b"\n\n", at)
+        end = len(events) if end < 0 else end + 2
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            self.read_usage(json.loads(events[at + len(USAGE_COMMENT) : end]))
+        return events[:at] + events[end:]
 
     def count_output(self, text: str) -> None:
         """Output delivered as text, where the unit reported no usage."""
@@ -276,6 +293,8 @@ class TenantGate:
             completion.inc(u.completion)
         if u.attempted:
             m.waited(a.label).observe(max(0.0, u.attempted - a.started))
+        if not access_log.isEnabledFor(logging.INFO):
+            return  # the line is not built where it would not be written
         now = self._clock()
         ttft = f"{u.first_byte - a.started:.4f}" if u.first_byte else "-"
         access_log.info(

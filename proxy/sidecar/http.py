@@ -264,7 +264,7 @@ async def _stream(
             await response.write(openai_api.sse_error(exc.body()))
             await response.write_eof()
             return response
-        await response.write(encoder.end(last))
+        await response.write(encoder.end(last, openai_api.USAGE_HEADER in request.headers))
         await response.write_eof()
     except ConnectionResetError as exc:
         raise ClientGone(response) from exc
