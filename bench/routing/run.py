@@ -86,7 +86,7 @@ DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
-                "lor-as-at-1000", "lor-2gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
+                "lor-as-at-1000", "lor-2gw", "lor-3gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
                 "prefix-guess-2gw", "prefix-guess-3gw", "latency",
                 "latency-goodput")  # fmt: skip
 # -Ngw: N gateway replicas, each with its own index and counts; clients spread over them
