@@ -45,8 +45,11 @@ class EngineBlocks:
         if blocks.full:
             if at is not None and at[0] == blocks.epoch and blocks.seq < at[1]:
                 return True  # an older whole set (a re-read that crossed newer changes)
-            self.forget(unit_id)
-            held = self._units[unit_id] = set()
+            held = self._units.setdefault(unit_id, set())
+            if held:  # the whole set again: only what it changes touches the map
+                gone = held.difference(blocks.added)
+                held.difference_update(gone)
+                _let_go(self._holders, unit_id, gone)
             self._add_all(unit_id, held, blocks.added)
         else:
             if at is None or at != (blocks.epoch, blocks.from_seq):
