@@ -81,6 +81,12 @@ def test_a_ramp_says_each_policy_s_knee_ttft_p90_and_success() -> None:
     assert "tok/s@90%" in report.ramp_table(ramp)
     slower = report.ramp_goal(report.ramp(rows[:2] + rows[2:3]), [])
     assert slower["by"]["vs_guess"] and len(slower["lines"]) == 2
+    replicas = [row(f"{r.policy}-2gw", r.load_pct, r.output_tok_s, r.ttfts_s) for r in rows[:4]]
+    replicas.append(row("prefix-3gw", 50, 400.0, [0.1] * 10))  # no prefix-guess-3gw
+    (two,) = report.replica_ramp_goals(report.ramp(rows + replicas))
+    assert (
+        "prefix-2gw output 900 tok/s at the knee vs prefix-guess-2gw 600: 1.50x" in two["lines"][0]
+    )
 
 
 def test_tenants_share_system_prompts_zipf_and_hot() -> None:

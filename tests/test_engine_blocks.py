@@ -169,6 +169,24 @@ def test_a_block_two_units_hold_stays_matched_when_one_lets_it_go() -> None:
     assert list(view.matches([5, 6, 8])) == []
 
 
+def test_a_block_three_units_hold_loses_them_one_by_one_each_way() -> None:
+    view = EngineBlocks(512)
+    for unit in ("a", "b", "c"):
+        assert view.apply(unit, PrefixBlocks(1, 0, 2, True, (5, 6), (), 512))
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6])] == [(2, ["a", "b", "c"])]
+    assert view.apply("b", PrefixBlocks(1, 2, 3, False, (), (6,), 512)), "a change"
+    assert view.apply("c", PrefixBlocks(1, 0, 4, True, (5, 7), (), 512)), "a whole set"
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6])] == [(2, ["a"]), (1, ["b", "c"])]
+    view.forget("a")
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6])] == [(1, ["b", "c"])]
+    assert view.apply("b", PrefixBlocks(1, 3, 4, False, (6,), (5,), 512))
+    assert [(d, sorted(u)) for d, u in view.matches([5, 6])] == [(2, ["b"]), (1, ["c"])]
+    assert [(d, sorted(u)) for d, u in view.matches([5, 7])] == [(2, ["c"])]
+    view.forget("c")
+    view.forget("b")
+    assert list(view.matches([5, 6])) == [] and list(view.matches([5, 7])) == []
+
+
 def _views(gw: Gateway) -> dict[str, frozenset[int]]:
     policy = gw.router.policy
     assert isinstance(policy, PrefixAffinity)

@@ -385,6 +385,16 @@ def ramp_goal(
     return {"checked": True, "met": all(met.values()), "by": met, "lines": lines}
 
 
+def replica_ramp_goals(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``ramp_goal`` of prefix-Ngw against prefix-guess-Ngw, for each N both were run at."""
+    mine, guess, want = RAMP_GOAL
+    return [
+        ramp_goal(summary, [], (f"{mine}-{n}gw", f"{guess}-{n}gw", want))
+        for n in (2, 3)
+        if f"{mine}-{n}gw" in summary and f"{guess}-{n}gw" in summary
+    ]
+
+
 # -- the picture ----------------------------------------------------------------------
 
 

@@ -86,7 +86,7 @@ DEFAULT_OUT = REPO / "bench" / "results" / "routing.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full results
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
-                "lor-as-at-1000", "lor-2gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
+                "lor-as-at-1000", "lor-2gw", "lor-3gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
                 "prefix-guess-2gw", "prefix-guess-3gw", "latency",
                 "latency-goodput")  # fmt: skip
 # -Ngw: N gateway replicas, each with its own index and counts; clients spread over them
@@ -822,6 +822,10 @@ def build_report(
             if r.rows and s.workload == "b2b"
             else None
         ),
+        # the same goal with 2 and 3 gateway replicas, where both sides of it were run
+        "goal_ramp_replicas": (
+            report.replica_ramp_goals(report.ramp(r.rows)) if r.rows and s.workload == "b2b" else []
+        ),
         "sidecar_exits": r.sidecar_exits,
         "sidecar_problems": {k: v[:50] for k, v in r.sidecar_problems.items() if v},
         "png": str(s.png),
@@ -902,6 +906,8 @@ def print_report(data: dict[str, Any], r: Results) -> None:
         print(report.ramp_table(data["ramp"]))
     if data["goal_ramp"] is not None:
         print("\n".join(data["goal_ramp"]["lines"]))
+    for goal in data["goal_ramp_replicas"]:
+        print("\n".join(goal["lines"][:1]))
     _print_peers(data)
     _print_problems(r)
     print(f"\nwall time {data['wall_s'] / 60:.1f} min; JSON {s['out']}; PNG {data['png']}")

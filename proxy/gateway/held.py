@@ -7,6 +7,9 @@ set follows its change stream: a whole set replaces it; changes apply only on th
 they follow (``apply`` says False otherwise: the reader missed some and its load source
 fetches a whole set). Lookup is as ``PrefixIndex.matches``: the deepest block held
 anywhere (binary search on the chain), then each shallower depth's new holders.
+
+A block one unit holds maps to that unit's id, not a set of one (most blocks: a set
+would be most of the memory, and making one per block most of a report's cost).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ class EngineBlocks:
         self.chunk_chars = chunk_chars
         self._units: dict[str, set[int]] = {}
         self._at: dict[str, tuple[int, int]] = {}  # unit -> (epoch, seq) of its set
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, str | set[str]] = {}  # block -> its unit, or units
         self.gaps = 0  # changes that did not follow on (a whole set was needed)
 
     def knows(self, unit_id: str) -> bool:
@@ -42,8 +45,11 @@ class EngineBlocks:
         if blocks.full:
             if at is not None and at[0] == blocks.epoch and blocks.seq < at[1]:
                 return True  # an older whole set (a re-read that crossed newer changes)
-            self.forget(unit_id)
-            held = self._units[unit_id] = set()
+            held = self._units.setdefault(unit_id, set())
+            if held:  # the whole set again: only what it changes touches the map
+                gone = held.difference(blocks.added)
+                held.difference_update(gone)
+                _let_go(self._holders, unit_id, gone)
             self._add_all(unit_id, held, blocks.added)
         else:
             if at is None or at != (blocks.epoch, blocks.from_seq):
@@ -55,40 +61,31 @@ class EngineBlocks:
             if blocks.removed:
                 gone = held.intersection(blocks.removed)
                 held.difference_update(gone)
-                holders = self._holders
-                for block in gone:  # each held here, so its holders name this unit
-                    units = holders[block]
-                    if len(units) == 1:
-                        del holders[block]
-                    else:
-                        units.discard(unit_id)
+                _let_go(self._holders, unit_id, gone)
             self._add_all(unit_id, held, blocks.added)
         self._at[unit_id] = (blocks.epoch, blocks.seq)
         return True
 
     def _add_all(self, unit_id: str, held: set[int], added: tuple[int, ...]) -> None:
-        """One pass per report (a report carries up to a thousand changes)."""
+        """One pass per report (a report carries up to a thousand changes); blocks no
+        other unit holds (most) go into the map in one call."""
         new = set(added)
         new.difference_update(held)
         held.update(new)
         holders = self._holders
-        for block in new:
-            units = holders.get(block)
-            if units is None:
-                holders[block] = {unit_id}
-            else:
-                units.add(unit_id)
-
-    def _drop(self, unit_id: str, block: int) -> None:
-        units = self._holders.get(block)
-        if units is not None:
-            units.discard(unit_id)
-            if not units:
-                del self._holders[block]
+        shared = holders.keys() & new
+        if shared:
+            new.difference_update(shared)
+            for block in shared:
+                units = holders[block]
+                if isinstance(units, str):
+                    holders[block] = {units, unit_id}
+                else:
+                    units.add(unit_id)
+        holders.update(dict.fromkeys(new, unit_id))
 
     def forget(self, unit_id: str) -> None:
-        for block in self._units.pop(unit_id, ()):
-            self._drop(unit_id, block)
+        _let_go(self._holders, unit_id, self._units.pop(unit_id, set()))
         self._at.pop(unit_id, None)
 
     def matches(self, blocks: list[int]) -> Iterator[tuple[int, list[str]]]:
@@ -104,11 +101,29 @@ class EngineBlocks:
         seen: set[str] = set()
         depth = low
         while depth > 0:
-            fresh = [u for u in holders.get(blocks[depth - 1], ()) if u not in seen]
+            units = holders.get(blocks[depth - 1])
+            if units is None:
+                fresh = []
+            elif isinstance(units, str):
+                fresh = [] if units in seen else [units]
+            else:
+                fresh = [u for u in units if u not in seen]
             if fresh:
                 seen.update(fresh)
                 yield depth, fresh
             depth -= 1
+
+
+def _let_go(holders: dict[int, str | set[str]], unit_id: str, blocks: set[int]) -> None:
+    """Take unit_id off the holders of blocks, each of which it holds: all popped in one
+    call, the few that other units also hold put back."""
+    gone = list(blocks)
+    was = list(map(holders.pop, gone))
+    if set in set(map(type, was)):
+        for block, units in zip(gone, was, strict=True):
+            if isinstance(units, set):  # two units or more
+                units.discard(unit_id)
+                holders[block] = units if len(units) > 1 else next(iter(units))
 
 
 def merged(

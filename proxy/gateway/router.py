@@ -19,6 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import replace
 from enum import Enum
 
 from prometheus_client import CollectorRegistry
@@ -505,6 +506,8 @@ class Router:
             log.info("unit %s: load reports again (was %s)", unit_id, unit.lost)
             unit.lost = None
         self.policy.reported(unit, report)
+        if report.prefix_blocks is not None:  # the policy has them; kept, they would
+            report = replace(report, prefix_blocks=None)  # hold a thousand numbers a unit
         self._count_models(unit.report, -1)
         self._count_models(report, +1)
         self._count_serving(unit.report, -1)
