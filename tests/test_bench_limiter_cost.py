@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(120)
 async def test_limiter_cost_bench_quick(tmp_path: Path) -> None:
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not on PATH")
+        pytest.skip(
+            "needs the redis-server binary on PATH (the bench starts a Redis of its own): apt-get install redis-server"
+        )
     out = tmp_path / "cost.json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "bench/limiter_cost.py", "--quick", "--requests", "600", "--out",

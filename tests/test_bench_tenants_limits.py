@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(240)
 async def test_limits_scenario_quick(tmp_path: Path) -> None:
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not on PATH")
+        pytest.skip(
+            "needs the redis-server binary on PATH (the bench starts a Redis of its own): apt-get install redis-server"
+        )
     out = tmp_path / "tenants.json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "bench/tenants/run.py", "--quick", "--limits-only", "--out", str(out),
