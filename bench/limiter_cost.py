@@ -11,7 +11,9 @@ and tokens per minute, tokens per day, requests at once; never reached), three w
 Per request: this process's CPU (time.process_time: what the gateway pays), its round
 trips to Redis (script calls: the limiter sends nothing else here), the commands Redis
 ran (scripts' own included), the bytes sent to Redis and Redis's own CPU (INFO). The
-added cost of sharing is redis - local.
+added cost of sharing is redis - local. With limits this large the replica admits from
+its allotment (blocks of each limit counted in Redis ahead of the requests): the round
+trips are the first requests' (before it holds one) and the give-back at close.
 
     .venv/bin/python bench/limiter_cost.py            # 20000 requests, 64 at a time
     .venv/bin/python bench/limiter_cost.py --quick    # 2000

@@ -60,6 +60,10 @@ PRESENCE_S = 3 * RENEW_S  # a replica not heard from for this long no longer cou
 PROBE_S = 1.0  # while Redis is down, how often it is tried again
 MAX_UNSENT = 10_000  # settlements kept for Redis while it is down
 MAX_KEY_SETS = 4096  # tenants' key lists kept (one a tenant a minute): then built anew
+BLOCK_PARTS = 16  # an allotment's block of a limit: limit / (replicas x BLOCK_PARTS)
+SLOTS_GRANT = 8  # concurrency slots asked for at once, at most
+IDLE_S = 10.0  # a tenant's allotment unused this long goes back to Redis
+SWEEP_S = 1.0  # how often ended windows and idle allotments are looked for
 
 
 class RateLimited(Overloaded):
@@ -226,67 +230,106 @@ class _Local:
 
 
 # One script for a batch of operations, so that a gateway under load makes one round trip
-# to Redis for every admission and settlement that arrived meanwhile, not one each.
-# KEYS[1]: the set of gateway replicas present (scores: when each presence ends); then
-# each operation's keys. ARGV[1]: now; then one argument an operation, its fields joined
-# by commas (one string to encode and send, not a dozen):
-# admit "a,frac minute,frac day,rpm,tpm,tpd,max_concurrent,tokens needed,member,lease
-#        end,minute key ttl,day key ttl" (limits 0: none); KEYS rpm cur, rpm prev, tpm
-#        cur, tpm prev, tpd cur, tpd prev, concurrent (a sorted set). Gives "admitted
-#        0|1,refused limit index (1 rpm, 2 tpm, 3 tpd, 4 concurrent; 0 none),the counts
-#        before this request: rpm cur,prev,tpm cur,prev,tpd cur,prev,in flight".
-# settle "s,token difference (may be negative),member"; KEYS tpm key, tpd key (of the
-#        reservation's windows), concurrent. Gives nothing.
+# to Redis for every admission, allotment and settlement that arrived meanwhile, not one
+# each. KEYS[1]: the set of gateway replicas present (scores: when each presence ends);
+# then each operation's keys. ARGV[1]: now; then one argument an operation, its fields
+# joined by commas (one string to encode and send, not a dozen):
+# admit "a,check 0|1,frac minute,frac day,rpm,tpm,tpd,max_concurrent,tokens needed,member
+#        (-: none),lease end,minute key ttl,day key ttl,back rpm,back tpm,back tpd,want
+#        rpm,want tpm,want tpd,want slots,slot member prefix" (limits 0: none); KEYS rpm
+#        cur, rpm prev, tpm cur, tpm prev, tpd cur, tpd prev, concurrent (a sorted set).
+#        First gives back the replica's unused allotment (back: to the current windows),
+#        then with check 1 checks and counts one request as before allotments existed,
+#        then grants what it can of each want: at most (limit - estimate) / (2 x replicas
+#        present), none if that is below one request's need (so near a limit every
+#        request is checked here, one by one). Gives "admitted 0|1,refused limit index
+#        (1 rpm, 2 tpm, 3 tpd, 4 concurrent; 0 none),the counts before this request: rpm
+#        cur,prev,tpm cur,prev,tpd cur,prev,in flight,granted rpm,tpm,tpd,slots" (slots:
+#        members prefix..1 to prefix..n, leased like a request's).
+# settle "s,rpm difference,tpm difference,tpd difference[,member...]" (differences may
+#        be negative: tokens settled, allotment given back); KEYS rpm, tpm, tpd keys (of
+#        the windows they were counted in), concurrent. Removes the members. Gives nothing.
 # Returns {replicas present, then what each admit gives, in order}.
 BATCH = """
 local now = tonumber(ARGV[1])
+local present = redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[1], '+inf')
+local share = 2 * math.max(1, present)
+local function add(key, d)
+  if d ~= 0 and redis.call('EXISTS', key) == 1 then
+    local v = redis.call('INCRBY', key, d)
+    if v < 0 then redis.call('SET', key, 0, 'KEEPTTL') end
+  end
+end
+local function grant(key, want, least, limit, estimate, ttl)
+  if want <= 0 or limit <= 0 then return 0 end
+  local g = math.min(want, math.floor((limit - estimate) / share))
+  if g < least then return 0 end
+  redis.call('INCRBY', key, g)
+  redis.call('EXPIRE', key, ttl)
+  return g
+end
 local function admit(k, f)
-  local fm, fd = tonumber(f[2]), tonumber(f[3])
-  local need = tonumber(f[8])
+  local check = f[2] == '1'
+  local fm, fd = tonumber(f[3]), tonumber(f[4])
+  local need = tonumber(f[9])
+  for i = 0, 2 do add(KEYS[k + 2 * i], -tonumber(f[14 + i])) end
   local c = {}
   for i = 1, 6 do c[i] = tonumber(redis.call('GET', KEYS[k + i - 1]) or '0') end
   local conc_key = KEYS[k + 6]
   redis.call('ZREMRANGEBYSCORE', conc_key, '-inf', now)
   local inflight = redis.call('ZCARD', conc_key)
-  local checks = {{1, 1, fm}, {3, need, fm}, {5, need, fd}}
+  local conc = tonumber(f[8])
+  local member = f[10]
   local refused = 0
-  for i, chk in ipairs(checks) do
-    local limit = tonumber(f[3 + i])
-    if refused == 0 and limit > 0 then
-      local n = math.min(chk[2], limit)
-      if c[chk[1] + 1] * (1 - chk[3]) + c[chk[1]] + n > limit then refused = i end
+  if check then
+    local checks = {{1, 1, fm}, {3, need, fm}, {5, need, fd}}
+    for i, chk in ipairs(checks) do
+      local limit = tonumber(f[4 + i])
+      if refused == 0 and limit > 0 then
+        local n = math.min(chk[2], limit)
+        if c[chk[1] + 1] * (1 - chk[3]) + c[chk[1]] + n > limit then refused = i end
+      end
+    end
+    if refused == 0 and conc > 0 and member ~= '-' and inflight + 1 > conc then refused = 4 end
+  end
+  local out = {(check and refused == 0) and 1 or 0, refused, c[1], c[2], c[3], c[4], c[5],
+               c[6], inflight, 0, 0, 0, 0}
+  if refused ~= 0 then return table.concat(out, ',') end
+  local lease = tonumber(f[11])
+  if check then
+    redis.call('INCRBY', KEYS[k], 1)
+    redis.call('EXPIRE', KEYS[k], f[12])
+    if need > 0 then
+      redis.call('INCRBY', KEYS[k + 2], need)
+      redis.call('EXPIRE', KEYS[k + 2], f[12])
+      redis.call('INCRBY', KEYS[k + 4], need)
+      redis.call('EXPIRE', KEYS[k + 4], f[13])
+    end
+    c[1], c[3], c[5] = c[1] + 1, c[3] + need, c[5] + need
+    if conc > 0 and member ~= '-' then
+      redis.call('ZADD', conc_key, lease, member)
+      redis.call('EXPIRE', conc_key, math.ceil(lease - now))
+      inflight = inflight + 1
     end
   end
-  local conc = tonumber(f[7])
-  if refused == 0 and conc > 0 and inflight + 1 > conc then refused = 4 end
-  local out = table.concat({refused == 0 and 1 or 0, refused, c[1], c[2], c[3], c[4], c[5],
-                            c[6], inflight}, ',')
-  if refused ~= 0 then return out end
-  redis.call('INCRBY', KEYS[k], 1)
-  redis.call('EXPIRE', KEYS[k], f[11])
-  if need > 0 then
-    redis.call('INCRBY', KEYS[k + 2], need)
-    redis.call('EXPIRE', KEYS[k + 2], f[11])
-    redis.call('INCRBY', KEYS[k + 4], need)
-    redis.call('EXPIRE', KEYS[k + 4], f[12])
+  local least = math.max(need, 1)
+  out[10] = grant(KEYS[k], tonumber(f[17]), 1, tonumber(f[5]), c[2] * (1 - fm) + c[1], f[12])
+  out[11] = grant(KEYS[k + 2], tonumber(f[18]), least, tonumber(f[6]), c[4] * (1 - fm) + c[3], f[12])
+  out[12] = grant(KEYS[k + 4], tonumber(f[19]), least, tonumber(f[7]), c[6] * (1 - fd) + c[5], f[13])
+  local want = tonumber(f[20])
+  if want > 0 and conc > 0 then
+    local s = math.max(0, math.min(want, math.floor((conc - inflight) / share)))
+    for j = 1, s do redis.call('ZADD', conc_key, lease, f[21] .. j) end
+    if s > 0 then redis.call('EXPIRE', conc_key, math.ceil(lease - now)) end
+    out[13] = s
   end
-  if conc > 0 then
-    redis.call('ZADD', conc_key, f[10], f[9])
-    redis.call('EXPIRE', conc_key, math.ceil(tonumber(f[10]) - now))
-  end
-  return out
+  return table.concat(out, ',')
 end
 local function settle(k, f)
-  local d = tonumber(f[2])
-  for i = 0, 1 do
-    if d ~= 0 and redis.call('EXISTS', KEYS[k + i]) == 1 then
-      local v = redis.call('INCRBY', KEYS[k + i], d)
-      if v < 0 then redis.call('SET', KEYS[k + i], 0, 'KEEPTTL') end
-    end
-  end
-  redis.call('ZREM', KEYS[k + 2], f[3])
+  for i = 0, 2 do add(KEYS[k + i], tonumber(f[2 + i])) end
+  for j = 5, #f do redis.call('ZREM', KEYS[k + 3], f[j]) end
 end
-local out = {redis.call('ZCOUNT', KEYS[1], '(' .. ARGV[1], '+inf')}
+local out = {present}
 local k = 2
 for a = 2, #ARGV do
   local f = {}
@@ -296,7 +339,7 @@ for a = 2, #ARGV do
     k = k + 7
   else
     settle(k, f)
-    k = k + 3
+    k = k + 4
   end
 end
 return out
@@ -375,28 +418,86 @@ def _evalsha(sha: str, keys: list[str], args: list[str]) -> bytes:
     return b"".join(parts)
 
 
-class _Op:
-    """One admission or settlement waiting for the next script call."""
+class _Allot:
+    """This replica's allotment of one tenant's limits: what it took from Redis ahead of
+    its requests and has not used yet (counted in Redis already, so no other replica can
+    take it), and the shared counts as last seen, for the x-ratelimit-* headers."""
 
-    __slots__ = ("arg", "difference", "done", "keys", "member", "need", "reservation")
+    __slots__ = ("asking", "cap_s", "d", "day", "free", "held", "minute", "r", "rc", "rp",
+                 "t", "tc", "tp", "used_at", "want_d", "want_r", "want_s", "want_t")  # fmt: skip
+
+    def __init__(self, minute: int, day: int, now: float):
+        self.minute = minute  # the window r and t are counted in
+        self.day = day  # d's
+        self.r = 0  # requests left of requests_per_minute
+        self.t = 0  # tokens left of tokens_per_minute
+        self.d = 0  # tokens left of tokens_per_day
+        self.free: list[str] = []  # concurrency slots held and not in use (members)
+        self.held: set[str] = set()  # every slot held, in use or not
+        self.want_r = self.want_t = self.want_d = self.want_s = 0  # the blocks asked for
+        self.cap_s = 0  # most free slots kept
+        self.asking = False  # an ask for more is on its way to Redis
+        # requests and tokens per minute (prev, cur) in Redis as last seen, less what this
+        # replica holds unused, plus what it admitted since
+        self.rp = self.rc = self.tp = self.tc = 0.0
+        self.used_at = now
+
+    def low(self) -> bool:
+        """Below half of a block of some limit: time to ask for more."""
+        return bool(
+            (self.want_r and self.r * 2 < self.want_r)
+            or (self.want_t and self.t * 2 < self.want_t)
+            or (self.want_d and self.d * 2 < self.want_d)
+            or (self.want_s and len(self.free) * 2 < self.want_s)
+        )
+
+
+def _credit(left: int, want: int, difference: int) -> tuple[int, int]:
+    """A settlement's token ``difference`` taken out of (or put into) an allotment that
+    has ``left``, keeping at most ``want``: the allotment's new amount, and what still
+    goes to Redis (more used than it has; more given back than it keeps)."""
+    after = left - difference
+    if after < 0:
+        return 0, -after
+    if after > want:
+        return want, want - after
+    return after, 0
+
+
+class _Op:
+    """One operation waiting for the next script call: an admission (kind "a", answered
+    through ``done``), an ask for allotment ("g") or a settlement / give-back ("s")."""
+
+    __slots__ = ("allot", "arg", "asked", "day", "done", "keys", "kind", "member", "minute",
+                 "need", "prefix", "tenant")  # fmt: skip
 
     def __init__(
         self,
+        kind: str,
         keys: list[str],
         arg: str,  # the script's argument for it
-        done: asyncio.Future[str] | None,  # an admission's answer; None: a settlement
-        reservation: Reservation | None = None,
-        difference: int = 0,
+        done: asyncio.Future[list[str]] | None = None,
+        allot: _Allot | None = None,
+        tenant: str = "",
+        minute: int = 0,
+        day: int = 0,
         need: int = 0,
         member: str = "",
+        prefix: str = "",
+        asked: bool = False,
     ):
+        self.kind = kind
         self.keys = keys
         self.arg = arg
         self.done = done
-        self.reservation = reservation  # a settlement's, kept if its batch fails
-        self.difference = difference
+        self.allot = allot  # an admission's or ask's: where the grants go
+        self.tenant = tenant
+        self.minute = minute  # the windows its keys are of
+        self.day = day
         self.need = need  # an admission's tokens and member: given back if it went away
         self.member = member
+        self.prefix = prefix  # of the slots granted
+        self.asked = asked  # it asks for allotment (the allotment's asking flag)
 
 
 class Limiter:
@@ -419,8 +520,9 @@ class Limiter:
         self._replicas_setting = replicas
         self.replicas_seen = 1
         self._local: dict[str, _Local] = {}
+        self._allots: dict[str, _Allot] = {}
         self._live: set[Reservation] = set()
-        self._unsent: list[tuple[Reservation, int]] = []  # settlements Redis missed
+        self._unsent: list[_Op] = []  # settlements and give-backs Redis missed
         self._batch: Any = None if redis is None else redis.register_script(BATCH)
         self._ops: list[_Op] = []  # for the next script call
         self._sender: asyncio.Task[None] | None = None  # sends _ops, one call at a time
@@ -428,6 +530,7 @@ class Limiter:
         self._timer: asyncio.TimerHandle | None = None  # sends settlements that wait alone
         self.id = uuid.uuid4().hex[:12]  # this replica, in Redis
         self._admitted = 0
+        self._asks = 0
         self._gauge = shared_gauge
         self._set_gauge()
         # A tenant's seven keys for a minute and a day (rpm, tpm, tpd: this one and the
@@ -458,6 +561,12 @@ class Limiter:
     def local_counts(self, tenant: str) -> Counts:
         return self._local_of(tenant).counts(self._clock())
 
+    def allotment(self, tenant: str) -> tuple[int, int, int, int]:
+        """What this replica holds of ``tenant``'s limits unused: requests and tokens
+        per minute, tokens per day, free concurrency slots."""
+        a = self._allots.get(tenant)
+        return (0, 0, 0, 0) if a is None else (a.r, a.t, a.d, len(a.free))
+
     def _local_of(self, name: str) -> _Local:
         local = self._local.get(name)
         if local is None:
@@ -468,7 +577,7 @@ class Limiter:
         return f"{self._prefix}:limit:{tenant}:{what}"
 
     def _keys_of(self, name: str, minute: int, day: int) -> list[str]:
-        """The admission's keys (``_keys``); a settlement's are [2], [4], [6]."""
+        """The admission's keys (``_keys``); a settlement's are [0], [2], [4], [6]."""
         found = self._keys.get((name, minute, day))
         if found is None:
             if len(self._keys) >= MAX_KEY_SETS:  # the minutes before: dropped
@@ -501,11 +610,15 @@ class Limiter:
         if tenant.tokens_per_day:
             need = min(need, tenant.tokens_per_day)
         local = self._local_of(tenant.name)
+        if self.shared:
+            taken = self._take(tenant, need, now, local)
+            if taken is not None:  # from this replica's allotment: no I/O
+                return taken
         self._admitted += 1
         member = f"{self.id}-{self._admitted}"  # unique across replicas
         check: Check | None = None
         if self.shared:
-            check = await self._admit_shared(tenant, need, now, member)
+            check, member = await self._admit_shared(tenant, need, now, member)
         shared, share = check is not None, 1.0
         if check is None:  # no Redis, or it failed just now
             share = self.share
@@ -520,11 +633,7 @@ class Limiter:
                 check.headers,
                 check.refused,
             )
-        local.counts(now)  # roll the windows to now
-        local.rpm.add(local.rpm.index, 1)
-        local.tpm.add(local.tpm.index, need)
-        local.tpd.add(local.tpd.index, need)
-        local.concurrent += 1
+        self._count(local, need, now)
         reservation = Reservation(
             self, tenant, need, int(now // MINUTE_S), int(now // DAY_S), member, shared,
             check.headers,
@@ -532,71 +641,301 @@ class Limiter:
         self._live.add(reservation)
         return reservation
 
+    @staticmethod
+    def _count(local: _Local, need: int, now: float) -> None:
+        local.counts(now)  # roll the windows to now
+        local.rpm.add(local.rpm.index, 1)
+        local.tpm.add(local.tpm.index, need)
+        local.tpd.add(local.tpd.index, need)
+        local.concurrent += 1
+
+    def _take(self, tenant: Tenant, need: int, now: float, local: _Local) -> Reservation | None:
+        """Admission from the tenant's allotment, when it covers every limit (None: it
+        does not, ask Redis)."""
+        a = self._allots.get(tenant.name)
+        if a is None:
+            return None
+        minute, day = int(now // MINUTE_S), int(now // DAY_S)
+        if minute != a.minute or day != a.day:
+            self._roll(tenant.name, a, minute, day)
+        least = need if need > 0 else 1
+        rpm, tpm, tpd = tenant.requests_per_minute, tenant.tokens_per_minute, tenant.tokens_per_day
+        if (
+            (rpm and a.r < 1)
+            or (tpm and a.t < least)
+            or (tpd and a.d < least)
+            or (tenant.max_concurrent and not a.free)
+        ):
+            return None
+        member = ""
+        if tenant.max_concurrent:
+            member = a.free.pop()
+        if rpm:
+            a.r -= 1
+        if tpm:
+            a.t -= need
+        if tpd:
+            a.d -= need
+        a.used_at = now
+        found: dict[str, str] = {}
+        if rpm or tpm:
+            counts = Counts((a.rp, a.rc), (a.tp, a.tc), (0.0, 0.0), 0)
+            found = headers(tenant, counts, need, (now % MINUTE_S) / MINUTE_S, 1.0, True)
+        a.rc += 1
+        a.tc += need
+        self._count(local, need, now)
+        if not a.asking and a.low():
+            self._ask(tenant, a, need, now, minute, day)
+        reservation = Reservation(self, tenant, need, minute, day, member, True, found)
+        self._live.add(reservation)
+        return reservation
+
+    def _size(self, tenant: Tenant, need: int, a: _Allot) -> None:
+        """The blocks to hold of each limit: limit / (replicas x BLOCK_PARTS), none where
+        that is less than one request's need (every request then asks Redis); slots
+        asked SLOTS_GRANT at a time at most."""
+        parts = max(1, self.replicas) * BLOCK_PARTS
+        least = need if need > 0 else 1
+        a.want_r = tenant.requests_per_minute // parts
+        t, d = tenant.tokens_per_minute // parts, tenant.tokens_per_day // parts
+        a.want_t = t if t >= least else 0
+        a.want_d = d if d >= least else 0
+        a.cap_s = tenant.max_concurrent // parts
+        a.want_s = min(SLOTS_GRANT, a.cap_s)
+
+    def _admit_op(
+        self,
+        kind: str,
+        tenant: Tenant,
+        a: _Allot,
+        need: int,
+        now: float,
+        member: str,
+        back: tuple[int, int, int],
+        want: tuple[int, int, int, int],
+        done: asyncio.Future[list[str]] | None,
+    ) -> _Op:
+        minute, day = int(now // MINUTE_S), int(now // DAY_S)
+        keys = self._keys_of(tenant.name, minute, day)
+        fm, fd = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
+        asked = any(want)
+        if asked:
+            a.asking = True
+        self._asks += 1
+        prefix = f"{self.id}-g{self._asks}-"
+        arg = (
+            f"a,{1 if kind == 'a' else 0},{fm!r},{fd!r},{tenant.requests_per_minute},"
+            f"{tenant.tokens_per_minute},{tenant.tokens_per_day},{tenant.max_concurrent},"
+            f"{need},{member or '-'},{now + LEASE_S!r},{int(2 * MINUTE_S + 10)},"
+            f"{int(2 * DAY_S + 10)},{back[0]},{back[1]},{back[2]},{want[0]},{want[1]},"
+            f"{want[2]},{want[3]},{prefix}"
+        )
+        return _Op(kind, keys, arg, done, a, tenant.name, minute, day, need, member, prefix,
+                   asked)  # fmt: skip
+
+    def _ask(self, tenant: Tenant, a: _Allot, need: int, now: float, minute: int, day: int) -> None:
+        """Top the allotment up to a block of each limit, in the background."""
+        want = (
+            max(0, a.want_r - a.r), max(0, a.want_t - a.t), max(0, a.want_d - a.d),
+            max(0, a.want_s - len(a.free)),
+        )  # fmt: skip
+        if any(want):
+            self._send(self._admit_op("g", tenant, a, need, now, "", (0, 0, 0), want, None))
+
     async def _admit_shared(
         self, tenant: Tenant, need: int, now: float, member: str
-    ) -> Check | None:
-        keys = self._keys_of(tenant.name, int(now // MINUTE_S), int(now // DAY_S))
-        fm, fd = (now % MINUTE_S) / MINUTE_S, (now % DAY_S) / DAY_S
-        arg = (
-            f"a,{fm!r},{fd!r},{tenant.requests_per_minute},{tenant.tokens_per_minute},"
-            f"{tenant.tokens_per_day},{tenant.max_concurrent},{need},{member},"
-            f"{now + LEASE_S!r},{int(2 * MINUTE_S + 10)},{int(2 * DAY_S + 10)}"
-        )
-        done: asyncio.Future[str] = self._running_loop().create_future()
-        self._send(_Op(keys, arg, done, need=need, member=member))
+    ) -> tuple[Check | None, str]:
+        """One request checked in Redis, as every request was before allotments; the
+        allotment goes back with it (so the check counts only what is used) and a new
+        one is asked for. Gives the check (None: Redis failed) and the request's slot."""
+        name = tenant.name
+        minute, day = int(now // MINUTE_S), int(now // DAY_S)
+        a = self._allots.get(name)
+        if a is None:
+            a = self._allots[name] = _Allot(minute, day, now)
+        elif minute != a.minute or day != a.day:
+            self._roll(name, a, minute, day)
+        a.used_at = now
+        back = (a.r, a.t, a.d)
+        a.r = a.t = a.d = 0
+        self._size(tenant, need, a)
+        own = a.free.pop() if tenant.max_concurrent and a.free else ""
+        want = (0, 0, 0, 0)
+        if not a.asking:
+            want = (a.want_r, a.want_t, a.want_d, max(0, a.want_s - len(a.free)))
+        done: asyncio.Future[list[str]] = self._running_loop().create_future()
+        self._send(self._admit_op("a", tenant, a, need, now, "" if own else member, back,
+                                  want, done))  # fmt: skip
         try:
-            answer = await done
+            out = await done
         except REDIS_ERRORS:
-            return None  # the batch failed: Redis is down
-        out = answer.split(",")
+            if own:
+                self._slot_back(name, own)
+            return None, member  # the batch failed: Redis is down
+        except asyncio.CancelledError:
+            if own:
+                self._slot_back(name, own)
+            raise
+        fm = (now % MINUTE_S) / MINUTE_S
         counts = Counts(
             (float(out[3]), float(out[2])), (float(out[5]), float(out[4])),
             (float(out[7]), float(out[6])), int(out[8]),
         )  # fmt: skip
         refused = REFUSED[int(out[1])]
         if not refused:
-            return Check("", 0.0, headers(tenant, counts, need, fm, 1.0, admitted=True))
+            if own:
+                member = own
+            elif tenant.max_concurrent and a.cap_s and self._allots.get(name) is a:
+                a.held.add(member)  # a slot of the replica's from now on
+            return Check("", 0.0, headers(tenant, counts, need, fm, 1.0, admitted=True)), member
+        if own:
+            self._slot_back(name, own)
         check = decide(tenant, counts, need, now, 1.0)
         if check.refused != refused:  # rounding at the edge: Redis's word counts
             wait = 1.0 if refused == "max_concurrent" else check.wait_s or 1.0
-            return Check(refused, wait, headers(tenant, counts, need, fm, 1.0, admitted=False))
-        return check
+            return Check(
+                refused, wait, headers(tenant, counts, need, fm, 1.0, admitted=False)
+            ), member
+        return check, member
+
+    def _granted(self, op: _Op, out: list[str]) -> None:
+        """What Redis granted with an admission or an ask goes into the allotment, or
+        back to Redis where that allotment is gone or its window has passed."""
+        a = op.allot
+        assert a is not None
+        if op.asked:
+            a.asking = False
+        g_r, g_t, g_d, g_s = int(out[9]), int(out[10]), int(out[11]), int(out[12])
+        live = self._allots.get(op.tenant) is a
+        back_r = back_t = back_d = 0
+        slots = [f"{op.prefix}{j}" for j in range(1, g_s + 1)]
+        if live and a.minute == op.minute:
+            a.r += g_r
+            a.t += g_t
+            admitted = out[0] == "1"
+            a.rp, a.tp = float(out[3]), float(out[5])
+            a.rc = max(0.0, float(out[2]) + admitted + g_r - a.r)
+            a.tc = max(0.0, float(out[4]) + (op.need if admitted else 0) + g_t - a.t)
+        else:
+            back_r, back_t = g_r, g_t
+        if live and a.day == op.day:
+            a.d += g_d
+        else:
+            back_d = g_d
+        if live:
+            a.held.update(slots)
+            a.free += slots
+            slots = []
+        if back_r or back_t or back_d or slots:
+            arg = f"s,{-back_r},{-back_t},{-back_d}" + "".join(f",{m}" for m in slots)
+            self._ops.append(_Op("s", [op.keys[0], op.keys[2], op.keys[4], op.keys[6]], arg))
+
+    # -- giving back -----------------------------------------------------------------
+
+    def _give(
+        self, name: str, minute: int, day: int, r: int, t: int, d: int, slots: list[str]
+    ) -> None:
+        """Give unused allotment back to the windows it was counted in, and free slots."""
+        if not (r or t or d or slots):
+            return
+        every = self._keys_of(name, minute, day)
+        arg = f"s,{-r},{-t},{-d}" + "".join(f",{m}" for m in slots)
+        self._queue(_Op("s", [every[0], every[2], every[4], every[6]], arg))
+
+    def _roll(self, name: str, a: _Allot, minute: int, day: int) -> None:
+        """A window of the allotment has ended: what is left of it goes back to it."""
+        r = t = d = 0
+        old_minute, old_day = a.minute, a.day
+        if minute != a.minute:
+            r, t, a.r, a.t = a.r, a.t, 0, 0
+            follows = minute == a.minute + 1
+            a.rp, a.tp = (a.rc, a.tc) if follows else (0.0, 0.0)
+            a.rc = a.tc = 0.0
+            a.minute = minute
+        if day != a.day:
+            d, a.d, a.day = a.d, 0, day
+        self._give(name, old_minute, old_day, r, t, d, [])
+
+    def _release(self, name: str, a: _Allot) -> None:
+        """Give all of an allotment back (its slots in use stay held until settled)."""
+        self._give(name, a.minute, a.day, a.r, a.t, a.d, a.free)
+        a.held.difference_update(a.free)
+        a.r = a.t = a.d = 0
+        a.free = []
+        # Until Redis grants it more, settlements go to Redis and slots back to it.
+        a.want_r = a.want_t = a.want_d = a.want_s = a.cap_s = 0
+
+    def _slot_back(self, name: str, member: str) -> None:
+        a = self._allots.get(name)
+        if a is not None and member in a.held:
+            a.free.append(member)
+        else:
+            self._give(name, 0, 0, 0, 0, 0, [member])
+
+    def sweep(self) -> None:
+        """Give back what is left of allotments whose windows ended, and all of those of
+        tenants idle for IDLE_S (``run`` does it every SWEEP_S)."""
+        if not self.shared:
+            return
+        now = self._clock()
+        minute, day = int(now // MINUTE_S), int(now // DAY_S)
+        for name, a in list(self._allots.items()):
+            if minute != a.minute or day != a.day:
+                self._roll(name, a, minute, day)
+            if now - a.used_at >= IDLE_S:
+                self._release(name, a)
+                if not a.held and not a.asking:
+                    del self._allots[name]
 
     # -- settlement ------------------------------------------------------------------
 
     def _settle(self, r: Reservation, difference: int) -> None:
-        if not r.tenant.limited:
+        t = r.tenant
+        if not t.limited:
             return
         self._live.discard(r)
-        local = self._local_of(r.tenant.name)
+        local = self._local_of(t.name)
         local.counts(self._clock())
         local.concurrent = max(0, local.concurrent - 1)
         if difference:
             local.tpm.add(r.minute, difference)
             local.tpd.add(r.day, difference)
-        if not difference and not r.tenant.max_concurrent:
+        if not r.shared or self._redis is None:
+            return
+        d_t = difference if t.tokens_per_minute else 0
+        d_d = difference if t.tokens_per_day else 0
+        member = r.member if t.max_concurrent else ""
+        a = self._allots.get(t.name)
+        if a is not None and not self._outage.down:
+            # Into the allotment where its window is the reservation's: no Redis call.
+            if d_t and a.minute == r.minute:
+                a.tc = max(0.0, a.tc + d_t)  # for the headers
+            if d_t and a.want_t and a.minute == r.minute:
+                a.t, d_t = _credit(a.t, a.want_t, d_t)
+            if d_d and a.want_d and a.day == r.day:
+                a.d, d_d = _credit(a.d, a.want_d, d_d)
+            if member and member in a.held:
+                if len(a.free) < a.cap_s:
+                    a.free.append(member)  # the slot stays this replica's
+                    member = ""
+                else:
+                    a.held.discard(member)
+        if not (d_t or d_d or member):
             return  # nothing to tell Redis: the estimate stands, no slot to free
-        if r.shared and self._redis is not None:
-            if self._outage.down:
-                self._unsent_settle(r, difference)
-                return
-            self._settle_shared(r, difference)
+        every = self._keys_of(t.name, r.minute, r.day)
+        arg = f"s,0,{d_t},{d_d}" + (f",{member}" if member else "")
+        self._queue(_Op("s", [every[0], every[2], every[4], every[6]], arg))
 
-    def _unsent_settle(self, r: Reservation, difference: int) -> None:
-        """Kept to be sent when Redis answers again (its slot would otherwise stay
-        taken until its lease ends), up to MAX_UNSENT."""
-        if len(self._unsent) < MAX_UNSENT:
-            self._unsent.append((r, difference))
-
-    def _settle_shared(self, r: Reservation, difference: int) -> _Op:
-        """Goes out with the next batch; kept for later if that batch fails."""
-        every = self._keys_of(r.tenant.name, r.minute, r.day)
-        keys = [every[2], every[4], every[6]]
-        op = _Op(keys, f"s,{difference},{r.member}", None, r, difference)
+    def _queue(self, op: _Op) -> None:
+        """A settlement or give-back: with the next batch (it waits up to SETTLE_WITHIN_S
+        for an admission to ride with), or kept for Redis's return while it is down."""
+        if self._outage.down:
+            if len(self._unsent) < MAX_UNSENT:
+                self._unsent.append(op)
+            return
         self._ops.append(op)
         if self._timer is None and (self._sender is None or self._sender.done()):
             self._timer = self._running_loop().call_later(SETTLE_WITHIN_S, self._start)
-        return op
 
     # -- the batches to Redis --------------------------------------------------------
 
@@ -605,7 +944,7 @@ class Limiter:
         flight at a time: what arrives while it is on its way goes in the next one, so
         the round trips to Redis grow with the load only until one call carries
         everything that waited. A settlement waits up to SETTLE_WITHIN_S for an
-        admission to ride with (``_settle_shared``)."""
+        admission to ride with (``_queue``)."""
         self._ops.append(op)
         self._start()
 
@@ -637,26 +976,34 @@ class Limiter:
                     exc = RedisError(f"{type(exc).__name__}: {exc}")
                 self._down(exc)
                 for op in ops:
-                    if op.done is None:
-                        assert op.reservation is not None
-                        self._unsent_settle(op.reservation, op.difference)
-                    elif not op.done.done():
+                    if op.kind == "s":
+                        if len(self._unsent) < MAX_UNSENT:
+                            self._unsent.append(op)
+                        continue
+                    if op.asked and op.allot is not None:
+                        op.allot.asking = False
+                    if op.done is not None and not op.done.done():
                         op.done.set_exception(exc)
                 continue
             self.replicas_seen = max(1, int(out[0]))
             i = 1
             for op in ops:
-                if op.done is None:
+                if op.kind == "s":
                     continue
                 result = out[i]
                 i += 1
+                fields = (result.decode() if isinstance(result, bytes) else result).split(",")
+                self._granted(op, fields)
+                if op.done is None:
+                    continue
                 if not op.done.done():
-                    op.done.set_result(result)
-                elif op.done.cancelled() and result[0] == "1":
+                    op.done.set_result(fields)
+                elif op.done.cancelled() and fields[0] == "1":
                     # The request went away while Redis admitted it: give the tokens
                     # and its slot back.
-                    keys = [op.keys[2], op.keys[4], op.keys[6]]  # tpm, tpd, concurrent
-                    self._ops.append(_Op(keys, f"s,{-op.need},{op.member}", None))
+                    member = f",{op.member}" if op.member else ""
+                    keys = [op.keys[0], op.keys[2], op.keys[4], op.keys[6]]
+                    self._ops.append(_Op("s", keys, f"s,0,{-op.need},{-op.need}{member}"))
 
     async def _call(self, keys: list[str], args: list[str]) -> Any:
         """EVALSHA of the batch script on a connection this limiter keeps to itself (one
@@ -701,20 +1048,30 @@ class Limiter:
                                  f"({self.replicas} replicas) from this replica's own counts")  # fmt: skip
         if not was:
             self._set_gauge()
+            # Allotments are not spent while Redis is away (each replica keeps to its
+            # share of its own counts): given back once it answers again.
+            for name, a in self._allots.items():
+                self._release(name, a)
+            self._allots.clear()
 
     async def run(self) -> None:
-        """Renew this replica's presence and its requests' leases; while Redis is down,
-        try it again every PROBE_S. Until cancelled."""
+        """Renew this replica's presence and its slots' leases every RENEW_S; while Redis
+        is down, try it again every PROBE_S; give back allotments of ended windows and
+        idle tenants every SWEEP_S. Until cancelled."""
         if self._redis is None:
             return
+        last = -math.inf
         while True:
             try:
-                await self.refresh()
+                if time.monotonic() - last >= (PROBE_S if self._outage.down else RENEW_S):
+                    last = time.monotonic()
+                    await self.refresh()
+                self.sweep()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("tenant limits: refresh failed")
-            await asyncio.sleep(PROBE_S if self._outage.down else RENEW_S)
+            await asyncio.sleep(SWEEP_S)
 
     async def refresh(self) -> None:
         """One round of presence and lease renewal; it also finds that Redis is back."""
@@ -723,15 +1080,19 @@ class Limiter:
             return
         now = self._clock()
         presence = f"{self._prefix}:gateways"
+        slots: set[tuple[str, str]] = set()
+        for name, a in self._allots.items():
+            slots.update((name, m) for m in a.held)
+        for r in list(self._live):
+            if r.shared and r.tenant.max_concurrent and r.member:
+                slots.add((r.tenant.name, r.member))
         try:
             async with redis.pipeline(transaction=False) as pipe:
                 pipe.zadd(presence, {self.id: now + PRESENCE_S})
                 pipe.zremrangebyscore(presence, "-inf", now)
                 pipe.zcard(presence)
-                for r in list(self._live):
-                    if r.shared and r.tenant.max_concurrent:
-                        pipe.zadd(self._key(r.tenant.name, "concurrent"),
-                                  {r.member: now + LEASE_S}, xx=True)  # fmt: skip
+                for name, member in slots:
+                    pipe.zadd(self._key(name, "concurrent"), {member: now + LEASE_S}, xx=True)
                 results = await pipe.execute()
         except REDIS_ERRORS as exc:
             self._down(exc)
@@ -742,12 +1103,16 @@ class Limiter:
             self._outage.recovered()
             self._set_gauge()
         unsent, self._unsent = self._unsent, []
-        for r, difference in unsent:
-            self._settle_shared(r, difference)
+        self._ops += unsent
         await self._flushed()
 
     async def close(self) -> None:
-        """Wait for settlements on their way to Redis, and leave the presence set."""
+        """Give allotments back, wait for settlements on their way to Redis, and leave
+        the presence set."""
+        if self.shared:
+            for name, a in self._allots.items():
+                self._release(name, a)
+            self._allots.clear()
         if self._ops or (self._sender is not None and not self._sender.done()):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._flushed(), 2.0)

@@ -1,7 +1,7 @@
 """bench/limiter_cost.py --quick runs end to end against a redis-server of its own: each
-mode measured, and with Redis every request counted there in fewer round trips than
-requests (batched admissions and settlements). CPU figures depend on the machine's load
-and are in its table, not asserted here."""
+mode measured, and with Redis every request counted there in a few round trips for all
+of them (the replica's allotments, taken ahead in blocks). CPU figures depend on the
+machine's load and are in its table, not asserted here."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ async def test_limiter_cost_bench_quick(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["median"]) == {"none", "local", "redis"}
     shared = result["median"]["redis"]
-    # 64 at a time: every admission went to Redis (its scripts ran ~20 commands each),
-    # batched into far fewer calls than requests
-    assert shared["redis_calls"] > 10, text
-    assert 0 < shared["script_calls"] < 0.5, text
+    # every request counted in Redis through the replica's allotment (blocks of the
+    # limits taken ahead, given back at close): a few script calls for all of them
+    assert shared["redis_calls"] > 0, text
+    assert 0 < shared["script_calls"] < 0.05, text
     assert "unreachable" not in text, text
     assert "sharing through Redis adds" in text

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from proxy.ratelimit import (
+    IDLE_S,
     LEASE_S,
     Limiter,
     RateLimited,
@@ -397,3 +398,229 @@ async def test_a_batch_that_fails_unexpectedly_leaves_no_admission_waiting(
         assert "the batch to Redis failed" in caplog.text
     finally:
         await a._redis.aclose()  # type: ignore[union-attr]
+
+
+# -- allotments ----------------------------------------------------------------------
+
+
+def counting_calls(limiter: Limiter) -> list[int]:
+    """Counts the limiter's script calls to Redis (its round trips)."""
+    sent: list[int] = []
+    call = limiter._call
+
+    async def counting(keys: list[str], args: list[str]) -> object:
+        sent.append(1)
+        return await call(keys, args)
+
+    limiter._call = counting  # type: ignore[method-assign]
+    return sent
+
+
+async def redis_counts(limiter: Limiter, minute: int = int(T0 // 60)) -> list[int]:
+    """rpm and tpm of ``minute`` and requests in flight, as Redis has them."""
+    r = limiter._redis
+    assert r is not None
+    found = await r.mget(
+        limiter._key("acme", f"rpm:{minute}"), limiter._key("acme", f"tpm:{minute}")
+    )
+    return [int(v or 0) for v in found] + [await r.zcard(limiter._key("acme", "concurrent"))]
+
+
+async def test_admissions_use_the_allotment_without_a_redis_call(cluster: str) -> None:
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    # blocks of 1/16 of each limit (one replica): 1000 requests, 625000 tokens a minute,
+    # 6250000 a day, 8 slots at a time (of a most of 100 kept)
+    t = tenant(requests_per_minute=16_000, tokens_per_minute=10**7, tokens_per_day=10**8,
+               max_concurrent=1600)  # fmt: skip
+    sent = counting_calls(a)
+    try:
+        first = await a.admit(t, 100)  # no allotment yet: checked in Redis, which grants
+        assert first.shared and len(sent) == 1
+        assert a.allotment("acme") == (1000, 625_000, 6_250_000, 8)
+        # Redis counts the allotment at once: no other replica can take it
+        assert await redis_counts(a) == [1 + 1000, 100 + 625_000, 9]
+        first.settle(60)
+        for _ in range(20):
+            clock.now += 1
+            r = await a.admit(t, 100)
+            assert r.shared and r.headers["x-ratelimit-limit-requests"] == "16000"
+            r.settle(60)
+        assert len(sent) == 1  # every one of them from the allotment
+        assert a.allotment("acme")[:2] == (980, 625_000 - 20 * 60)  # settled into it
+        assert r.headers["x-ratelimit-remaining-requests"] == str(16_000 - 21)
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(10**7 - 20 * 60 - 100)
+        await a.close()  # the allotment goes back: Redis has what was used, exactly
+        assert await redis_counts(a) == [21, 21 * 60, 0]
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_an_allotment_running_low_is_topped_up_in_the_background(cluster: str) -> None:
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=160)  # blocks of 10 requests
+    sent = counting_calls(a)
+    try:
+        for _ in range(40):
+            (await a.admit(t, 0)).settle(0)
+            await a._flushed()  # an ask for more is answered before the next request
+        # one admission waited for Redis; the rest came from allotments asked for
+        # ahead, at half a block left: one round trip every 6 requests
+        assert len(sent) <= 1 + 40 // 6, len(sent)
+        left = a.allotment("acme")[0]
+        assert 0 < left <= 10
+        assert (await redis_counts(a))[0] == 40 + left
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_two_replicas_never_admit_over_a_limit_together(cluster: str) -> None:
+    """Near the limit the blocks shrink to none and every request is checked in Redis:
+    two replicas together admit the limit exactly, never one more."""
+    clock = Clock()
+    a, b = shared_limiter(cluster, clock), shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=320, tokens_per_minute=320_000)
+    try:
+        for x in (a, b, a):
+            await x.refresh()
+        assert (a.replicas, b.replicas) == (2, 2)
+        # at once, from both: what Redis grants is counted, so never over the limit
+        results = await asyncio.gather(
+            *(x.admit(t, 100) for _ in range(200) for x in (a, b)), return_exceptions=True
+        )
+        admitted = sum(1 for x in results if not isinstance(x, BaseException))
+        assert all(isinstance(x, RateLimited) for x in results if isinstance(x, BaseException))
+        assert admitted <= 320
+        held = a.allotment("acme")[0] + b.allotment("acme")[0]
+        assert admitted + held == (await redis_counts(a))[0] <= 320
+        # one at a time: the allotments are spent, then each request goes to Redis
+        sent_a, sent_b = counting_calls(a), counting_calls(b)
+        for i in range(200):
+            with contextlib.suppress(RateLimited):
+                await (a, b)[i % 2].admit(t, 100)
+                admitted += 1
+        assert admitted == 320  # the limit, exactly: nothing left held unused
+        assert a.allotment("acme")[:2] == b.allotment("acme")[:2] == (0, 0)
+        assert len(sent_a) + len(sent_b) >= 200 - (320 - 10)  # refusals asked Redis
+        assert (await redis_counts(a))[:2] == [320, 320 * 100]
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+        await b._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_unused_allotment_goes_back_when_its_window_ends_and_when_idle(
+    cluster: str,
+) -> None:
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=1600, tokens_per_minute=1_600_000, max_concurrent=320)
+    minute = int(T0 // 60)
+    try:
+        (await a.admit(t, 1000)).settle(1000)
+        assert await redis_counts(a, minute) == [1 + 100, 1000 + 100_000, 9]
+        clock.now = T0 + 61  # the next minute: what is left goes back to the one before
+        held = await a.admit(t, 1000)
+        await a._flushed()
+        assert (await redis_counts(a, minute))[:2] == [1, 1000]
+        assert (await redis_counts(a, minute + 1))[:2] == [1 + 100, 1000 + 100_000]
+        a.sweep()  # not idle yet: nothing goes back
+        await a._flushed()
+        assert (await redis_counts(a, minute + 1))[:2] == [101, 101_000]
+        clock.now += IDLE_S
+        a.sweep()  # idle: all of it back, the free slots too; the one in use stays
+        await a._flushed()
+        assert await redis_counts(a, minute + 1) == [1, 1000, 1]
+        assert a.allotment("acme") == (0, 0, 0, 0)
+        held.settle(500)
+        await a._flushed()
+        assert await redis_counts(a, minute + 1) == [1, 500, 0]
+        # a tenant's day limit goes back to its day the same way
+        d = tenant(tokens_per_day=1_600_000)
+        d.name = "acme"
+        (await a.admit(d, 10)).settle(10)
+        day_key = a._key("acme", f"tpd:{int(clock.now // 86_400)}")
+        # (acme's two requests before counted 1000 each there too, untouched after)
+        assert await a._redis.get(day_key) == str(2000 + 10 + 100_000)  # type: ignore[union-attr]
+        clock.now += 86_400
+        a.sweep()
+        await a._flushed()
+        assert await a._redis.get(day_key) == str(2000 + 10)  # type: ignore[union-attr]
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_concurrency_slots_held_by_a_replica(cluster: str) -> None:
+    clock = Clock()
+    a, b = shared_limiter(cluster, clock), shared_limiter(cluster, clock)
+    t = tenant(max_concurrent=64)  # one replica seen: blocks of 4 slots
+    sent = counting_calls(a)
+    try:
+        first = await a.admit(t, 0)
+        assert a.allotment("acme")[3] == 4 and (await redis_counts(a))[2] == 5
+        second = await a.admit(t, 0)  # a slot of its own: no round trip
+        assert len(sent) == 1 and (await redis_counts(a))[2] == 5
+        first.settle(0)
+        second.settle(0)  # back to the replica's free slots, up to a block of them
+        await a._flushed()
+        assert a.allotment("acme")[3] == 4 and (await redis_counts(a))[2] == 4
+        # together the two replicas never hold more than the limit in flight
+        held = []
+        for i in range(100):
+            with contextlib.suppress(RateLimited):
+                held.append(await (a, b)[i % 2].admit(t, 0))
+        assert len(held) <= 64
+        assert (await redis_counts(a))[2] <= 64
+        assert len(held) >= 64 - 4  # at most a's few free slots unused
+        for r in held:
+            r.settle(0)
+        # a replica that dies leaves its slots until their leases end
+        await b.close()
+        assert (await redis_counts(a))[2] > 0
+        clock.now += LEASE_S + 1
+        assert (await redis_counts(a))[2] > 0
+        rest = [await b.admit(t, 0) for _ in range(64)]
+        assert len(rest) == 64
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+        await b._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_an_allotment_is_not_spent_while_redis_is_away_and_goes_back_after(
+    cluster: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not REDIS_URL.startswith("redis://127.0.0.1:6379"):
+        pytest.skip("the relay goes to 127.0.0.1:6379")
+    relay = Cut()
+    await relay.start()
+    clock = Clock()
+    a = shared_limiter(cluster, clock, url=f"redis://127.0.0.1:{relay.port}/0")
+    b = shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=640)
+    try:
+        for x in (a, b, a):
+            await x.refresh()
+        first = await a.admit(t, 0)
+        assert first.shared and a.allotment("acme")[0] == 20  # 640 / (2 replicas x 16)
+        await relay.cut()
+        await a.refresh()  # finds Redis gone
+        assert not a.shared and a.allotment("acme") == (0, 0, 0, 0)
+        admitted = 1
+        with pytest.raises(RateLimited) as over:
+            for _ in range(400):
+                assert not (await a.admit(t, 0)).shared
+                admitted += 1
+        assert admitted == 320 and "this replica's share: 320" in over.value.message
+        # Redis still counts what A held: B cannot take it while A is away
+        assert (await redis_counts(b))[0] == 21
+        await relay.start(relay.port)
+        await a.refresh()  # back: the allotment goes back to Redis
+        assert a.shared
+        assert (await redis_counts(b))[0] == 1
+        (await a.admit(t, 0)).settle(0)  # shared again, with a new allotment
+        assert a.allotment("acme")[0] > 0
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+        await b._redis.aclose()  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):
+            await relay.cut()
