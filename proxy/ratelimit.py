@@ -17,16 +17,43 @@ exactly once, whatever ends the request.
 
 Sharing. With Redis every gateway replica counts in the same keys,
 ``unitproxy:{cluster}:limit:{tenant}:{rpm|tpm|tpd}:{window}`` and
-``...:{tenant}:concurrent`` (a sorted set of requests in flight, each with a lease the
-replica renews, so a replica that dies frees its slots within ``LEASE_S``); one Lua
-script checks every limit of a tenant and counts the request only if all pass, so two
-replicas never both take the last slot. Admissions and settlements go to Redis in
-batches: one script call at a time per replica, carrying every admission and settlement
-that arrived while the previous call was on its way (one connection, one round trip a
-batch; each answer also says how many replicas are present). Each replica also keeps its own counts. While
-Redis cannot be reached each replica enforces ``limit / replicas`` from those (replicas
-as last seen in Redis, or ``gateway.replicas``), says so in the log and in
-``unitproxy_tenant_limits_shared``, and goes back to Redis once it answers again.
+``...:{tenant}:concurrent`` (a sorted set of requests in flight and of slots replicas
+hold, each with a lease the replica renews, so a replica that dies frees its slots
+within ``LEASE_S``); one Lua script checks every limit of a tenant and counts the
+request only if all pass, so two replicas never both take the last slot.
+
+Allotments. So that a request does not wait for Redis, each replica takes from Redis,
+ahead of its requests, a block of each of a tenant's limits: requests and tokens of the
+current minute, tokens of the current day, a few concurrency slots (members of the
+concurrent set). Redis counts a block as used the moment it grants it, so what the
+replicas hold and what they admitted never add up to more than a limit. A request that
+its replica's allotment covers is admitted from it, with no I/O; when any part of the
+allotment falls below half a block, the replica asks for more in the background; a
+request the allotment cannot cover goes to Redis, which checks and counts it alone as
+it did before allotments (the allotment goes back with it, so the check counts only
+what was used) and grants a new block if there is room. A block is limit / (replicas x
+``BLOCK_PARTS``) (none where that is below one request's need, nor for a limit that
+small: every request is checked in Redis), and Redis grants at most (limit - estimate)
+/ (2 x replicas present) of it: near a limit blocks shrink to nothing and every request
+is checked there, one by one, so the replicas together come to the limit, never over
+it, short of it by no more than the small blocks others still hold unused. A
+settlement's difference goes into the allotment when it is of the same window (Redis
+counted the reservation; the tokens stay the replica's to use), else to Redis; a
+request's slot goes back to the replica's free slots (up to a block of them). Unused
+allotment goes back to Redis, to the window it was counted in, when that window ends,
+when the tenant is idle on the replica for ``IDLE_S`` (``sweep``), at close, and after
+an outage. The x-ratelimit-* headers of a request admitted from the allotment come from
+the shared counts its last answer from Redis gave, less what the replica holds, plus
+what it admitted since.
+
+Admissions that go to Redis, asks for allotment, settlements and give-backs go in
+batches: one script call at a time per replica, carrying every operation that arrived
+while the previous call was on its way (one connection, one round trip a batch; each
+answer also says how many replicas are present). Each replica also keeps its own
+counts. While Redis cannot be reached each replica enforces ``limit / replicas`` from
+those (replicas as last seen in Redis, or ``gateway.replicas``), spends no allotment
+(it goes back to Redis when Redis answers), says so in the log and in
+``unitproxy_tenant_limits_shared``, and counts in Redis again once it answers.
 Times come from an injected wall clock (replicas must agree on window boundaries).
 """
 
