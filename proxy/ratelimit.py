@@ -994,6 +994,8 @@ class Limiter:
                 out = await self._call(keys, args)
             except asyncio.CancelledError:
                 for op in ops:
+                    if op.asked and op.allot is not None:
+                        op.allot.asking = False
                     if op.done is not None and not op.done.done():
                         op.done.cancel()
                 raise
@@ -1017,10 +1019,20 @@ class Limiter:
             for op in ops:
                 if op.kind == "s":
                     continue
-                result = out[i]
                 i += 1
-                fields = (result.decode() if isinstance(result, bytes) else result).split(",")
-                self._granted(op, fields)
+                try:
+                    result = out[i - 1]
+                    fields = (result.decode() if isinstance(result, bytes) else result).split(",")
+                    self._granted(op, fields)
+                except Exception as exc:  # never leave an admission waiting
+                    log.exception("tenant limits: an answer from Redis of an unexpected shape")
+                    error = RedisError(f"{type(exc).__name__}: {exc}")
+                    self._down(error)  # counted alone until Redis answers a refresh
+                    if op.asked and op.allot is not None:
+                        op.allot.asking = False
+                    if op.done is not None and not op.done.done():
+                        op.done.set_exception(error)
+                    continue
                 if op.done is None:
                     continue
                 if not op.done.done():

@@ -624,3 +624,23 @@ async def test_an_allotment_is_not_spent_while_redis_is_away_and_goes_back_after
         await b._redis.aclose()  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
             await relay.cut()
+
+
+async def test_an_answer_of_an_unexpected_shape_leaves_no_admission_waiting(
+    cluster: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    t = tenant(requests_per_minute=1600)
+
+    async def odd(keys: list[str], args: list[str]) -> object:
+        return ["1", "1,0"]  # an admission's answer cut short
+
+    a._call = odd  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(5):
+            r = await a.admit(t, 0)
+        assert not r.shared and not a.shared
+        assert "an answer from Redis of an unexpected shape" in caplog.text
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
