@@ -255,6 +255,12 @@ class _Local:
     def counts(self, now: float) -> Counts:
         return Counts(self.rpm.at(now), self.tpm.at(now), self.tpd.at(now), self.concurrent)
 
+    def roll(self, now: float) -> None:
+        """The windows moved to ``now``."""
+        self.rpm.at(now)
+        self.tpm.at(now)
+        self.tpd.at(now)
+
 
 # One script for a batch of operations, so that a gateway under load makes one round trip
 # to Redis for every admission, allotment and settlement that arrived meanwhile, not one
@@ -670,10 +676,10 @@ class Limiter:
 
     @staticmethod
     def _count(local: _Local, need: int, now: float) -> None:
-        local.counts(now)  # roll the windows to now
-        local.rpm.add(local.rpm.index, 1)
-        local.tpm.add(local.tpm.index, need)
-        local.tpd.add(local.tpd.index, need)
+        local.roll(now)
+        local.rpm.cur += 1
+        local.tpm.cur += need
+        local.tpd.cur += need
         local.concurrent += 1
 
     def _take(self, tenant: Tenant, need: int, now: float, local: _Local) -> Reservation | None:
@@ -922,7 +928,7 @@ class Limiter:
             return
         self._live.discard(r)
         local = self._local_of(t.name)
-        local.counts(self._clock())
+        local.roll(self._clock())
         local.concurrent = max(0, local.concurrent - 1)
         if difference:
             local.tpm.add(r.minute, difference)
