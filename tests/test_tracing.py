@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.vllm import OTLP_PROTOCOL_ENV, otlp_protocol
 from proxy.gateway.server import Gateway
+from proxy.gateway.traces import finish_reasons
 from proxy.metrics import TracingMetrics
 from proxy.otlp import Exporter
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc
@@ -281,6 +282,13 @@ def _check_chain(receiver: Receiver, root_name: str, sidecar_name: str) -> Got:
     assert engine.attributes["gen_ai.usage.output_tokens"] == 3
     assert engine.attributes["gen_ai.usage.input_tokens"] > 0
     assert side.attributes["gen_ai.usage.output_tokens"] == 3
+    # The gateway's own span has what the unit reported: its tokens, why it ended.
+    assert root.attributes["gen_ai.usage.output_tokens"] == 3
+    assert (
+        root.attributes["gen_ai.usage.input_tokens"]
+        == (engine.attributes["gen_ai.usage.input_tokens"])
+    )
+    assert root.attributes["gen_ai.response.finish_reasons"] == ["length"]
     assert not any(s.error for s in spans)
     return root
 
@@ -299,6 +307,34 @@ async def test_a_clients_trace_runs_through_gateway_and_sidecar(
     assert root.trace_id == TRACE_ID and root.parent_id == PARENT_ID
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["gen_ai.operation.name"] == "chat"
+
+
+async def test_a_streamed_requests_span_has_its_usage_and_the_client_no_comment(
+    receiver: Receiver, start_sidecar: SidecarFactory
+) -> None:
+    """A sampled stream asks its unit for the usage comment (no tenants here to ask for
+    it) and takes it out; an unsampled one is passed on as it came, with no usage."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": True}  # fmt: skip
+    unsampled = SAMPLED[:-2] + "00"
+    async with contextlib.AsyncExitStack() as stack:
+        _, gw = await _cell(stack, start_sidecar, _tracing(receiver), _tracing(receiver))
+        streams = []
+        async with aiohttp.ClientSession() as session:
+            for parent in (SAMPLED, unsampled):
+                async with session.post(f"{gw.http_url}/v1/chat/completions", json=body,
+                                        headers={"traceparent": parent}) as response:  # fmt: skip
+                    assert response.status == 200
+                    streams.append(await response.read())
+        await wait_until(lambda: len(receiver.spans) >= 6, what="six spans")
+    for stream in streams:
+        assert b": usage" not in stream and stream.endswith(b"data: [DONE]\n\n")
+        assert stream.count(b'"finish_reason":"length"') == 1
+    root = _check_chain(receiver, SIDECAR_HTTP, SIDECAR_HTTP)
+    assert root.attributes["gen_ai.usage.output_tokens"] == 3
+    assert root.attributes["gen_ai.usage.input_tokens"] > 0
+    assert root.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert [s.trace_id for s in receiver.spans] == [TRACE_ID] * len(receiver.spans)
 
 
 async def test_a_bad_traceparent_starts_a_new_trace(
@@ -462,3 +498,13 @@ async def test_spans_wait_no_longer_than_the_interval(receiver: Receiver) -> Non
         trace.root.end()
         await wait_until(lambda: len(receiver.spans) == 1, what="the span, before closing")
         assert registry.get_sample_value("unitproxy_trace_spans_exported_total") == 1
+
+
+def test_finish_reasons_are_read_without_parsing() -> None:
+    found: list[str] = []
+    body = b'{"choices":[{"index":0,"finish_reason": "stop"},{"index":1,"finish_reason":"length"}]}'
+    finish_reasons(body, found)
+    events = b'data: {"choices":[{"finish_reason":null}]}\n\ndata: {"choices":[{"finish_reason":"tool_calls"}]}\n\n'
+    finish_reasons(events, found)
+    finish_reasons(b'{"finish_reason":', found)  # cut short: nothing
+    assert found == ["stop", "length", "tool_calls"]

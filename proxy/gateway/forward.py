@@ -51,7 +51,7 @@ from proxy.gateway.request import Context, Want, unit_fields
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import Usage
-from proxy.gateway.traces import body_model
+from proxy.gateway.traces import body_model, finish_reasons
 from proxy.gateway.units import Unit
 from proxy.httputil import (
     NO_UNIT,
@@ -165,15 +165,21 @@ class Forwarder:
             self._duration[ctx.route].observe(time.monotonic() - started)
             if ctx.admission is not None:
                 job.measure(ctx.admission.usage)
+            usage = job.usage
+            if job.reasons is not None and trace is not None and usage is not None:  # sampled
+                reported = usage.reported
+                trace.used(usage.prompt if reported else -1,
+                           usage.completion if reported else -1, job.reasons)  # fmt: skip
 
-    def unit_headers(self, ctx: Context) -> dict[str, str]:
+    def unit_headers(self, ctx: Context, usage: bool) -> dict[str, str]:
         """The head of an attempt: ``request.unit_fields`` (the client's end-to-end
         headers and the gateway's own), and a JSON content type where the client named
-        none."""
+        none. ``usage``: a stream's usage is asked for (the tenant's accounting, a
+        sampled request's span)."""
         headers = unit_fields(ctx, self._unit_auth, self.resume_key)
         if "content-type" not in headers:
             headers["content-type"] = "application/json"
-        if ctx.admission is not None:  # a stream's usage, for the tenant's accounting
+        if usage:
             headers[openai_api.USAGE_HEADER] = "1"
         return headers
 
@@ -209,6 +215,14 @@ class HttpJob:
         self._lost: str | None = None  # why the gateway stopped routing to its unit
         self._scope: Deadline | None = None  # the attempt's deadline, while it runs
         self._unit_id = NO_UNIT  # the unit tried last
+        # What the request used (the tenant's, or a sampled request's for its span; None:
+        # neither, nothing read), and why its choices ended (a sampled request's only).
+        sampled = ctx.trace is not None and ctx.trace.sampled
+        admission = ctx.admission
+        self.usage: Usage | None = (
+            admission.usage if admission is not None else Usage() if sampled else None
+        )
+        self.reasons: list[str] | None = [] if sampled else None
 
     # -- core.Job ------------------------------------------------------------------------
 
@@ -270,10 +284,10 @@ class HttpJob:
         assert self._next is not None
         self._unit_id = unit.id
         body, hint = self._next
-        admission = self._ctx.admission
-        if admission is not None:
-            admission.usage.attempt(unit.id)
-        headers = self._fw.unit_headers(self._ctx)
+        usage = self.usage
+        if usage is not None:
+            usage.attempt(unit.id)
+        headers = self._fw.unit_headers(self._ctx, usage is not None)
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._begin()
@@ -336,10 +350,12 @@ class HttpJob:
         health = Outcome.FAILED if status >= 500 else Outcome.OK
         if self._down.started:  # a continuation the unit would not take
             return Tried(Next.DONE, health, error=unit_error(status, data, unit))
-        admission = self._ctx.admission
-        if admission is not None:
-            admission.usage.read_body(data)
-            admission.usage.first_byte = time.monotonic()
+        usage = self.usage
+        if usage is not None:
+            usage.read_body(data)
+            usage.first_byte = time.monotonic()
+        if self.reasons is not None:
+            finish_reasons(data, self.reasons)
         self._first_s = self._loop.time() - self._asked_at
         self._down.respond(status, self._headers(conn, unit), data)
         return Tried(Next.DONE, health)
@@ -464,9 +480,11 @@ class HttpJob:
         at = data.find(ERROR_EVENT)
         if at >= 0:
             data, self._unit_error = data[:at], data[at:]
-        admission = self._ctx.admission
-        if admission is not None:  # the unit's usage comment, out of the client's stream
-            data = admission.usage.take_comment(data)
+        usage = self.usage
+        if usage is not None:  # the unit's usage comment, out of the client's stream
+            data = usage.take_comment(data)
+        if self.reasons is not None:
+            finish_reasons(data, self.reasons)
         if data:
             self._delivered(data)
         return data
@@ -476,9 +494,9 @@ class HttpJob:
         assert transcript is not None
         if not self._down.started:
             self._fw.ttft[self._ctx.route].observe(time.monotonic() - self._started)
-            admission = self._ctx.admission
-            if admission is not None:
-                admission.usage.first_byte = time.monotonic()
+            usage = self.usage
+            if usage is not None:
+                usage.first_byte = time.monotonic()
         if self._failed_at is not None:
             self._fw.gateway_metrics.migration_pause.observe(time.monotonic() - self._failed_at)
             self._failed_at = None

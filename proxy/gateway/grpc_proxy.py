@@ -213,6 +213,8 @@ class GenerateProxy:
                 job.measure(admission.usage)
                 admission.finish(code)  # settles its tokens, whatever ended it
             if trace is not None:
+                if trace.sampled:
+                    job.used(trace)
                 trace.finish(code, None if error is None else error.message)
         if error is not None:
             # After a stall the status waits behind the messages the client has yet to
@@ -340,6 +342,13 @@ class GrpcJob:
             completion = transcript.output_tokens()
             if completion:
                 usage.completion = completion
+
+    def used(self, trace: RequestTrace) -> None:
+        """What the call used, as its unit's last chunk reported it, and why it ended
+        (a sampled call's span)."""
+        reported, reason = self._transcript.ending()
+        prompt, completion = (-1, -1) if reported is None else reported
+        trace.used(prompt, completion, [reason] if reason else [])
 
     async def attempt(self, unit: Unit) -> Tried:
         assert self._next is not None

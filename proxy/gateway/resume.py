@@ -113,7 +113,7 @@ class SseTranscript:
 class GrpcTranscript:
     """The GenerateChunks one client got (serialized), read on demand."""
 
-    __slots__ = ("_ids", "_raw", "_size", "_text", "finished", "usage")
+    __slots__ = ("_ids", "_raw", "_size", "_text", "finish_reason", "finished", "usage")
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
@@ -121,6 +121,7 @@ class GrpcTranscript:
         self._text = ""
         self._ids = array("I")  # 4 bytes a token id
         self.finished = False
+        self.finish_reason = ""  # the last chunk's that had one
         self.usage: tuple[int, int] | None = None  # prompt, completion: the last chunk's
 
     def add(self, message: bytes) -> None:
@@ -151,6 +152,18 @@ class GrpcTranscript:
             self._fold()
         return self.usage
 
+    def ending(self) -> tuple[tuple[int, int] | None, str]:
+        """``last_usage`` and the finish reason of the last chunk that had one ("":
+        none); reads only the last chunk when it has both (a finished stream's does)."""
+        if self._raw:
+            last = GenerateChunk.FromString(self._raw[-1])
+            if last.HasField("usage") and last.finish_reason:
+                return (last.usage.prompt_tokens, last.usage.completion_tokens), (
+                    last.finish_reason
+                )
+            self._fold()
+        return self.usage, self.finish_reason
+
     def _fold(self) -> None:
         parts = [self._text]
         for message in self._raw:
@@ -159,6 +172,7 @@ class GrpcTranscript:
             self._ids.extend(chunk.token_ids)
             if chunk.finish_reason:
                 self.finished = True
+                self.finish_reason = chunk.finish_reason
             if chunk.HasField("usage"):
                 self.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
         self._text = "".join(parts)

@@ -1,6 +1,9 @@
 """A request's spans at the gateway (``proxy.tracing``), around the core's loop.
 
-    POST /v1/...  SERVER, from the client's traceparent (or a new trace)
+    POST /v1/...  SERVER, from the client's traceparent (or a new trace); once
+                  answered, the tokens it used (gen_ai.usage.input_tokens and
+                  output_tokens, as its unit reported them) and why it ended
+                  (gen_ai.response.finish_reasons)
       route       the routing decision: policy, candidates, chosen unit, the
                   predicted TTFT (policy latency); the wait in the queue, if any:
         queue     the time the request waited for a unit
@@ -131,6 +134,16 @@ class RequestTrace:
         self._last = result
         self._failed_at = span.end_ns
 
+    def used(self, prompt: int, completion: int, reasons: list[str]) -> None:
+        """What the request used, as its (last) unit reported it (-1: it reported
+        nothing), and why each of its choices ended."""
+        root = self.root
+        if prompt >= 0 and completion >= 0:
+            root.set("gen_ai.usage.input_tokens", prompt)
+            root.set("gen_ai.usage.output_tokens", completion)
+        if reasons:
+            root.set("gen_ai.response.finish_reasons", reasons)
+
     def finish(self, status: str, error: str | None = None) -> None:
         """The request ended with ``status`` (HTTP status or gRPC code)."""
         finish(self.root, status, error)
@@ -143,6 +156,25 @@ def span_name(method: bytes, path: str, stored: str | None) -> str:
     if stored is not None:
         where = where.replace(stored, "{response_id}")
     return f"{method.decode()} {where}"
+
+
+FINISH_REASON = b'"finish_reason":'
+
+
+def finish_reasons(data: bytes, into: list[str]) -> None:
+    """The finish reasons that ``data`` (a JSON answer, or whole SSE events) names, in
+    order, added to ``into``: read without parsing the JSON (a null one is no reason;
+    a sampled request's only)."""
+    at = data.find(FINISH_REASON)
+    while at >= 0:
+        start = at + len(FINISH_REASON)
+        while start < len(data) and data[start] in b" \t\r\n":
+            start += 1
+        if data[start : start + 1] == b'"':
+            end = data.find(b'"', start + 1)
+            if end > start:
+                into.append(data[start + 1 : end].decode("utf-8", "replace"))
+        at = data.find(FINISH_REASON, start)
 
 
 def body_model(body: bytes) -> str | None:
