@@ -64,8 +64,8 @@ class Tenant:
     """One tenant. (A plain class: it is read on every request.)"""
 
     __slots__ = (
-        "key_hashes", "max_concurrent", "models", "name", "priority", "requests_per_minute",
-        "tokens_per_day", "tokens_per_minute",
+        "counts_tokens", "key_hashes", "limited", "max_concurrent", "models", "name", "priority",
+        "requests_per_minute", "tokens_per_day", "tokens_per_minute",
     )  # fmt: skip
 
     def __init__(
@@ -87,19 +87,10 @@ class Tenant:
         self.max_concurrent = max_concurrent
         self.tokens_per_day = tokens_per_day
         self.models = models
-
-    @property
-    def limited(self) -> bool:
-        return bool(
-            self.requests_per_minute
-            or self.tokens_per_minute
-            or self.max_concurrent
-            or self.tokens_per_day
-        )
-
-    @property
-    def counts_tokens(self) -> bool:
-        return bool(self.tokens_per_minute or self.tokens_per_day)
+        # Read on every request: found once (a tenant is not changed once made).
+        self.limited = bool(requests_per_minute or tokens_per_minute or max_concurrent
+                            or tokens_per_day)  # fmt: skip
+        self.counts_tokens = bool(tokens_per_minute or tokens_per_day)
 
     def check_model(self, model: str) -> None:
         """Raise Forbidden when the tenant's allow-list does not name ``model``."""
