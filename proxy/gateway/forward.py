@@ -465,7 +465,9 @@ class HttpJob:
         if at >= 0:
             data, self._unit_error = data[:at], data[at:]
         admission = self._ctx.admission
-        if admission is not None:  # the unit's usage comment, out of the client's stream
+        # the unit's usage comment, out of the client's stream (it comes once, at the end:
+        # the other events are not looked through twice)
+        if admission is not None and openai_api.USAGE_COMMENT in data:
             data = admission.usage.take_comment(data)
         if data:
             self._delivered(data)
