@@ -46,6 +46,10 @@ NAME = re.compile(r"[a-z0-9_-]{1,64}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "tokens_per_day")
 FIELDS = frozenset({"name", "keys", "key_sha256", "priority", "models", *LIMITS})
+# Authorization values already identified, kept by each set of tenants (a dict lookup,
+# not a sha256 a request): known keys only, so unknown keys cannot grow it; emptied when
+# this full.
+MAX_KNOWN_KEYS = 4096
 
 
 class TenantsError(ValueError):
@@ -60,8 +64,8 @@ class Tenant:
     """One tenant. (A plain class: it is read on every request.)"""
 
     __slots__ = (
-        "key_hashes", "max_concurrent", "models", "name", "priority", "requests_per_minute",
-        "tokens_per_day", "tokens_per_minute",
+        "counts_tokens", "key_hashes", "limited", "max_concurrent", "models", "name", "priority",
+        "requests_per_minute", "tokens_per_day", "tokens_per_minute",
     )  # fmt: skip
 
     def __init__(
@@ -83,19 +87,10 @@ class Tenant:
         self.max_concurrent = max_concurrent
         self.tokens_per_day = tokens_per_day
         self.models = models
-
-    @property
-    def limited(self) -> bool:
-        return bool(
-            self.requests_per_minute
-            or self.tokens_per_minute
-            or self.max_concurrent
-            or self.tokens_per_day
-        )
-
-    @property
-    def counts_tokens(self) -> bool:
-        return bool(self.tokens_per_minute or self.tokens_per_day)
+        # Read on every request: found once (a tenant is not changed once made).
+        self.limited = bool(requests_per_minute or tokens_per_minute or max_concurrent
+                            or tokens_per_day)  # fmt: skip
+        self.counts_tokens = bool(tokens_per_minute or tokens_per_day)
 
     def check_model(self, model: str) -> None:
         """Raise Forbidden when the tenant's allow-list does not name ``model``."""
@@ -198,6 +193,7 @@ class Tenants:
     def __init__(self, tenants: Iterable[Tenant] = ()):
         self.by_name: dict[str, Tenant] = {}
         self._by_hash: dict[str, Tenant] = {}
+        self._known: dict[str, Tenant] = {}  # authorization -> its tenant, as identified
         for tenant in tenants:
             if tenant.name in self.by_name:
                 raise TenantsError(f"tenant {tenant.name}: the name is given twice")
@@ -233,6 +229,10 @@ class Tenants:
 
     def identify(self, authorization: str | None) -> Tenant:
         """The tenant whose key ``authorization`` carries; raises Unauthenticated."""
+        if authorization:
+            known = self._known.get(authorization)
+            if known is not None:
+                return known
         if not authorization or not authorization.startswith(BEARER):
             raise Unauthenticated(
                 "an API key is required: 'Authorization: Bearer KEY'", code="missing_api_key"
@@ -240,6 +240,9 @@ class Tenants:
         tenant = self._by_hash.get(key_hash(authorization[len(BEARER) :]))
         if tenant is None:
             raise Unauthenticated("the API key is not valid", code="invalid_api_key")
+        if len(self._known) >= MAX_KNOWN_KEYS:
+            self._known.clear()
+        self._known[authorization] = tenant
         return tenant
 
     def identify_metadata(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Tenant:

@@ -337,6 +337,13 @@ async def test_the_tenant_label_is_bounded(
         await client(gw, key).completions.create(model="unitproxy-sim", prompt="x", max_tokens=1)
     assert sample(gw, "unitproxy_tenant_requests_total", tenant="open", model="unitproxy-sim") == 1
     assert sample(gw, "unitproxy_tenant_requests_total", tenant="other", model="unitproxy-sim") == 2
+    # every series of a tenant (kept across requests) counts under the same bounded label
+    assert sample(gw, "unitproxy_tenant_wait_seconds_count", tenant="open") == 1
+    assert sample(gw, "unitproxy_tenant_wait_seconds_count", tenant="other") == 2
+    assert sample(gw, "unitproxy_tenant_completion_tokens_total", tenant="other",
+                  model="unitproxy-sim") == 2  # fmt: skip
+    assert sample(gw, "unitproxy_tenant_requests_created", tenant="other", model="unitproxy-sim")
+    assert not sample(gw, "unitproxy_tenant_requests_total", tenant="beta", model="unitproxy-sim")
 
 
 async def test_flat_api_keys_are_tenant_default_beside_the_file(

@@ -15,7 +15,15 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.errors import Forbidden, InvalidRequest, Unauthenticated
-from proxy.tenants import Tenant, Tenants, TenantsError, TenantSource, parse_file
+from proxy.tenants import (
+    MAX_KNOWN_KEYS,
+    Tenant,
+    Tenants,
+    TenantsError,
+    TenantSource,
+    key_hash,
+    parse_file,
+)
 from tests.conftest import wait_until
 from tests.redisenv import REDIS_URL
 
@@ -64,6 +72,32 @@ def test_keys_and_hashed_keys_identify_their_tenant() -> None:
     with pytest.raises(Unauthenticated) as missing:
         tenants.identify(None)
     assert missing.value.code == "missing_api_key"
+
+
+def test_a_key_identified_once_is_found_again_and_only_known_keys_are_kept() -> None:
+    tenants = Tenants(parse_file(FILE, "t.toml"))
+    search = tenants.identify("Bearer sk-search-1")
+    assert tenants.identify("Bearer sk-search-1") is search  # from the kept lookup
+    for _ in range(3):  # an unknown key stays unknown, and is not kept
+        with pytest.raises(Unauthenticated):
+            tenants.identify("Bearer sk-other")
+    with pytest.raises(Unauthenticated):
+        tenants.identify("sk-search-1")  # the same key without its scheme
+    assert set(tenants._known) == {"Bearer sk-search-1"}
+    # As many known keys as there are: the kept lookup stays bounded.
+    many = Tenants([Tenant("many", [key_hash(f"k{i}") for i in range(MAX_KNOWN_KEYS + 10)])])
+    for i in range(MAX_KNOWN_KEYS + 10):
+        assert many.identify(f"Bearer k{i}").name == "many"
+    assert 0 < len(many._known) <= MAX_KNOWN_KEYS
+    assert many.identify("Bearer k0").name == "many"
+
+
+def test_a_tenants_flags_follow_its_limits() -> None:
+    assert not Tenant("a").limited and not Tenant("a").counts_tokens
+    assert Tenant("b", max_concurrent=2).limited and not Tenant("b", max_concurrent=2).counts_tokens
+    assert Tenant("c", tokens_per_day=5).limited and Tenant("c", tokens_per_day=5).counts_tokens
+    assert Tenant("d", requests_per_minute=1).same_as(Tenant("d", requests_per_minute=1))
+    assert not Tenant("d", requests_per_minute=1).same_as(Tenant("d", tokens_per_minute=1))
 
 
 def test_flat_api_keys_are_tenant_default() -> None:

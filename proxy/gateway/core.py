@@ -33,7 +33,17 @@ from enum import Enum
 from typing import Any, Protocol
 
 from proxy.errors import DeadlineExceeded, NotFound, Unavailable, UnitProxyError
-from proxy.gateway.request import NO_WANT, Context, Want, for_tenant, grpc_want, json_want, pinned
+from proxy.gateway.request import (
+    NO_WANT,
+    Context,
+    Want,
+    body_want,
+    for_tenant,
+    grpc_want,
+    json_want,
+    message_want,
+    pinned,
+)
 from proxy.gateway.router import NoUnit, Outcome, Router
 from proxy.gateway.traces import RequestTrace
 from proxy.gateway.units import Unit
@@ -241,7 +251,11 @@ class GatewayCore:
         when a policy reads prompts or units do not all serve the same models; with
         tenants, its tenant and priority class), kept as ``ctx.want``; raises NotFound
         for a model that no unit serves."""
-        ctx.want = self._want(json_want, body, ctx)
+        parsed = None if ctx.admission is None else ctx.admission.take_request()
+        if parsed is None:
+            ctx.want = self._want(json_want, body, ctx)
+        else:  # the tenant's admission parsed the body already
+            ctx.want = self._want(body_want, parsed, ctx)
         return ctx.want
 
     def form_want(self, ctx: Context, model: str | None) -> Want:
@@ -251,7 +265,11 @@ class GatewayCore:
 
     def grpc_want(self, ctx: Context, request: bytes) -> Want:
         """The same for a serialized GenerateRequest."""
-        ctx.want = self._want(grpc_want, request, ctx)
+        parsed = None if ctx.admission is None else ctx.admission.take_request()
+        if parsed is None:
+            ctx.want = self._want(grpc_want, request, ctx)
+        else:  # the tenant's admission parsed the request already
+            ctx.want = self._want(message_want, parsed, ctx)
         return ctx.want
 
     def pin(self, want: Want, response_id: str, param: str | None) -> Want:
@@ -280,7 +298,7 @@ class GatewayCore:
             )
         return pinned(want, known)
 
-    def _want(self, parse: Any, raw: bytes, ctx: Context) -> Want:
+    def _want(self, parse: Any, raw: Any, ctx: Context) -> Want:
         router = self._router
         want = NO_WANT
         if router.reads_requests:

@@ -133,14 +133,21 @@ class FairQueue:
         return value
 
     def charge(self, tenant: str, tokens: float) -> None:
-        """Count ``tokens`` (negative: a correction) as served to ``tenant``."""
-        value = max(0.0, self.served(tenant) + tokens)
+        """Count ``tokens`` (negative: a correction) as served to ``tenant``. (Twice a
+        request with tenants: ``served`` inline, one clock reading.)"""
+        now = self._clock()
+        value = self._served.get(tenant, 0.0)
+        if value:
+            age = now - self._served_at.get(tenant, now)
+            if age:
+                value *= 0.5 ** (age / self._half_life_s)
+        value = max(0.0, value + tokens)
         if value < 1e-3:  # forgotten: a tenant served long ago costs nothing to keep
             self._served.pop(tenant, None)
             self._served_at.pop(tenant, None)
             return
         self._served[tenant] = value
-        self._served_at[tenant] = self._clock()
+        self._served_at[tenant] = now
 
     # -- waiting -----------------------------------------------------------------------
 

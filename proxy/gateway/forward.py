@@ -481,7 +481,9 @@ class HttpJob:
         if at >= 0:
             data, self._unit_error = data[:at], data[at:]
         usage = self.usage
-        if usage is not None:  # the unit's usage comment, out of the client's stream
+        # the unit's usage comment, out of the client's stream (it comes once, at the end:
+        # the other events are not looked through twice)
+        if usage is not None and openai_api.USAGE_COMMENT in data:
             data = usage.take_comment(data)
         if self.reasons is not None:
             finish_reasons(data, self.reasons)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.errors import InvalidRequest
-from proxy.gateway.tenancy import Admission
+from proxy.gateway.tenancy import Admission, parse_json
 from proxy.gateway.traces import RequestTrace
 from proxy.httputil import (
     DEADLINE_HEADER,
@@ -275,9 +275,14 @@ def json_want(body: bytes, blocks: Blocks | None) -> Want:
     """The Want of an OpenAI JSON body (one that does not parse wants nothing: the
     unit answers it with its 400). ``blocks``: the policy's, when it reads prompts."""
     try:
-        data = json.loads(body)
+        data = parse_json(body)
     except (ValueError, RecursionError):  # nested deeper than the parser goes
         return Want()
+    return body_want(data, blocks)
+
+
+def body_want(data: Any, blocks: Blocks | None) -> Want:
+    """The Want of a parsed JSON body (``json_want``'s, where it was parsed already)."""
     if not isinstance(data, dict):
         return Want()
     model = data.get("model")
@@ -296,6 +301,11 @@ def grpc_want(request: bytes, blocks: Blocks | None) -> Want:
         req = inference_pb2.GenerateRequest.FromString(request)
     except Exception:  # protobuf's DecodeError; the unit answers INVALID_ARGUMENT
         return Want()
+    return message_want(req, blocks)
+
+
+def message_want(req: inference_pb2.GenerateRequest, blocks: Blocks | None) -> Want:
+    """The Want of a parsed GenerateRequest (``grpc_want``'s, where it was parsed)."""
     if blocks is None:
         return Want(req.model or None)
     which = req.WhichOneof("input")

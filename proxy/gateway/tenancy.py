@@ -38,6 +38,21 @@ ASSISTANT_TOKENS = 3
 count_tokens = tokens.TokenCounter()
 # A request that ended so (HTTP status, gRPC code) had a unit work on its prompt.
 WORKED = frozenset({"200", "499", "OK", "CANCELLED"})
+_DECODER = json.JSONDecoder()  # one, not one a call (json.loads builds none either)
+
+
+def parse_json(data: bytes) -> Any:
+    """``json.loads(data)``, faster where most bodies are: UTF-8 text that is one JSON
+    value with nothing around it. Anything else (whitespace around, a BOM, UTF-16,
+    an error) goes to ``json.loads``, which decides as it always did."""
+    try:
+        text = data.decode()
+        value, end = _DECODER.raw_decode(text)
+        if end == len(text):
+            return value
+    except ValueError:  # UnicodeDecodeError too
+        pass
+    return json.loads(data)
 
 
 def _text(content: Any) -> str:
@@ -99,8 +114,8 @@ class Usage:
         if at < 0:
             return
         try:
-            usage, _ = json.JSONDecoder().raw_decode(data[at + 8 :].decode().lstrip())
-        except (ValueError, UnicodeDecodeError):
+            usage, _ = _DECODER.raw_decode(data[at + 8 :].decode().lstrip())
+        except ValueError:  # UnicodeDecodeError too
             return
         self.read_usage(usage)
 
@@ -134,7 +149,7 @@ class Admission:
     """One admitted request of a tenant."""
 
     __slots__ = ("_gate", "cost", "finished", "headers", "label", "model", "priority", "prompt",
-                 "reservation", "started", "tenant", "usage")  # fmt: skip
+                 "request", "reservation", "started", "tenant", "usage")  # fmt: skip
 
     def __init__(
         self,
@@ -159,6 +174,14 @@ class Admission:
         self.started = started
         self.usage = Usage()
         self.finished = False
+        # The request as admission parsed it (a JSON body's dict, a GenerateRequest), for
+        # the wire's Want to take (``take_request``) rather than parse the body again.
+        self.request: Any = None
+
+    def take_request(self) -> Any:
+        """The parsed request, once (None after, or where admission parsed none)."""
+        request, self.request = self.request, None
+        return request
 
     def finish(self, status: str) -> None:
         """Settle and account the request; only the first call counts."""
@@ -211,7 +234,7 @@ class TenantGate:
         started = self._clock()
         tenant = self.source.current.identify(authorization)
         try:
-            req = json.loads(body)
+            req = parse_json(body)
         except ValueError:
             req = None
         if not isinstance(req, dict):
@@ -219,7 +242,9 @@ class TenantGate:
         model = req.get("model")
         model = model if isinstance(model, str) else ""
         prompt = prompt_tokens_of(req)
-        return await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
+        admission = await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
+        admission.request = req
+        return admission
 
     async def admit_form(
         self, model: str | None, authorization: str | None, priority: str | None
@@ -256,7 +281,9 @@ class TenantGate:
             prompt = max(1, count_tokens(req.prompt))
         has_max = req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 0
         max_tokens = req.sampling.max_tokens if has_max else None
-        return await self._admit(tenant, req.model, priority, prompt, max_tokens, started)
+        admission = await self._admit(tenant, req.model, priority, prompt, max_tokens, started)
+        admission.request = req
+        return admission
 
     async def _admit(
         self,
