@@ -87,16 +87,16 @@ QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
                 "lor-as-at-1000", "lor-2gw", "lor-3gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
-                "prefix-guess-2gw", "prefix-guess-3gw", "prefix-unslotted", "latency",
+                "prefix-guess-2gw", "prefix-guess-3gw", "prefix-slots", "latency",
                 "latency-goodput")  # fmt: skip
 # -Ngw: N gateway replicas, each with its own index and counts; clients spread over them
 REPLICATED = re.compile(r"(.+)-([23])gw")
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 # policy prefix with its bound set: prefix-b0.3 (--prefix-balance 0.3), prefix-b0.3-s0
 # (and --prefix-slack 0), to trace hit rate against imbalance; -t1: and --prefix-ttft 1;
-# -unslotted: and --prefix-free-slots false
+# -slots: and --prefix-free-slots true
 PREFIX_BOUND = re.compile(
-    r"prefix-b([0-9]*\.?[0-9]+)(?:-s([0-9]+))?(?:-t([0-9]*\.?[0-9]+))?(-unslotted)?"
+    r"prefix-b([0-9]*\.?[0-9]+)(?:-s([0-9]+))?(?:-t([0-9]*\.?[0-9]+))?(-slots)?"
 )
 
 
@@ -155,7 +155,7 @@ class BenchSettings:
         if bound := PREFIX_BOUND.fullmatch(policy):
             balance, slack = bound.group(1), bound.group(2) or "1"
             ttft = ["--prefix-ttft", bound.group(3)] if bound.group(3) else []
-            free = ["--prefix-free-slots", "false"] if bound.group(4) else []
+            free = ["--prefix-free-slots", "true"] if bound.group(4) else []
             flags = ["--prefix-balance", balance, "--prefix-slack", slack, *ttft, *free]
             return ["--policy", "prefix", *flags]
         return {
@@ -167,8 +167,8 @@ class BenchSettings:
             "prefix-unfed": ["--policy", "prefix", "--prefix-engine-feedback", "false"],
             # prefix by this gateway's guess alone: not the blocks the units report holding
             "prefix-guess": ["--policy", "prefix", "--prefix-engine-blocks", "false"],
-            # the bound over the mean alone: a holder's free engine slots do not count
-            "prefix-unslotted": ["--policy", "prefix", "--prefix-free-slots", "false"],
+            # a holder with an engine slot free for the request takes it above the bound
+            "prefix-slots": ["--policy", "prefix", "--prefix-free-slots", "true"],
             # Every unit at its own report rate (no budget, no floor), and every unit asked
             # for a report every 4 s, as the default budget asks of a fleet of 1,000.
             "lor-unbudgeted": [
@@ -658,9 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=_names,
         metavar="NAME[,NAME...]",
-        help=f"of {', '.join(ALL_POLICIES)}, or prefix-bB[-sS][-tT][-unslotted] (policy "
+        help=f"of {', '.join(ALL_POLICIES)}, or prefix-bB[-sS][-tT][-slots] (policy "
         "prefix with --prefix-balance B and --prefix-slack S, default 1; -tT: and "
-        "--prefix-ttft T; -unslotted: and --prefix-free-slots false). Default all; a peer router's "
+        "--prefix-ttft T; -slots: and --prefix-free-slots true). Default all; a peer router's "
         "policies are skipped, and reported, when it is not installed.",
     )
     add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")
