@@ -440,6 +440,10 @@ class GatewaySettings(_Section):
         True,
         description="Policy prefix: route on the prefix blocks the units report their engines hold (the same on every gateway replica), this gateway's own index filling in between reports; false: on this gateway's index alone. Default true.",
     )
+    prefix_free_slots: bool = Field(
+        False,
+        description="Policy prefix: a unit holding the prompt's prefix also takes it above the bound over the mean load while it has an engine slot free for it (its estimated outstanding, this request counted, at most the engine_slots its reports name): the request starts there at once, and no other unit prefills the prefix again. A unit that reports no slots has none free. It keeps a shared-prefix workload at its ideal hit rate below saturation, and lets the holders run further above the mean (docs/BENCHMARKS.md, The b2b ramp with a holder's free engine slots). Default false.",
+    )
     prefix_ttft_s: float = Field(
         0.0,
         ge=0,

@@ -187,6 +187,11 @@ def test_prefix_bound_policies_name_their_gateway_flags() -> None:
     ]  # fmt: skip
     assert s.gateway_args("prefix-b1-s0")[-4:] == ["--prefix-balance", "1", "--prefix-slack", "0"]
     assert s.gateway_args("lor") == ["--policy", "lor"]
+    assert s.gateway_args("prefix-b0.5-s4-t1-slots")[2:] == [
+        "--prefix-balance", "0.5", "--prefix-slack", "4", "--prefix-ttft", "1",
+        "--prefix-free-slots", "true",
+    ]  # fmt: skip
+    assert s.gateway_args("prefix-slots") == ["--policy", "prefix", "--prefix-free-slots", "true"]
     with pytest.raises(SystemExit):
         run.parse_settings(["--policies", "prefix-bhigh"])
 

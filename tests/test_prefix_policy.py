@@ -264,3 +264,53 @@ async def test_the_router_bounds_affinity_by_the_units_reported_prefill_when_a_t
         r.apply_report("u0", report)
         chosen = await r.acquire(want=Want(None, blocks, len(text)))
         assert chosen.id == goes_to, (ttft_s, queued)
+
+
+def slotted(id: str, outstanding: int, slots: float, capacity: int = 64) -> Unit:
+    u = Unit(id, f"http://{id}:1", f"{id}:2")
+    named = {"engine_slots": slots}
+    u.apply(
+        LoadReport(id, UnitState.SERVING, outstanding, capacity, seq=1, named_metrics=named), 0.0
+    )
+    return u
+
+
+def test_a_holder_with_a_free_engine_slot_takes_the_request_above_the_bound() -> None:
+    # mean 0.05: the bound over the mean is 1.1 x 0.05 x 64 = 3.5 requests, + slack 1
+    least, mean = unit("c", 0), 0.05
+    free = slotted("a", 10, slots=16)  # 10 + 1 > 4.5, but 11 <= 16: a slot is free for it
+    assert prefix_affinity(least, [[free]], CORRECTED, mean, 0.1, 1, None, True) is free
+    assert prefix_affinity(least, [[free]], CORRECTED, mean, 0.1, 1) is least, "off: the bound"
+    # the request would wait for a slot: the bound over the mean decides (lor here)
+    full = slotted("b", 16, slots=16)  # 17 > 16
+    assert prefix_affinity(least, [[full]], CORRECTED, mean, 0.1, 1, None, True) is least
+    assert (
+        prefix_affinity(least, [[slotted("e", 15, 16)]], CORRECTED, mean, 0.1, 1, None, True).id
+        == "e"
+    )
+    # a unit that reports no slots has none free
+    assert prefix_affinity(least, [[unit("d", 10)]], CORRECTED, mean, 0.1, 1, None, True) is least
+    # the longest match's holder is full: the next shorter match's, which has a slot
+    assert prefix_affinity(least, [[full], [free]], CORRECTED, mean, 0.1, 1, None, True) is free
+    # where the TTFT budget says no, a free slot does not override it
+    never = Budget(ttft_s=0.5, rate=1.0)
+    behind = Unit("q", "http://q:1", "q:2")
+    named = {"engine_slots": 16.0, "prefill_queue_tokens": 5000.0, "prefill_tokens_per_s": 4000.0}
+    behind.apply(LoadReport("q", UnitState.SERVING, 10, 64, seq=1, named_metrics=named), 0.0)
+    assert never.fits(behind) == 0
+    assert prefix_affinity(least, [[behind]], CORRECTED, mean, 0.1, 1, never.fits, True) is least
+
+
+async def test_the_router_keeps_a_prefix_on_its_holder_while_it_has_a_free_slot() -> None:
+    text = system(4) + "a question"
+    for free_slots, slots, goes_to in [(True, 16.0, "u0"), (False, 16.0, "u1"), (True, 8.0, "u1")]:
+        r = fleet(2, policy="prefix", prefix_free_slots=free_slots)
+        blocks = index(r).hashes(text)
+        held = PrefixBlocks(1, 0, 1, True, tuple(blocks), (), 512)
+        # u0 holds the prompt's prefix (its engine says so): 8 running of its slots, u1 idle,
+        # so u0 is far above the bound over the mean (1.1 x 9 / 128 x 64 + 1 = 5.95)
+        report = LoadReport("u0", UnitState.SERVING, 8, 64, seq=11,
+                            named_metrics={"engine_slots": slots}, prefix_blocks=held)  # fmt: skip
+        r.apply_report("u0", report)
+        chosen = await r.acquire(want=Want(None, blocks, len(text)))
+        assert chosen.id == goes_to, (free_slots, slots)

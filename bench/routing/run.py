@@ -87,14 +87,17 @@ QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
                 "lor-as-at-1000", "lor-2gw", "lor-3gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
-                "prefix-guess-2gw", "prefix-guess-3gw", "latency",
+                "prefix-guess-2gw", "prefix-guess-3gw", "prefix-slots", "latency",
                 "latency-goodput")  # fmt: skip
 # -Ngw: N gateway replicas, each with its own index and counts; clients spread over them
 REPLICATED = re.compile(r"(.+)-([23])gw")
 ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 # policy prefix with its bound set: prefix-b0.3 (--prefix-balance 0.3), prefix-b0.3-s0
-# (and --prefix-slack 0), to trace hit rate against imbalance
-PREFIX_BOUND = re.compile(r"prefix-b([0-9]*\.?[0-9]+)(?:-s([0-9]+))?")
+# (and --prefix-slack 0), to trace hit rate against imbalance; -t1: and --prefix-ttft 1;
+# -slots: and --prefix-free-slots true
+PREFIX_BOUND = re.compile(
+    r"prefix-b([0-9]*\.?[0-9]+)(?:-s([0-9]+))?(?:-t([0-9]*\.?[0-9]+))?(-slots)?"
+)
 
 
 def own_policy(name: str) -> bool:
@@ -151,7 +154,10 @@ class BenchSettings:
             return self.gateway_args(replicated.group(1))
         if bound := PREFIX_BOUND.fullmatch(policy):
             balance, slack = bound.group(1), bound.group(2) or "1"
-            return ["--policy", "prefix", "--prefix-balance", balance, "--prefix-slack", slack]
+            ttft = ["--prefix-ttft", bound.group(3)] if bound.group(3) else []
+            free = ["--prefix-free-slots", "true"] if bound.group(4) else []
+            flags = ["--prefix-balance", balance, "--prefix-slack", slack, *ttft, *free]
+            return ["--policy", "prefix", *flags]
         return {
             "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
             "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
@@ -161,6 +167,8 @@ class BenchSettings:
             "prefix-unfed": ["--policy", "prefix", "--prefix-engine-feedback", "false"],
             # prefix by this gateway's guess alone: not the blocks the units report holding
             "prefix-guess": ["--policy", "prefix", "--prefix-engine-blocks", "false"],
+            # a holder with an engine slot free for the request takes it above the bound
+            "prefix-slots": ["--policy", "prefix", "--prefix-free-slots", "true"],
             # Every unit at its own report rate (no budget, no floor), and every unit asked
             # for a report every 4 s, as the default budget asks of a fleet of 1,000.
             "lor-unbudgeted": [
@@ -650,8 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=_names,
         metavar="NAME[,NAME...]",
-        help=f"of {', '.join(ALL_POLICIES)}, or prefix-bB[-sS] (policy prefix with "
-        "--prefix-balance B and --prefix-slack S, default 1). Default all; a peer router's "
+        help=f"of {', '.join(ALL_POLICIES)}, or prefix-bB[-sS][-tT][-slots] (policy "
+        "prefix with --prefix-balance B and --prefix-slack S, default 1; -tT: and "
+        "--prefix-ttft T; -slots: and --prefix-free-slots true). Default all; a peer router's "
         "policies are skipped, and reported, when it is not installed.",
     )
     add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 # At a report with blocks, this gateway's guesses for the unit older than this are
 # dropped: a request sent that long ago has been admitted and its blocks reported.
 GUESS_KEEP_S = 1.0
+# The named metric of a unit's engine slots, the requests it runs at once (engine.base's).
+ENGINE_SLOTS = "engine_slots"
 
 
 def prefix_affinity(
@@ -44,6 +46,7 @@ def prefix_affinity(
     balance: float,
     slack: int,
     fits: Callable[[Unit], int] | None = None,
+    free_slots: bool = False,
 ) -> Unit:
     """Policy ``prefix``: of the units that hold the longest prefix of the prompt
     (``holders``, longest match first), the least loaded one that stays within the
@@ -60,6 +63,13 @@ def prefix_affinity(
     ``fits`` (calibration, ``Budget.fits``): whether a unit above the bound over the
     mean clears its queued prefill, this request's counted, within the tolerated TTFT
     (1 yes, 0 no, -1 unknown); where it knows, it decides instead of ``slack``.
+
+    ``free_slots``: a holder also takes the request while it has an engine slot free
+    for it (estimated outstanding + 1 at most the ``engine_slots`` it reports), above
+    the bound or not: the request starts at once there, queued behind none, so
+    affinity costs it nothing, while a unit without the prefix would prefill it
+    again. Where ``fits`` says no, it does not. A unit that reports no slots has none
+    free.
     """
     ceiling = (1.0 + balance) * mean
     for units in holders:
@@ -70,7 +80,11 @@ def prefix_affinity(
             bound = ceiling * unit.capacity
             if estimate + 1 > bound:
                 verdict = -1 if fits is None else fits(unit)
-                if verdict == 0 or (verdict < 0 and estimate + 1 > bound + slack):
+                if verdict == 0:
+                    continue
+                # a free engine slot: it starts at once there, whatever the bound says
+                slot = free_slots and estimate + 1 <= unit.metric(ENGINE_SLOTS, 0.0)
+                if verdict < 0 and estimate + 1 > bound + slack and not slot:
                     continue
             load = estimate / unit.capacity
             if best is None or load < best_load:
@@ -158,7 +172,14 @@ class PrefixAffinity(Policy):
 
         fits = budget.fits if s.prefix_ttft_s > 0 else None
         unit = prefix_affinity(
-            least, holders(), self.shared.view, mean, s.prefix_balance, s.prefix_slack, fits
+            least,
+            holders(),
+            self.shared.view,
+            mean,
+            s.prefix_balance,
+            s.prefix_slack,
+            fits,
+            s.prefix_free_slots,
         )
         if self.feedback is not None:
             self.feedback.sent(unit.id, want.blocks, want.chars)
