@@ -349,7 +349,7 @@ def test_reports_of_a_sidecar_from_before_the_packed_form_are_still_read() -> No
         ("AAAA", "8 bytes"),
         (base64.b64encode(b"x" * 12).decode(), "8 bytes"),
         (7, "base64 text or lists"),
-    ],  # fmt: skip
+    ],
 )
 def test_packed_blocks_that_cannot_be_read_are_refused(added: Any, why: str) -> None:
     data = {"epoch": 7, "from_seq": 0, "seq": 9, "full": True, "added": added, "removed": ""}
@@ -392,3 +392,13 @@ def test_the_map_follows_every_units_set_through_random_changes() -> None:
         for block in pool:
             want = sorted(u for u, held in truth.items() if block in held)
             assert sorted(u for _, us in view.matches([block]) for u in us) == want
+
+
+def test_chunk_names_are_60_bits_chained_over_the_whole_digest() -> None:
+    text = long_text(4)
+    names = chunk_hashes(text, 256, 512)
+    assert len(names) >= 4 and all(0 <= n < 1 << 60 for n in names)
+    assert any(n >= 1 << 56 for n in names), "the top of the 60 bits is used"
+    # chunk k's name follows the whole chain: change chunk 0, every name changes
+    other = chunk_hashes("X" + text[1:], 256, 512)
+    assert all(a != b for a, b in zip(names, other, strict=True))
