@@ -14,7 +14,7 @@ would be most of the memory, and making one per block most of a report's cost).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from proxy.load import PrefixBlocks
 
@@ -22,10 +22,7 @@ from proxy.load import PrefixBlocks
 class EngineBlocks:
     def __init__(self, chunk_chars: int) -> None:
         self.chunk_chars = chunk_chars
-        # unit -> the blocks it holds, as a list of the map's own key objects (8 bytes a
-        # block, where a set took about 64): what a report removes is found in the map
-        # by identity (no read of the number it compares).
-        self._units: dict[str, list[int]] = {}
+        self._units: dict[str, set[int]] = {}
         self._at: dict[str, tuple[int, int]] = {}  # unit -> (epoch, seq) of its set
         self._holders: dict[int, str | set[str]] = {}  # block -> its unit, or units
         self.gaps = 0  # changes that did not follow on (a whole set was needed)
@@ -37,7 +34,7 @@ class EngineBlocks:
         return self._at.get(unit_id)
 
     def held(self, unit_id: str) -> set[int]:
-        return set(self._units.get(unit_id, ()))
+        return self._units.get(unit_id, set())
 
     def apply(self, unit_id: str, blocks: PrefixBlocks) -> bool:
         """Apply a report's blocks; False when they do not follow on what is held (or
@@ -45,50 +42,50 @@ class EngineBlocks:
         if blocks.chunk_chars != self.chunk_chars:
             return False
         at = self._at.get(unit_id)
-        holders = self._holders
         if blocks.full:
             if at is not None and at[0] == blocks.epoch and blocks.seq < at[1]:
                 return True  # an older whole set (a re-read that crossed newer changes)
-            whole = set(blocks.added)
-            listed = self._units.get(unit_id)
-            if listed:  # the whole set again: only what it changes touches the map
-                had = set(listed)
-                gone = had - whole
-                _let_go(holders, unit_id, gone)
-                whole -= had
-                _take(holders, unit_id, whole)
-                whole |= had - gone  # the map's own key objects where it had them
-            else:
-                _take(holders, unit_id, set(whole))
-            self._units[unit_id] = list(whole)
+            held = self._units.setdefault(unit_id, set())
+            if held:  # the whole set again: only what it changes touches the map
+                gone = held.difference(blocks.added)
+                held.difference_update(gone)
+                _let_go(self._holders, unit_id, gone)
+            self._add_all(unit_id, held, blocks.added)
         else:
             if at is None or at != (blocks.epoch, blocks.from_seq):
                 if at is None or at[0] != blocks.epoch or blocks.seq > at[1]:
                     self.gaps += 1
                     return False
                 return True  # changes already applied (a late duplicate)
-            held = set(self._units[unit_id])
+            held = self._units[unit_id]
             if blocks.removed:
-                kept = held.difference(blocks.removed)
-                # The map's own key objects (the unit's list keeps them): each pop finds
-                # its entry by identity, without reading the number it compares.
-                _let_go(holders, unit_id, held.difference(kept))
-                held = kept
-            new = set(blocks.added)
-            new.difference_update(held)
-            if new:  # those no other unit holds (most) go into the map in one call
-                shared = holders.keys() & new
-                held.update(new)
-                if shared:
-                    _join(holders, unit_id, shared)
-                    new.difference_update(shared)
-                holders.update(dict.fromkeys(new, unit_id))
-            self._units[unit_id] = list(held)
+                gone = held.intersection(blocks.removed)
+                held.difference_update(gone)
+                _let_go(self._holders, unit_id, gone)
+            self._add_all(unit_id, held, blocks.added)
         self._at[unit_id] = (blocks.epoch, blocks.seq)
         return True
 
+    def _add_all(self, unit_id: str, held: set[int], added: tuple[int, ...]) -> None:
+        """One pass per report (a report carries up to a thousand changes); blocks no
+        other unit holds (most) go into the map in one call."""
+        new = set(added)
+        new.difference_update(held)
+        held.update(new)
+        holders = self._holders
+        shared = holders.keys() & new
+        if shared:
+            new.difference_update(shared)
+            for block in shared:
+                units = holders[block]
+                if isinstance(units, str):
+                    holders[block] = {units, unit_id}
+                else:
+                    units.add(unit_id)
+        holders.update(dict.fromkeys(new, unit_id))
+
     def forget(self, unit_id: str) -> None:
-        _let_go(self._holders, unit_id, set(self._units.pop(unit_id, ())))
+        _let_go(self._holders, unit_id, self._units.pop(unit_id, set()))
         self._at.pop(unit_id, None)
 
     def matches(self, blocks: list[int]) -> Iterator[tuple[int, list[str]]]:
@@ -115,34 +112,6 @@ class EngineBlocks:
                 seen.update(fresh)
                 yield depth, fresh
             depth -= 1
-
-
-def _take(holders: dict[int, str | set[str]], unit_id: str, blocks: set[int]) -> None:
-    """unit_id now holds blocks, which it did not hold: those no other unit holds (most)
-    go into the map in one call, the rest join their holders."""
-    shared = holders.keys() & blocks
-    if shared:
-        _join(holders, unit_id, shared)
-        blocks = blocks - shared
-    holders.update(dict.fromkeys(blocks, unit_id))
-
-
-def _join(holders: dict[int, str | set[str]], unit_id: str, blocks: Iterable[int]) -> list[int]:
-    """Add unit_id to the holders of blocks, each held by some unit; returns those it
-    already held."""
-    already = []
-    for block in blocks:
-        units = holders[block]
-        if isinstance(units, str):
-            if units == unit_id:
-                already.append(block)
-            else:
-                holders[block] = {units, unit_id}
-        elif unit_id in units:
-            already.append(block)
-        else:
-            units.add(unit_id)
-    return already
 
 
 def _let_go(holders: dict[int, str | set[str]], unit_id: str, blocks: set[int]) -> None:
