@@ -6,9 +6,12 @@ here and nowhere else.
 
 from __future__ import annotations
 
+import binascii
 import json
 import math
-from collections.abc import Mapping
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
@@ -98,13 +101,15 @@ class PrefixBlocks:
     chunk_chars: int = 0
 
     def to_dict(self) -> dict[str, Any]:
+        # The block numbers packed (``pack_blocks``) in base64: a JSON array of a
+        # thousand 20-digit numbers is twice the bytes and most of a reader's parse.
         return {
             "epoch": self.epoch,
             "from_seq": self.from_seq,
             "seq": self.seq,
             "full": self.full,
-            "added": list(self.added),
-            "removed": list(self.removed),
+            "added": binascii.b2a_base64(pack_blocks(self.added), newline=False).decode(),
+            "removed": binascii.b2a_base64(pack_blocks(self.removed), newline=False).decode(),
             "chunk_chars": self.chunk_chars,
         }
 
@@ -114,20 +119,25 @@ class PrefixBlocks:
             from_seq=self.from_seq,
             seq=self.seq,
             full=self.full,
-            added=self.added,
-            removed=self.removed,
+            added_packed=pack_blocks(self.added),
+            removed_packed=pack_blocks(self.removed),
             chunk_chars=self.chunk_chars,
         )
 
     @classmethod
     def from_pb(cls, msg: load_pb2.PrefixBlocks) -> PrefixBlocks:
+        # A sidecar of before the packed fields sent the repeated ones.
         return cls(
             msg.epoch,
             msg.from_seq,
             msg.seq,
             msg.full,
-            tuple(msg.added[:MAX_REPORT_BLOCKS]),
-            tuple(msg.removed[:MAX_REPORT_BLOCKS]),
+            tuple(msg.added[:MAX_REPORT_BLOCKS]) if msg.added else unpack_blocks(msg.added_packed),
+            (
+                tuple(msg.removed[:MAX_REPORT_BLOCKS])
+                if msg.removed
+                else unpack_blocks(msg.removed_packed)
+            ),
             msg.chunk_chars,
         )
 
@@ -135,18 +145,51 @@ class PrefixBlocks:
     def from_dict(cls, data: Any) -> PrefixBlocks:
         if not isinstance(data, dict):
             raise TypeError("prefix_blocks: not an object")
-        added, removed = data.get("added", []), data.get("removed", [])
-        if not isinstance(added, list) or not isinstance(removed, list):
-            raise TypeError("prefix_blocks: added and removed must be lists")
         return cls(
             _whole(data["epoch"]),
             _whole(data["from_seq"]),
             _whole(data["seq"]),
             data["full"] is True,
-            _wholes(added[:MAX_REPORT_BLOCKS]),
-            _wholes(removed[:MAX_REPORT_BLOCKS]),
+            _blocks(data.get("added", "")),
+            _blocks(data.get("removed", "")),
             _whole(data.get("chunk_chars", 0)),
         )
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_blocks(blocks: Sequence[int]) -> bytes:
+    """Block numbers as the wire packs them: 8 bytes each, little-endian (a number that
+    is not a 64-bit unsigned one raises OverflowError or TypeError)."""
+    packed = array("Q", blocks)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_blocks(data: bytes) -> tuple[int, ...]:
+    """``pack_blocks``' numbers back, at most MAX_REPORT_BLOCKS of them."""
+    if len(data) % 8:
+        raise TypeError("prefix_blocks: packed blocks are not a whole number of 8 bytes")
+    packed = array("Q")
+    packed.frombytes(data[: 8 * MAX_REPORT_BLOCKS])
+    if not _LITTLE:
+        packed.byteswap()
+    return tuple(packed.tolist())
+
+
+def _blocks(value: Any) -> tuple[int, ...]:
+    """A JSON report's ``added`` or ``removed``: packed in base64, or (a sidecar of
+    before the packed form) an array of numbers."""
+    if isinstance(value, str):
+        try:
+            return unpack_blocks(binascii.a2b_base64(value, strict_mode=True))
+        except binascii.Error as exc:
+            raise TypeError(f"prefix_blocks: packed blocks are not base64: {exc}") from None
+    if not isinstance(value, list):
+        raise TypeError("prefix_blocks: added and removed must be base64 text or lists")
+    return _wholes(value[:MAX_REPORT_BLOCKS])
 
 
 def _wholes(values: list[Any]) -> tuple[int, ...]:

@@ -3,7 +3,9 @@ sidecar's change stream of text-chunk hashes, and every gateway replica routing 
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 from typing import Any
 
 import aiohttp
@@ -19,7 +21,8 @@ from proxy.gateway.held import EngineBlocks
 from proxy.gateway.policies.prefix import PrefixAffinity
 from proxy.gateway.request import prompt_text
 from proxy.gateway.server import Gateway
-from proxy.load import LoadReport, PrefixBlocks, UnitState
+from proxy.load import LoadReport, PrefixBlocks, UnitState, pack_blocks, unpack_blocks
+from proxy.pb.unitproxy.v1 import load_pb2
 from proxy.prefix_chunks import chunk_hashes
 from proxy.settings import load
 from proxy.sidecar.blocks import HeldChunks
@@ -300,3 +303,102 @@ def test_a_report_naming_a_block_that_is_not_a_64_bit_number_is_refused(bad: Any
         with pytest.raises(TypeError, match="not a 64-bit unsigned number"):
             LoadReport.from_dict(data)
         data["prefix_blocks"][side] = [5]
+
+
+def test_block_numbers_travel_packed_and_come_back_the_same() -> None:
+    blocks = PrefixBlocks(7, 3, 9, False, (0, 1, (1 << 64) - 1, 1 << 63), (5, 1 << 40), 512)
+    report = LoadReport("u", UnitState.SERVING, 0, 1, seq=1, prefix_blocks=blocks)
+    data = json.loads(report.to_json())
+    side = data["prefix_blocks"]
+    # 8 bytes a block, little-endian, in base64: not an array of numbers
+    assert isinstance(side["added"], str) and base64.b64decode(side["added"]) == b"".join(
+        n.to_bytes(8, "little") for n in blocks.added
+    )
+    assert LoadReport.from_dict(data) == report
+    msg = report.to_pb()
+    assert msg.prefix_blocks.added_packed == pack_blocks(blocks.added)
+    assert not msg.prefix_blocks.added and not msg.prefix_blocks.removed
+    wire = load_pb2.LoadReport.FromString(msg.SerializeToString())
+    assert LoadReport.from_pb(wire) == report
+    empty = PrefixBlocks(7, 0, 9, True, (), (), 512)
+    data = json.loads(LoadReport("u", UnitState.SERVING, 0, 1, prefix_blocks=empty).to_json())
+    assert (
+        data["prefix_blocks"]["added"] == ""
+        and PrefixBlocks.from_dict(data["prefix_blocks"]) == empty
+    )
+    assert PrefixBlocks.from_pb(empty.to_pb()) == empty
+
+
+def test_reports_of_a_sidecar_from_before_the_packed_form_are_still_read() -> None:
+    blocks = PrefixBlocks(7, 3, 9, False, (1, (1 << 64) - 1), (5,), 512)
+    old_json = {"epoch": 7, "from_seq": 3, "seq": 9, "full": False,
+                "added": [1, (1 << 64) - 1], "removed": [5], "chunk_chars": 512}  # fmt: skip
+    assert PrefixBlocks.from_dict(old_json) == blocks
+    old_pb = load_pb2.PrefixBlocks(
+        epoch=7, from_seq=3, seq=9, added=[1, (1 << 64) - 1], removed=[5], chunk_chars=512
+    )
+    assert PrefixBlocks.from_pb(load_pb2.PrefixBlocks.FromString(old_pb.SerializeToString())) == (
+        blocks
+    )
+
+
+@pytest.mark.parametrize(
+    ("added", "why"),
+    [
+        ("!!!!", "not base64"),
+        ("AAAA", "8 bytes"),
+        (base64.b64encode(b"x" * 12).decode(), "8 bytes"),
+        (7, "base64 text or lists"),
+    ],
+)
+def test_packed_blocks_that_cannot_be_read_are_refused(added: Any, why: str) -> None:
+    data = {"epoch": 7, "from_seq": 0, "seq": 9, "full": True, "added": added, "removed": ""}
+    with pytest.raises(TypeError, match=why):
+        PrefixBlocks.from_dict(data)
+    with pytest.raises(TypeError, match="8 bytes"):
+        unpack_blocks(b"x" * 9)
+    with pytest.raises(OverflowError):
+        pack_blocks([1 << 64])
+
+
+def test_the_map_follows_every_units_set_through_random_changes() -> None:
+    # Blocks drawn from a small pool so that units share many of them; deltas that name
+    # blocks twice, remove what the unit never held, add what it holds; whole sets again.
+    rng = random.Random(5)
+    view = EngineBlocks(512)
+    truth: dict[str, set[int]] = {}
+    seqs: dict[str, int] = {}
+    pool = [rng.getrandbits(64) for _ in range(60)]
+    for step in range(600):
+        unit = rng.choice("abcdef")
+        seq = seqs.get(unit, 0)
+        if unit not in truth or step % 17 == 0:
+            whole = set(rng.sample(pool, rng.randrange(0, 20)))
+            assert view.apply(unit, PrefixBlocks(1, 0, seq + 1, True, tuple(whole), (), 512))
+            truth[unit] = whole
+        else:
+            added = tuple(rng.choice(pool) for _ in range(rng.randrange(0, 8)))
+            removed = tuple(rng.choice(pool) for _ in range(rng.randrange(0, 8)))
+            blocks = PrefixBlocks(1, seq, seq + 1, False, added, removed, 512)
+            assert view.apply(unit, blocks)
+            truth[unit] = (truth[unit] - set(removed)) | set(added)
+        seqs[unit] = seq + 1
+        if step % 50 == 49:
+            gone = rng.choice(sorted(truth))
+            view.forget(gone)
+            del truth[gone], seqs[gone]
+        for name, held in truth.items():
+            assert view.held(name) == held
+        for block in pool:
+            want = sorted(u for u, held in truth.items() if block in held)
+            assert sorted(u for _, us in view.matches([block]) for u in us) == want
+
+
+def test_chunk_names_are_60_bits_chained_over_the_whole_digest() -> None:
+    text = long_text(4)
+    names = chunk_hashes(text, 256, 512)
+    assert len(names) >= 4 and all(0 <= n < 1 << 60 for n in names)
+    assert any(n >= 1 << 56 for n in names), "the top of the 60 bits is used"
+    # chunk k's name follows the whole chain: change chunk 0, every name changes
+    other = chunk_hashes("X" + text[1:], 256, 512)
+    assert all(a != b for a, b in zip(names, other, strict=True))

@@ -97,7 +97,7 @@ class EmulatedHeld(HeldChunks):
             self.seq += 2 * skipped
             self._log.clear()
         for _ in range(n - skipped):
-            self._add(rng.getrandbits(64))
+            self._add(rng.getrandbits(60))  # as proxy.prefix_chunks names chunks
 
 
 class EmulatedUnit:

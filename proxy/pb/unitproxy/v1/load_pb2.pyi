@@ -98,7 +98,7 @@ class LoadReport(_message.Message):
     def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ..., named_metrics: _Optional[_Mapping[str, float]] = ..., prefix_blocks: _Optional[_Union[PrefixBlocks, _Mapping]] = ...) -> None: ...
 
 class PrefixBlocks(_message.Message):
-    __slots__ = ("epoch", "from_seq", "seq", "full", "added", "removed", "chunk_chars")
+    __slots__ = ("epoch", "from_seq", "seq", "full", "added", "removed", "chunk_chars", "added_packed", "removed_packed")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,8 @@ class PrefixBlocks(_message.Message):
     ADDED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CHARS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_PACKED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_PACKED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     from_seq: int
     seq: int
@@ -113,4 +115,6 @@ class PrefixBlocks(_message.Message):
     added: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
     chunk_chars: int
-    def __init__(self, epoch: _Optional[int] = ..., from_seq: _Optional[int] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., added: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., chunk_chars: _Optional[int] = ...) -> None: ...
+    added_packed: bytes
+    removed_packed: bytes
+    def __init__(self, epoch: _Optional[int] = ..., from_seq: _Optional[int] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., added: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., chunk_chars: _Optional[int] = ..., added_packed: _Optional[bytes] = ..., removed_packed: _Optional[bytes] = ...) -> None: ...
