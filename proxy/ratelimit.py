@@ -136,11 +136,19 @@ def duration(seconds: float) -> str:
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     s = math.ceil(seconds)
-    h, rest = divmod(s, 3600)
-    m, s = divmod(rest, 60)
-    if h:
-        return f"{h}h{m}m{s}s"
-    return f"{m}m{s}s" if m else f"{s}s"
+    found = _DURATIONS.get(s)
+    if found is None:
+        h, rest = divmod(s, 3600)
+        m, sec = divmod(rest, 60)
+        found = f"{h}h{m}m{sec}s" if h else (f"{m}m{sec}s" if m else f"{sec}s")
+        if len(_DURATIONS) < MAX_DURATIONS:
+            _DURATIONS[s] = found
+    return found
+
+
+# Whole seconds' texts as found: a per-minute limit's reset is 1 to 120 seconds.
+_DURATIONS: dict[int, str] = {}
+MAX_DURATIONS = 4096
 
 
 class Counts:
@@ -200,19 +208,44 @@ def headers(
     tenant: Tenant, counts: Counts, need: int, frac: float, share: float, admitted: bool
 ) -> dict[str, str]:
     """OpenAI's x-ratelimit-* headers, for the per-minute limits the tenant has."""
-    found: dict[str, str] = {}
-    for kind, full, (prev, cur), n in (
-        ("requests", tenant.requests_per_minute, counts.rpm, 1),
-        ("tokens", tenant.tokens_per_minute, counts.tpm, need),
-    ):
-        if not full:
-            continue
+    (rp, rc), (tp, tc) = counts.rpm, counts.tpm
+    return dict(header_pairs(tenant, rp, rc, tp, tc, need, frac, share, admitted))
+
+
+def header_pairs(
+    tenant: Tenant,
+    rp: float,
+    rc: float,
+    tp: float,
+    tc: float,
+    need: int,
+    frac: float,
+    share: float,
+    admitted: bool,
+) -> list[tuple[str, str]]:
+    """``headers`` as (name, value) pairs, from the per-minute counts (prev, cur) of
+    requests and tokens before the request: what a response's head is written from."""
+    found: list[tuple[str, str]] = []
+    full = tenant.requests_per_minute
+    if full:
         limit = full * share
-        n = min(n, int(limit)) if admitted else 0
-        used = sliding(prev, cur + n, frac)
-        found[f"x-ratelimit-limit-{kind}"] = str(int(limit))
-        found[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(limit - used)))
-        found[f"x-ratelimit-reset-{kind}"] = duration(reset_s(prev, cur + n, frac, MINUTE_S))
+        cur = rc + (min(1, int(limit)) if admitted else 0)
+        found += (
+            ("x-ratelimit-limit-requests", str(int(limit))),
+            ("x-ratelimit-remaining-requests",
+             str(max(0, math.floor(limit - (rp * (1.0 - frac) + cur))))),
+            ("x-ratelimit-reset-requests", duration(reset_s(rp, cur, frac, MINUTE_S))),
+        )  # fmt: skip
+    full = tenant.tokens_per_minute
+    if full:
+        limit = full * share
+        cur = tc + (min(need, int(limit)) if admitted else 0)
+        found += (
+            ("x-ratelimit-limit-tokens", str(int(limit))),
+            ("x-ratelimit-remaining-tokens",
+             str(max(0, math.floor(limit - (tp * (1.0 - frac) + cur))))),
+            ("x-ratelimit-reset-tokens", duration(reset_s(tp, cur, frac, MINUTE_S))),
+        )  # fmt: skip
     return found
 
 
@@ -228,11 +261,16 @@ class _Window:
         self.prev = 0.0
 
     def at(self, now: float) -> tuple[float, float]:
+        self.move(now)
+        return self.prev, self.cur
+
+    def move(self, now: float) -> None:
+        """To the window of ``now``."""
         index = int(now // self.size)
         if index != self.index:
             self.prev = self.cur if index == self.index + 1 else 0.0
-            self.cur, self.index = 0.0, index
-        return self.prev, self.cur
+            self.cur = 0.0
+            self.index = index
 
     def add(self, index: int, n: float) -> None:
         if index == self.index:
@@ -257,9 +295,9 @@ class _Local:
 
     def roll(self, now: float) -> None:
         """The windows moved to ``now``."""
-        self.rpm.at(now)
-        self.tpm.at(now)
-        self.tpd.at(now)
+        self.rpm.move(now)
+        self.tpm.move(now)
+        self.tpd.move(now)
 
 
 # One script for a batch of operations, so that a gateway under load makes one round trip
@@ -390,12 +428,19 @@ WHAT = {
 
 
 class Reservation:
-    """A request's hold on its tenant's limits: settle it once, when the request ends."""
+    """A request's hold on its tenant's limits: settle it once, when the request ends.
+    Its x-ratelimit-* headers are built when first asked for (``pairs``), from the
+    counts it was admitted on."""
 
     __slots__ = (
+        "_frac",
         "_limiter",
+        "_pairs",
+        "_rc",
+        "_rp",
+        "_tc",
+        "_tp",
         "day",
-        "headers",
         "member",
         "minute",
         "settled",
@@ -413,7 +458,12 @@ class Reservation:
         day: int,
         member: str,
         shared: bool,
-        headers: dict[str, str],
+        pairs: list[tuple[str, str]] | None,
+        rp: float = 0.0,
+        rc: float = 0.0,
+        tp: float = 0.0,
+        tc: float = 0.0,
+        frac: float = 0.0,
     ):
         self._limiter = limiter
         self.tenant = tenant
@@ -422,8 +472,26 @@ class Reservation:
         self.day = day
         self.member = member
         self.shared = shared  # counted in Redis too
-        self.headers = headers
         self.settled = False
+        # The headers, or (None) the per-minute counts before the request to build
+        # them from (with ``frac`` of the minute gone) when they are asked for.
+        self._pairs = pairs
+        self._rp, self._rc, self._tp, self._tc, self._frac = rp, rc, tp, tc, frac
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The x-ratelimit-* headers, as (name, value) pairs in the order written."""
+        found = self._pairs
+        if found is None:
+            found = self._pairs = header_pairs(
+                self.tenant, self._rp, self._rc, self._tp, self._tc, self.tokens, self._frac,
+                1.0, True,
+            )  # fmt: skip
+        return found
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The x-ratelimit-* headers, by name."""
+        return dict(self.pairs())
 
     def settle(self, used_tokens: int | None) -> None:
         """Charge what the request used (None: nothing is known, keep the estimate) and
@@ -631,31 +699,71 @@ class Limiter:
 
     # -- admission -------------------------------------------------------------------
 
+    def try_admit(self, tenant: Tenant, tokens: int) -> Reservation | None:
+        """``admit`` where it is decided here, with no I/O and no await: a tenant with no
+        limits, a request its allotment covers, or limits counted on this replica alone
+        (no Redis, or Redis down). None: Redis has to say (``await admit``). Raises
+        RateLimited as ``admit`` does."""
+        if not tenant.limited:  # nothing to count: no Redis round trip either
+            return Reservation(self, tenant, 0, 0, 0, "", False, [])
+        now = self._clock()
+        need = self._need(tenant, tokens)
+        local = self._local_of(tenant.name)
+        if self._redis is not None and not self._outage.down:
+            return self._take(tenant, need, now, local)
+        return self._admit_local(tenant, need, now, local, "")
+
     async def admit(self, tenant: Tenant, tokens: int) -> Reservation:
         """Count a request needing about ``tokens`` against ``tenant``'s limits, or raise
         RateLimited saying which limit and when it frees."""
         now = self._clock()
         if not tenant.limited:  # nothing to count: no Redis round trip either
-            return Reservation(self, tenant, 0, 0, 0, "", False, {})
+            return Reservation(self, tenant, 0, 0, 0, "", False, [])
+        need = self._need(tenant, tokens)
+        local = self._local_of(tenant.name)
+        if not self.shared:
+            return self._admit_local(tenant, need, now, local, "")
+        taken = self._take(tenant, need, now, local)
+        if taken is not None:  # from this replica's allotment: no I/O
+            return taken
+        self._admitted += 1
+        member = f"{self.id}-{self._admitted}"  # unique across replicas
+        check, member = await self._admit_shared(tenant, need, now, member)
+        if check is None:  # Redis failed just now
+            return self._admit_local(tenant, need, now, local, member)
+        return self._admitted_by(tenant, need, now, local, member, True, check, 1.0)
+
+    @staticmethod
+    def _need(tenant: Tenant, tokens: int) -> int:
         need = tokens if tenant.counts_tokens else 0
         if tenant.tokens_per_minute:
             need = min(need, tenant.tokens_per_minute)
         if tenant.tokens_per_day:
             need = min(need, tenant.tokens_per_day)
-        local = self._local_of(tenant.name)
-        if self.shared:
-            taken = self._take(tenant, need, now, local)
-            if taken is not None:  # from this replica's allotment: no I/O
-                return taken
-        self._admitted += 1
-        member = f"{self.id}-{self._admitted}"  # unique across replicas
-        check: Check | None = None
-        if self.shared:
-            check, member = await self._admit_shared(tenant, need, now, member)
-        shared, share = check is not None, 1.0
-        if check is None:  # no Redis, or it failed just now
-            share = self.share
-            check = decide(tenant, local.counts(now), need, now, share)
+        return need
+
+    def _admit_local(
+        self, tenant: Tenant, need: int, now: float, local: _Local, member: str
+    ) -> Reservation:
+        """Admission from this replica's own counts, at its share of each limit."""
+        if not member:
+            self._admitted += 1
+            member = f"{self.id}-{self._admitted}"  # unique across replicas
+        share = self.share
+        check = decide(tenant, local.counts(now), need, now, share)
+        return self._admitted_by(tenant, need, now, local, member, False, check, share)
+
+    def _admitted_by(
+        self,
+        tenant: Tenant,
+        need: int,
+        now: float,
+        local: _Local,
+        member: str,
+        shared: bool,
+        check: Check,
+        share: float,
+    ) -> Reservation:
         if check.refused:
             what = WHAT[check.refused]
             limit = getattr(tenant, check.refused)
@@ -669,7 +777,7 @@ class Limiter:
         self._count(local, need, now)
         reservation = Reservation(
             self, tenant, need, int(now // MINUTE_S), int(now // DAY_S), member, shared,
-            check.headers,
+            list(check.headers.items()),
         )  # fmt: skip
         self._live.add(reservation)
         return reservation
@@ -688,11 +796,14 @@ class Limiter:
         a = self._allots.get(tenant.name)
         if a is None:
             return None
-        minute, day = int(now // MINUTE_S), int(now // DAY_S)
+        minute = int(now // MINUTE_S)
+        day = int(now // DAY_S)
         if minute != a.minute or day != a.day:
             self._roll(tenant.name, a, minute, day)
         least = need if need > 0 else 1
-        rpm, tpm, tpd = tenant.requests_per_minute, tenant.tokens_per_minute, tenant.tokens_per_day
+        rpm = tenant.requests_per_minute
+        tpm = tenant.tokens_per_minute
+        tpd = tenant.tokens_per_day
         if (
             (rpm and a.r < 1)
             or (tpm and a.t < least)
@@ -710,16 +821,16 @@ class Limiter:
         if tpd:
             a.d -= need
         a.used_at = now
-        found: dict[str, str] = {}
-        if rpm or tpm:
-            counts = Counts((a.rp, a.rc), (a.tp, a.tc), (0.0, 0.0), 0)
-            found = headers(tenant, counts, need, (now % MINUTE_S) / MINUTE_S, 1.0, True)
+        # The headers are built from these counts when a response is written.
+        reservation = Reservation(
+            self, tenant, need, minute, day, member, True, None if rpm or tpm else [],
+            a.rp, a.rc, a.tp, a.tc, (now % MINUTE_S) / MINUTE_S,
+        )  # fmt: skip
         a.rc += 1
         a.tc += need
         self._count(local, need, now)
         if not a.asking and a.low():
             self._ask(tenant, a, need, now, minute, day)
-        reservation = Reservation(self, tenant, need, minute, day, member, True, found)
         self._live.add(reservation)
         return reservation
 
