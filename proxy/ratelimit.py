@@ -230,23 +230,30 @@ def header_pairs(
     if full:
         limit = full * share
         cur = rc + (min(1, int(limit)) if admitted else 0)
-        found += (
-            ("x-ratelimit-limit-requests", str(int(limit))),
-            ("x-ratelimit-remaining-requests",
-             str(max(0, math.floor(limit - (rp * (1.0 - frac) + cur))))),
-            ("x-ratelimit-reset-requests", duration(reset_s(rp, cur, frac, MINUTE_S))),
-        )  # fmt: skip
+        left = math.floor(limit - (rp * (1.0 - frac) + cur))
+        found.append(("x-ratelimit-limit-requests", str(int(limit))))
+        found.append(("x-ratelimit-remaining-requests", str(left) if left > 0 else "0"))
+        found.append(("x-ratelimit-reset-requests", _reset(rp, cur, frac)))
     full = tenant.tokens_per_minute
     if full:
         limit = full * share
         cur = tc + (min(need, int(limit)) if admitted else 0)
-        found += (
-            ("x-ratelimit-limit-tokens", str(int(limit))),
-            ("x-ratelimit-remaining-tokens",
-             str(max(0, math.floor(limit - (tp * (1.0 - frac) + cur))))),
-            ("x-ratelimit-reset-tokens", duration(reset_s(tp, cur, frac, MINUTE_S))),
-        )  # fmt: skip
+        left = math.floor(limit - (tp * (1.0 - frac) + cur))
+        found.append(("x-ratelimit-limit-tokens", str(int(limit))))
+        found.append(("x-ratelimit-remaining-tokens", str(left) if left > 0 else "0"))
+        found.append(("x-ratelimit-reset-tokens", _reset(tp, cur, frac)))
     return found
+
+
+def _reset(prev: float, cur: float, frac: float) -> str:
+    """``duration(reset_s(...))`` of a per-minute count; a whole second's text is kept."""
+    if cur > 0:
+        seconds = (2.0 - frac) * MINUTE_S
+        if seconds >= 1:
+            found = _DURATIONS.get(math.ceil(seconds))
+            if found is not None:
+                return found
+    return duration(reset_s(prev, cur, frac, MINUTE_S))
 
 
 class _Window:
@@ -274,30 +281,40 @@ class _Window:
 
     def add(self, index: int, n: float) -> None:
         if index == self.index:
-            self.cur = max(0.0, self.cur + n)
+            cur = self.cur + n
+            self.cur = cur if cur > 0.0 else 0.0
         elif index == self.index - 1:
-            self.prev = max(0.0, self.prev + n)
+            prev = self.prev + n
+            self.prev = prev if prev > 0.0 else 0.0
 
 
 class _Local:
     """This replica's own counts of one tenant."""
 
-    __slots__ = ("concurrent", "rpm", "tpd", "tpm")
+    __slots__ = ("concurrent", "minute", "rpm", "tpd", "tpm")
 
     def __init__(self) -> None:
         self.rpm = _Window(MINUTE_S)
         self.tpm = _Window(MINUTE_S)
         self.tpd = _Window(DAY_S)
         self.concurrent = 0
+        self.minute = -1  # the windows are at this minute (and its day)
 
     def counts(self, now: float) -> Counts:
-        return Counts(self.rpm.at(now), self.tpm.at(now), self.tpd.at(now), self.concurrent)
+        self.roll(now)
+        rpm, tpm, tpd = self.rpm, self.tpm, self.tpd
+        return Counts((rpm.prev, rpm.cur), (tpm.prev, tpm.cur), (tpd.prev, tpd.cur),
+                      self.concurrent)  # fmt: skip
 
     def roll(self, now: float) -> None:
-        """The windows moved to ``now``."""
-        self.rpm.move(now)
-        self.tpm.move(now)
-        self.tpd.move(now)
+        """The windows moved to ``now`` (a day's windows end where a minute's do: in the
+        same minute, nothing moves)."""
+        minute = int(now // MINUTE_S)
+        if minute != self.minute:
+            self.minute = minute
+            self.rpm.move(now)
+            self.tpm.move(now)
+            self.tpd.move(now)
 
 
 # One script for a batch of operations, so that a gateway under load makes one round trip
@@ -435,6 +452,7 @@ class Reservation:
     __slots__ = (
         "_frac",
         "_limiter",
+        "_local",
         "_pairs",
         "_rc",
         "_rp",
@@ -464,8 +482,10 @@ class Reservation:
         tp: float = 0.0,
         tc: float = 0.0,
         frac: float = 0.0,
+        local: _Local | None = None,
     ):
         self._limiter = limiter
+        self._local = local  # the tenant's counts on this replica
         self.tenant = tenant
         self.tokens = tokens  # reserved
         self.minute = minute  # the windows the reservation went into
@@ -708,8 +728,10 @@ class Limiter:
             return Reservation(self, tenant, 0, 0, 0, "", False, [])
         now = self._clock()
         need = self._need(tenant, tokens)
-        local = self._local_of(tenant.name)
-        if self._redis is not None and not self._outage.down:
+        local = self._local.get(tenant.name)
+        if local is None:
+            local = self._local_of(tenant.name)
+        if self._redis is not None and self._outage.down_since is None:
             return self._take(tenant, need, now, local)
         return self._admit_local(tenant, need, now, local, "")
 
@@ -777,7 +799,7 @@ class Limiter:
         self._count(local, need, now)
         reservation = Reservation(
             self, tenant, need, int(now // MINUTE_S), int(now // DAY_S), member, shared,
-            list(check.headers.items()),
+            list(check.headers.items()), local=local,
         )  # fmt: skip
         self._live.add(reservation)
         return reservation
@@ -824,7 +846,7 @@ class Limiter:
         # The headers are built from these counts when a response is written.
         reservation = Reservation(
             self, tenant, need, minute, day, member, True, None if rpm or tpm else [],
-            a.rp, a.rc, a.tp, a.tc, (now % MINUTE_S) / MINUTE_S,
+            a.rp, a.rc, a.tp, a.tc, (now % MINUTE_S) / MINUTE_S, local,
         )  # fmt: skip
         a.rc += 1
         a.tc += need
@@ -1038,9 +1060,12 @@ class Limiter:
         if not t.limited:
             return
         self._live.discard(r)
-        local = self._local_of(t.name)
+        local = r._local
+        if local is None:
+            local = self._local_of(t.name)
         local.roll(self._clock())
-        local.concurrent = max(0, local.concurrent - 1)
+        if local.concurrent > 0:
+            local.concurrent -= 1
         if difference:
             local.tpm.add(r.minute, difference)
             local.tpd.add(r.day, difference)
@@ -1050,10 +1075,11 @@ class Limiter:
         d_d = difference if t.tokens_per_day else 0
         member = r.member if t.max_concurrent else ""
         a = self._allots.get(t.name)
-        if a is not None and not self._outage.down:
+        if a is not None and self._outage.down_since is None:
             # Into the allotment where its window is the reservation's: no Redis call.
             if d_t and a.minute == r.minute:
-                a.tc = max(0.0, a.tc + d_t)  # for the headers
+                tc = a.tc + d_t  # for the headers
+                a.tc = tc if tc > 0.0 else 0.0
             if d_t and a.want_t and a.minute == r.minute:
                 a.t, d_t = _credit(a.t, a.want_t, d_t)
             if d_d and a.want_d and a.day == r.day:
