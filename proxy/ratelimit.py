@@ -65,7 +65,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import Gauge
@@ -632,8 +632,12 @@ class Limiter:
         clock: Callable[[], float] = time.time,
         shared_gauge: Gauge | None = None,
         cluster: str | None = None,
+        script_call: Callable[[list[str], list[str]], Awaitable[Any]] | None = None,
     ):
         self._redis = redis
+        # The batch script's call to Redis (keys, args -> its answer): ``_call`` unless
+        # another is given (tests: a call that fails or answers oddly).
+        self._script_call = script_call
         self._clock = clock
         settings = redis_settings or RedisSettings.model_validate({})
         self._prefix = f"unitproxy:{cluster or settings.cluster}"
@@ -652,6 +656,7 @@ class Limiter:
         self.id = uuid.uuid4().hex[:12]  # this replica, in Redis
         self._admitted = 0
         self._asks = 0
+        self.calls = 0  # script calls made to Redis (round trips)
         self._gauge = shared_gauge
         self._set_gauge()
         # A tenant's seven keys for a minute and a day (rpm, tpm, tpd: this one and the
@@ -1133,8 +1138,10 @@ class Limiter:
             for op in ops:
                 keys += op.keys
                 args.append(op.arg)
+            self.calls += 1
             try:
-                out = await self._call(keys, args)
+                call = self._script_call
+                out = await (self._call(keys, args) if call is None else call(keys, args))
             except asyncio.CancelledError:
                 for op in ops:
                     if op.asked and op.allot is not None:
