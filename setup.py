@@ -55,6 +55,8 @@ COMPILED = [
     "proxy/load.py",
     "proxy/metrics.py",
     "proxy/prefix_chunks.py",
+    "proxy/ratelimit.py",
+    "proxy/tenants.py",
     "proxy/timers.py",
     # Every policy's module (a new policy is compiled with no line here), not
     # __init__.py: it is read by the settings as well.

@@ -65,7 +65,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import Gauge
@@ -136,11 +136,19 @@ def duration(seconds: float) -> str:
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     s = math.ceil(seconds)
-    h, rest = divmod(s, 3600)
-    m, s = divmod(rest, 60)
-    if h:
-        return f"{h}h{m}m{s}s"
-    return f"{m}m{s}s" if m else f"{s}s"
+    found = _DURATIONS.get(s)
+    if found is None:
+        h, rest = divmod(s, 3600)
+        m, sec = divmod(rest, 60)
+        found = f"{h}h{m}m{sec}s" if h else (f"{m}m{sec}s" if m else f"{sec}s")
+        if len(_DURATIONS) < MAX_DURATIONS:
+            _DURATIONS[s] = found
+    return found
+
+
+# Whole seconds' texts as found: a per-minute limit's reset is 1 to 120 seconds.
+_DURATIONS: dict[int, str] = {}
+MAX_DURATIONS = 4096
 
 
 class Counts:
@@ -200,20 +208,52 @@ def headers(
     tenant: Tenant, counts: Counts, need: int, frac: float, share: float, admitted: bool
 ) -> dict[str, str]:
     """OpenAI's x-ratelimit-* headers, for the per-minute limits the tenant has."""
-    found: dict[str, str] = {}
-    for kind, full, (prev, cur), n in (
-        ("requests", tenant.requests_per_minute, counts.rpm, 1),
-        ("tokens", tenant.tokens_per_minute, counts.tpm, need),
-    ):
-        if not full:
-            continue
+    (rp, rc), (tp, tc) = counts.rpm, counts.tpm
+    return dict(header_pairs(tenant, rp, rc, tp, tc, need, frac, share, admitted))
+
+
+def header_pairs(
+    tenant: Tenant,
+    rp: float,
+    rc: float,
+    tp: float,
+    tc: float,
+    need: int,
+    frac: float,
+    share: float,
+    admitted: bool,
+) -> list[tuple[str, str]]:
+    """``headers`` as (name, value) pairs, from the per-minute counts (prev, cur) of
+    requests and tokens before the request: what a response's head is written from."""
+    found: list[tuple[str, str]] = []
+    full = tenant.requests_per_minute
+    if full:
         limit = full * share
-        n = min(n, int(limit)) if admitted else 0
-        used = sliding(prev, cur + n, frac)
-        found[f"x-ratelimit-limit-{kind}"] = str(int(limit))
-        found[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(limit - used)))
-        found[f"x-ratelimit-reset-{kind}"] = duration(reset_s(prev, cur + n, frac, MINUTE_S))
+        cur = rc + (min(1, int(limit)) if admitted else 0)
+        left = math.floor(limit - (rp * (1.0 - frac) + cur))
+        found.append(("x-ratelimit-limit-requests", str(int(limit))))
+        found.append(("x-ratelimit-remaining-requests", str(left) if left > 0 else "0"))
+        found.append(("x-ratelimit-reset-requests", _reset(rp, cur, frac)))
+    full = tenant.tokens_per_minute
+    if full:
+        limit = full * share
+        cur = tc + (min(need, int(limit)) if admitted else 0)
+        left = math.floor(limit - (tp * (1.0 - frac) + cur))
+        found.append(("x-ratelimit-limit-tokens", str(int(limit))))
+        found.append(("x-ratelimit-remaining-tokens", str(left) if left > 0 else "0"))
+        found.append(("x-ratelimit-reset-tokens", _reset(tp, cur, frac)))
     return found
+
+
+def _reset(prev: float, cur: float, frac: float) -> str:
+    """``duration(reset_s(...))`` of a per-minute count; a whole second's text is kept."""
+    if cur > 0:
+        seconds = (2.0 - frac) * MINUTE_S
+        if seconds >= 1:
+            found = _DURATIONS.get(math.ceil(seconds))
+            if found is not None:
+                return found
+    return duration(reset_s(prev, cur, frac, MINUTE_S))
 
 
 class _Window:
@@ -228,38 +268,53 @@ class _Window:
         self.prev = 0.0
 
     def at(self, now: float) -> tuple[float, float]:
+        self.move(now)
+        return self.prev, self.cur
+
+    def move(self, now: float) -> None:
+        """To the window of ``now``."""
         index = int(now // self.size)
         if index != self.index:
             self.prev = self.cur if index == self.index + 1 else 0.0
-            self.cur, self.index = 0.0, index
-        return self.prev, self.cur
+            self.cur = 0.0
+            self.index = index
 
     def add(self, index: int, n: float) -> None:
         if index == self.index:
-            self.cur = max(0.0, self.cur + n)
+            cur = self.cur + n
+            self.cur = cur if cur > 0.0 else 0.0
         elif index == self.index - 1:
-            self.prev = max(0.0, self.prev + n)
+            prev = self.prev + n
+            self.prev = prev if prev > 0.0 else 0.0
 
 
 class _Local:
     """This replica's own counts of one tenant."""
 
-    __slots__ = ("concurrent", "rpm", "tpd", "tpm")
+    __slots__ = ("concurrent", "minute", "rpm", "tpd", "tpm")
 
     def __init__(self) -> None:
         self.rpm = _Window(MINUTE_S)
         self.tpm = _Window(MINUTE_S)
         self.tpd = _Window(DAY_S)
         self.concurrent = 0
+        self.minute = -1  # the windows are at this minute (and its day)
 
     def counts(self, now: float) -> Counts:
-        return Counts(self.rpm.at(now), self.tpm.at(now), self.tpd.at(now), self.concurrent)
+        self.roll(now)
+        rpm, tpm, tpd = self.rpm, self.tpm, self.tpd
+        return Counts((rpm.prev, rpm.cur), (tpm.prev, tpm.cur), (tpd.prev, tpd.cur),
+                      self.concurrent)  # fmt: skip
 
     def roll(self, now: float) -> None:
-        """The windows moved to ``now``."""
-        self.rpm.at(now)
-        self.tpm.at(now)
-        self.tpd.at(now)
+        """The windows moved to ``now`` (a day's windows end where a minute's do: in the
+        same minute, nothing moves)."""
+        minute = int(now // MINUTE_S)
+        if minute != self.minute:
+            self.minute = minute
+            self.rpm.move(now)
+            self.tpm.move(now)
+            self.tpd.move(now)
 
 
 # One script for a batch of operations, so that a gateway under load makes one round trip
@@ -390,12 +445,20 @@ WHAT = {
 
 
 class Reservation:
-    """A request's hold on its tenant's limits: settle it once, when the request ends."""
+    """A request's hold on its tenant's limits: settle it once, when the request ends.
+    Its x-ratelimit-* headers are built when first asked for (``pairs``), from the
+    counts it was admitted on."""
 
     __slots__ = (
+        "_frac",
         "_limiter",
+        "_local",
+        "_pairs",
+        "_rc",
+        "_rp",
+        "_tc",
+        "_tp",
         "day",
-        "headers",
         "member",
         "minute",
         "settled",
@@ -413,17 +476,42 @@ class Reservation:
         day: int,
         member: str,
         shared: bool,
-        headers: dict[str, str],
+        pairs: list[tuple[str, str]] | None,
+        rp: float = 0.0,
+        rc: float = 0.0,
+        tp: float = 0.0,
+        tc: float = 0.0,
+        frac: float = 0.0,
+        local: _Local | None = None,
     ):
         self._limiter = limiter
+        self._local = local  # the tenant's counts on this replica
         self.tenant = tenant
         self.tokens = tokens  # reserved
         self.minute = minute  # the windows the reservation went into
         self.day = day
         self.member = member
         self.shared = shared  # counted in Redis too
-        self.headers = headers
         self.settled = False
+        # The headers, or (None) the per-minute counts before the request to build
+        # them from (with ``frac`` of the minute gone) when they are asked for.
+        self._pairs = pairs
+        self._rp, self._rc, self._tp, self._tc, self._frac = rp, rc, tp, tc, frac
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The x-ratelimit-* headers, as (name, value) pairs in the order written."""
+        found = self._pairs
+        if found is None:
+            found = self._pairs = header_pairs(
+                self.tenant, self._rp, self._rc, self._tp, self._tc, self.tokens, self._frac,
+                1.0, True,
+            )  # fmt: skip
+        return found
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The x-ratelimit-* headers, by name."""
+        return dict(self.pairs())
 
     def settle(self, used_tokens: int | None) -> None:
         """Charge what the request used (None: nothing is known, keep the estimate) and
@@ -544,8 +632,12 @@ class Limiter:
         clock: Callable[[], float] = time.time,
         shared_gauge: Gauge | None = None,
         cluster: str | None = None,
+        script_call: Callable[[list[str], list[str]], Awaitable[Any]] | None = None,
     ):
         self._redis = redis
+        # The batch script's call to Redis (keys, args -> its answer): ``_call`` unless
+        # another is given (tests: a call that fails or answers oddly).
+        self._script_call = script_call
         self._clock = clock
         settings = redis_settings or RedisSettings.model_validate({})
         self._prefix = f"unitproxy:{cluster or settings.cluster}"
@@ -564,6 +656,7 @@ class Limiter:
         self.id = uuid.uuid4().hex[:12]  # this replica, in Redis
         self._admitted = 0
         self._asks = 0
+        self.calls = 0  # script calls made to Redis (round trips)
         self._gauge = shared_gauge
         self._set_gauge()
         # A tenant's seven keys for a minute and a day (rpm, tpm, tpd: this one and the
@@ -631,31 +724,73 @@ class Limiter:
 
     # -- admission -------------------------------------------------------------------
 
+    def try_admit(self, tenant: Tenant, tokens: int) -> Reservation | None:
+        """``admit`` where it is decided here, with no I/O and no await: a tenant with no
+        limits, a request its allotment covers, or limits counted on this replica alone
+        (no Redis, or Redis down). None: Redis has to say (``await admit``). Raises
+        RateLimited as ``admit`` does."""
+        if not tenant.limited:  # nothing to count: no Redis round trip either
+            return Reservation(self, tenant, 0, 0, 0, "", False, [])
+        now = self._clock()
+        need = self._need(tenant, tokens)
+        local = self._local.get(tenant.name)
+        if local is None:
+            local = self._local_of(tenant.name)
+        if self._redis is not None and self._outage.down_since is None:
+            return self._take(tenant, need, now, local)
+        return self._admit_local(tenant, need, now, local, "")
+
     async def admit(self, tenant: Tenant, tokens: int) -> Reservation:
         """Count a request needing about ``tokens`` against ``tenant``'s limits, or raise
         RateLimited saying which limit and when it frees."""
         now = self._clock()
         if not tenant.limited:  # nothing to count: no Redis round trip either
-            return Reservation(self, tenant, 0, 0, 0, "", False, {})
+            return Reservation(self, tenant, 0, 0, 0, "", False, [])
+        need = self._need(tenant, tokens)
+        local = self._local_of(tenant.name)
+        if not self.shared:
+            return self._admit_local(tenant, need, now, local, "")
+        taken = self._take(tenant, need, now, local)
+        if taken is not None:  # from this replica's allotment: no I/O
+            return taken
+        self._admitted += 1
+        member = f"{self.id}-{self._admitted}"  # unique across replicas
+        check, member = await self._admit_shared(tenant, need, now, member)
+        if check is None:  # Redis failed just now
+            return self._admit_local(tenant, need, now, local, member)
+        return self._admitted_by(tenant, need, now, local, member, True, check, 1.0)
+
+    @staticmethod
+    def _need(tenant: Tenant, tokens: int) -> int:
         need = tokens if tenant.counts_tokens else 0
         if tenant.tokens_per_minute:
             need = min(need, tenant.tokens_per_minute)
         if tenant.tokens_per_day:
             need = min(need, tenant.tokens_per_day)
-        local = self._local_of(tenant.name)
-        if self.shared:
-            taken = self._take(tenant, need, now, local)
-            if taken is not None:  # from this replica's allotment: no I/O
-                return taken
-        self._admitted += 1
-        member = f"{self.id}-{self._admitted}"  # unique across replicas
-        check: Check | None = None
-        if self.shared:
-            check, member = await self._admit_shared(tenant, need, now, member)
-        shared, share = check is not None, 1.0
-        if check is None:  # no Redis, or it failed just now
-            share = self.share
-            check = decide(tenant, local.counts(now), need, now, share)
+        return need
+
+    def _admit_local(
+        self, tenant: Tenant, need: int, now: float, local: _Local, member: str
+    ) -> Reservation:
+        """Admission from this replica's own counts, at its share of each limit."""
+        if not member:
+            self._admitted += 1
+            member = f"{self.id}-{self._admitted}"  # unique across replicas
+        share = self.share
+        check = decide(tenant, local.counts(now), need, now, share)
+        return self._admitted_by(tenant, need, now, local, member, False, check, share)
+
+    def _admitted_by(
+        self,
+        tenant: Tenant,
+        need: int,
+        now: float,
+        local: _Local,
+        member: str,
+        shared: bool,
+        check: Check,
+        share: float,
+    ) -> Reservation:
         if check.refused:
             what = WHAT[check.refused]
             limit = getattr(tenant, check.refused)
@@ -669,7 +804,7 @@ class Limiter:
         self._count(local, need, now)
         reservation = Reservation(
             self, tenant, need, int(now // MINUTE_S), int(now // DAY_S), member, shared,
-            check.headers,
+            list(check.headers.items()), local=local,
         )  # fmt: skip
         self._live.add(reservation)
         return reservation
@@ -688,11 +823,14 @@ class Limiter:
         a = self._allots.get(tenant.name)
         if a is None:
             return None
-        minute, day = int(now // MINUTE_S), int(now // DAY_S)
+        minute = int(now // MINUTE_S)
+        day = int(now // DAY_S)
         if minute != a.minute or day != a.day:
             self._roll(tenant.name, a, minute, day)
         least = need if need > 0 else 1
-        rpm, tpm, tpd = tenant.requests_per_minute, tenant.tokens_per_minute, tenant.tokens_per_day
+        rpm = tenant.requests_per_minute
+        tpm = tenant.tokens_per_minute
+        tpd = tenant.tokens_per_day
         if (
             (rpm and a.r < 1)
             or (tpm and a.t < least)
@@ -710,16 +848,16 @@ class Limiter:
         if tpd:
             a.d -= need
         a.used_at = now
-        found: dict[str, str] = {}
-        if rpm or tpm:
-            counts = Counts((a.rp, a.rc), (a.tp, a.tc), (0.0, 0.0), 0)
-            found = headers(tenant, counts, need, (now % MINUTE_S) / MINUTE_S, 1.0, True)
+        # The headers are built from these counts when a response is written.
+        reservation = Reservation(
+            self, tenant, need, minute, day, member, True, None if rpm or tpm else [],
+            a.rp, a.rc, a.tp, a.tc, (now % MINUTE_S) / MINUTE_S, local,
+        )  # fmt: skip
         a.rc += 1
         a.tc += need
         self._count(local, need, now)
         if not a.asking and a.low():
             self._ask(tenant, a, need, now, minute, day)
-        reservation = Reservation(self, tenant, need, minute, day, member, True, found)
         self._live.add(reservation)
         return reservation
 
@@ -927,9 +1065,12 @@ class Limiter:
         if not t.limited:
             return
         self._live.discard(r)
-        local = self._local_of(t.name)
+        local = r._local
+        if local is None:
+            local = self._local_of(t.name)
         local.roll(self._clock())
-        local.concurrent = max(0, local.concurrent - 1)
+        if local.concurrent > 0:
+            local.concurrent -= 1
         if difference:
             local.tpm.add(r.minute, difference)
             local.tpd.add(r.day, difference)
@@ -939,10 +1080,11 @@ class Limiter:
         d_d = difference if t.tokens_per_day else 0
         member = r.member if t.max_concurrent else ""
         a = self._allots.get(t.name)
-        if a is not None and not self._outage.down:
+        if a is not None and self._outage.down_since is None:
             # Into the allotment where its window is the reservation's: no Redis call.
             if d_t and a.minute == r.minute:
-                a.tc = max(0.0, a.tc + d_t)  # for the headers
+                tc = a.tc + d_t  # for the headers
+                a.tc = tc if tc > 0.0 else 0.0
             if d_t and a.want_t and a.minute == r.minute:
                 a.t, d_t = _credit(a.t, a.want_t, d_t)
             if d_d and a.want_d and a.day == r.day:
@@ -996,8 +1138,10 @@ class Limiter:
             for op in ops:
                 keys += op.keys
                 args.append(op.arg)
+            self.calls += 1
             try:
-                out = await self._call(keys, args)
+                call = self._script_call
+                out = await (self._call(keys, args) if call is None else call(keys, args))
             except asyncio.CancelledError:
                 for op in ops:
                     if op.asked and op.allot is not None:

@@ -60,6 +60,13 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+# A tenant's fields (its __slots__: a compiled class has no such attribute to read).
+TENANT_FIELDS = (
+    "counts_tokens", "key_hashes", "limited", "max_concurrent", "models", "name", "priority",
+    "requests_per_minute", "tokens_per_day", "tokens_per_minute",
+)  # fmt: skip
+
+
 class Tenant:
     """One tenant. (A plain class: it is read on every request.)"""
 
@@ -122,7 +129,7 @@ class Tenant:
         return asked if rank > RANK[self.priority] else self.priority
 
     def same_as(self, other: Tenant) -> bool:
-        return all(getattr(self, f) == getattr(other, f) for f in self.__slots__)
+        return all(getattr(self, f) == getattr(other, f) for f in TENANT_FIELDS)
 
     def __repr__(self) -> str:
         return f"Tenant({self.name!r}, {self.priority})"
@@ -382,8 +389,8 @@ class TenantSource:
                 continue  # deleted between the scan and the read
             try:
                 raw = json.loads(value)
-            except ValueError as exc:
-                raise TenantsError(f"Redis {key}: not a JSON object: {exc}") from exc
+            except ValueError as bad:
+                raise TenantsError(f"Redis {key}: not a JSON object: {bad}") from bad
             tenant = tenant_from(raw, f"Redis {key}")
             if not key.endswith(f":{tenant.name}"):
                 raise TenantsError(f"Redis {key}: holds tenant {tenant.name}")
@@ -399,5 +406,5 @@ def _read_file(path: Path) -> tuple[tuple[int, int, int] | None, str]:
         return signature, path.read_text()
     except OSError as exc:
         raise TenantsError(f"{path}: cannot read: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise TenantsError(f"{path}: not UTF-8 text: {exc}") from exc
+    except UnicodeDecodeError as bad:
+        raise TenantsError(f"{path}: not UTF-8 text: {bad}") from bad

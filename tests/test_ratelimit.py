@@ -319,14 +319,7 @@ async def test_many_requests_at_once_share_few_round_trips(cluster: str) -> None
     clock = Clock()
     a = shared_limiter(cluster, clock)
     t = tenant(requests_per_minute=10_000, tokens_per_minute=10**9, max_concurrent=10_000)
-    sent: list[int] = []
-    call = a._call
-
-    async def counting(keys: list[str], args: list[str]) -> object:
-        sent.append(1)
-        return await call(keys, args)
-
-    a._call = counting  # type: ignore[method-assign]
+    sent = counting_calls(a)
     try:
         held = await asyncio.gather(*(a.admit(t, 10) for _ in range(300)))
         assert all(r.shared for r in held) and a.shared
@@ -384,13 +377,12 @@ async def test_a_batch_that_fails_unexpectedly_leaves_no_admission_waiting(
     """Whatever goes wrong in a batch, its admissions are answered (from the replica's
     own counts, as with Redis down), never left waiting."""
     clock = Clock()
-    a = shared_limiter(cluster, clock)
-    t = tenant(requests_per_minute=10)
 
     async def broken(keys: list[str], args: list[str]) -> object:
         raise ValueError("a reply of an unexpected shape")
 
-    a._call = broken  # type: ignore[method-assign]
+    a = shared_limiter(cluster, clock, script_call=broken)
+    t = tenant(requests_per_minute=10)
     try:
         async with asyncio.timeout(5):
             r = await a.admit(t, 0)
@@ -403,17 +395,19 @@ async def test_a_batch_that_fails_unexpectedly_leaves_no_admission_waiting(
 # -- allotments ----------------------------------------------------------------------
 
 
-def counting_calls(limiter: Limiter) -> list[int]:
-    """Counts the limiter's script calls to Redis (its round trips)."""
-    sent: list[int] = []
-    call = limiter._call
+class Calls:
+    """The limiter's script calls to Redis (its round trips) since it was made: len()."""
 
-    async def counting(keys: list[str], args: list[str]) -> object:
-        sent.append(1)
-        return await call(keys, args)
+    def __init__(self, limiter: Limiter):
+        self.limiter = limiter
+        self.before = limiter.calls
 
-    limiter._call = counting  # type: ignore[method-assign]
-    return sent
+    def __len__(self) -> int:
+        return self.limiter.calls - self.before
+
+
+def counting_calls(limiter: Limiter) -> Calls:
+    return Calls(limiter)
 
 
 async def redis_counts(limiter: Limiter, minute: int = int(T0 // 60)) -> list[int]:
@@ -630,13 +624,12 @@ async def test_an_answer_of_an_unexpected_shape_leaves_no_admission_waiting(
     cluster: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = Clock()
-    a = shared_limiter(cluster, clock)
-    t = tenant(requests_per_minute=1600)
 
     async def odd(keys: list[str], args: list[str]) -> object:
         return ["1", "1,0"]  # an admission's answer cut short
 
-    a._call = odd  # type: ignore[method-assign]
+    a = shared_limiter(cluster, clock, script_call=odd)
+    t = tenant(requests_per_minute=1600)
     try:
         async with asyncio.timeout(5):
             r = await a.admit(t, 0)

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from proxy.errors import Forbidden, InvalidRequest, Unauthenticated
 from proxy.tenants import (
     MAX_KNOWN_KEYS,
+    TENANT_FIELDS,
     Tenant,
     Tenants,
     TenantsError,
@@ -98,6 +99,8 @@ def test_a_tenants_flags_follow_its_limits() -> None:
     assert Tenant("c", tokens_per_day=5).limited and Tenant("c", tokens_per_day=5).counts_tokens
     assert Tenant("d", requests_per_minute=1).same_as(Tenant("d", requests_per_minute=1))
     assert not Tenant("d", requests_per_minute=1).same_as(Tenant("d", tokens_per_minute=1))
+    # same_as compares every field (a compiled class has no __slots__ to read them from)
+    assert set(getattr(Tenant, "__slots__", TENANT_FIELDS)) == set(TENANT_FIELDS)
 
 
 def test_flat_api_keys_are_tenant_default() -> None:

@@ -418,7 +418,7 @@ class HttpJob:
         headers[REQUEST_ID_HEADER] = self._ctx.request_id
         admission = self._ctx.admission
         if admission is not None:
-            headers.update(admission.headers)  # x-ratelimit-* of a limited tenant
+            headers.update(admission.header_pairs())  # x-ratelimit-* of a limited tenant
         return headers
 
     # -- streams ---------------------------------------------------------------------------

@@ -693,8 +693,9 @@ async def admit(
     """The tenant's admission of a call; a limited tenant's x-ratelimit-* go out as
     initial metadata."""
     admission = await tenancy.admit_grpc(request, ctx.authorization, ctx.priority)
-    if admission.headers:
-        await context.send_initial_metadata(tuple(admission.headers.items()))
+    pairs = admission.header_pairs()
+    if pairs:
+        await context.send_initial_metadata(tuple(pairs))
     return admission
 
 

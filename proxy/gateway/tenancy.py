@@ -148,7 +148,7 @@ class Usage:
 class Admission:
     """One admitted request of a tenant."""
 
-    __slots__ = ("_gate", "cost", "finished", "headers", "label", "model", "priority", "prompt",
+    __slots__ = ("_gate", "cost", "finished", "label", "model", "priority", "prompt",
                  "request", "reservation", "started", "tenant", "usage")  # fmt: skip
 
     def __init__(
@@ -170,13 +170,22 @@ class Admission:
         self.prompt = prompt  # estimated prompt tokens
         self.cost = cost  # estimated tokens in all (prompt and completion)
         self.reservation = reservation
-        self.headers: dict[str, str] = reservation.headers
         self.started = started
         self.usage = Usage()
         self.finished = False
         # The request as admission parsed it (a JSON body's dict, a GenerateRequest), for
         # the wire's Want to take (``take_request``) rather than parse the body again.
         self.request: Any = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The x-ratelimit-* headers of a limited tenant's response (none: {})."""
+        return self.reservation.headers  # type: ignore[no-any-return]
+
+    def header_pairs(self) -> list[tuple[str, str]]:
+        """``headers`` as (name, value) pairs, built once: what a response is written
+        with."""
+        return self.reservation.pairs()  # type: ignore[no-any-return]
 
     def take_request(self) -> Any:
         """The parsed request, once (None after, or where admission parsed none)."""
@@ -299,8 +308,12 @@ class TenantGate:
             tenant.check_model(model)
         priority = tenant.priority_for(asked)
         estimate = prompt + (max_tokens or self.estimate_max_tokens)
+        limiter = self.limiter
         try:
-            reservation = await self.limiter.admit(tenant, estimate)
+            # Decided here (no await) unless Redis has to say.
+            reservation = limiter.try_admit(tenant, estimate)
+            if reservation is None:
+                reservation = await limiter.admit(tenant, estimate)
         except RateLimited as limited:
             self.metrics.limited.labels(self.metrics.tenant(tenant.name),
                                         limited.limit).inc()  # fmt: skip
