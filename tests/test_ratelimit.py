@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
@@ -236,7 +237,10 @@ class Cut:
         self._writers = []
 
 
-async def test_redis_lost_mid_run_then_back(cluster: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+async def behind_cut(cluster: str) -> AsyncIterator[tuple[Cut, Limiter, Limiter]]:
+    """Two replicas on one clock: A reaches Redis through a relay the test can cut (and
+    start again on its port), B directly."""
     if not REDIS_URL.startswith("redis://127.0.0.1:6379"):
         pytest.skip("the relay goes to 127.0.0.1:6379")
     relay = Cut()
@@ -244,64 +248,59 @@ async def test_redis_lost_mid_run_then_back(cluster: str, caplog: pytest.LogCapt
     clock = Clock()
     a = shared_limiter(cluster, clock, url=f"redis://127.0.0.1:{relay.port}/0")
     b = shared_limiter(cluster, clock)
-    t = tenant(requests_per_minute=8)
     try:
-        await a.refresh()
-        await b.refresh()
-        await a.refresh()
-        assert (a.replicas, b.replicas) == (2, 2)  # each learnt the other is there
-        for _ in range(2):
-            await a.admit(t, 0)
-        await relay.cut()
-        caplog.set_level(logging.WARNING)
-        # A alone now: 8 / 2 replicas = 4, of which its own 2 requests are counted already
-        for _ in range(2):
-            assert not (await a.admit(t, 0)).shared
-        over = await refused(a, t)
-        assert "this replica's share: 4" in over.message
-        assert "Redis" in caplog.text and "unreachable" in caplog.text
-        # B still shares through Redis: A's two shared requests count, its local two not
-        for _ in range(6):
-            await b.admit(t, 0)
-        await refused(b, t)
-        await relay.start(relay.port)  # Redis is back for A
-        await a.refresh()
-        assert a.shared
-        over = await refused(a, t)  # back on the shared count: 8 of 8
-        assert "share" not in over.message
+        yield relay, a, b
     finally:
         await a._redis.aclose()  # type: ignore[union-attr]
         await b._redis.aclose()  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
             await relay.cut()
+
+
+async def test_redis_lost_mid_run_then_back(
+    behind_cut: tuple[Cut, Limiter, Limiter], caplog: pytest.LogCaptureFixture
+) -> None:
+    relay, a, b = behind_cut
+    t = tenant(requests_per_minute=8)
+    await a.refresh()
+    await b.refresh()
+    await a.refresh()
+    assert (a.replicas, b.replicas) == (2, 2)  # each learnt the other is there
+    for _ in range(2):
+        await a.admit(t, 0)
+    await relay.cut()
+    caplog.set_level(logging.WARNING)
+    # A alone now: 8 / 2 replicas = 4, of which its own 2 requests are counted already
+    for _ in range(2):
+        assert not (await a.admit(t, 0)).shared
+    over = await refused(a, t)
+    assert "this replica's share: 4" in over.message
+    assert "Redis" in caplog.text and "unreachable" in caplog.text
+    # B still shares through Redis: A's two shared requests count, its local two not
+    for _ in range(6):
+        await b.admit(t, 0)
+    await refused(b, t)
+    await relay.start(relay.port)  # Redis is back for A
+    await a.refresh()
+    assert a.shared
+    over = await refused(a, t)  # back on the shared count: 8 of 8
+    assert "share" not in over.message
 
 
 async def test_a_slot_freed_while_redis_was_away_is_freed_there_when_it_is_back(
-    cluster: str,
+    behind_cut: tuple[Cut, Limiter, Limiter],
 ) -> None:
-    if not REDIS_URL.startswith("redis://127.0.0.1:6379"):
-        pytest.skip("the relay goes to 127.0.0.1:6379")
-    relay = Cut()
-    await relay.start()
-    clock = Clock()
-    a = shared_limiter(cluster, clock, url=f"redis://127.0.0.1:{relay.port}/0")
-    b = shared_limiter(cluster, clock)
+    relay, a, b = behind_cut
     t = tenant(max_concurrent=1)
-    try:
-        held = await a.admit(t, 0)
-        assert held.shared
-        await relay.cut()
-        await a.refresh()  # finds Redis gone
-        held.settle(0)  # the request ends while A cannot tell Redis
-        await refused(b, t)  # Redis still counts A's request in flight
-        await relay.start(relay.port)
-        await a.refresh()  # back: the settlement goes out
-        await b.admit(t, 0)
-    finally:
-        await a._redis.aclose()  # type: ignore[union-attr]
-        await b._redis.aclose()  # type: ignore[union-attr]
-        with contextlib.suppress(Exception):
-            await relay.cut()
+    held = await a.admit(t, 0)
+    assert held.shared
+    await relay.cut()
+    await a.refresh()  # finds Redis gone
+    held.settle(0)  # the request ends while A cannot tell Redis
+    await refused(b, t)  # Redis still counts A's request in flight
+    await relay.start(relay.port)
+    await a.refresh()  # back: the settlement goes out
+    await b.admit(t, 0)
 
 
 async def test_without_redis_each_of_n_replicas_enforces_its_share() -> None:
@@ -581,43 +580,31 @@ async def test_concurrency_slots_held_by_a_replica(cluster: str) -> None:
 
 
 async def test_an_allotment_is_not_spent_while_redis_is_away_and_goes_back_after(
-    cluster: str, caplog: pytest.LogCaptureFixture
+    behind_cut: tuple[Cut, Limiter, Limiter], caplog: pytest.LogCaptureFixture
 ) -> None:
-    if not REDIS_URL.startswith("redis://127.0.0.1:6379"):
-        pytest.skip("the relay goes to 127.0.0.1:6379")
-    relay = Cut()
-    await relay.start()
-    clock = Clock()
-    a = shared_limiter(cluster, clock, url=f"redis://127.0.0.1:{relay.port}/0")
-    b = shared_limiter(cluster, clock)
+    relay, a, b = behind_cut
     t = tenant(requests_per_minute=640)
-    try:
-        for x in (a, b, a):
-            await x.refresh()
-        first = await a.admit(t, 0)
-        assert first.shared and a.allotment("acme")[0] == 20  # 640 / (2 replicas x 16)
-        await relay.cut()
-        await a.refresh()  # finds Redis gone
-        assert not a.shared and a.allotment("acme") == (0, 0, 0, 0)
-        admitted = 1
-        with pytest.raises(RateLimited) as over:
-            for _ in range(400):
-                assert not (await a.admit(t, 0)).shared
-                admitted += 1
-        assert admitted == 320 and "this replica's share: 320" in over.value.message
-        # Redis still counts what A held: B cannot take it while A is away
-        assert (await redis_counts(b))[0] == 21
-        await relay.start(relay.port)
-        await a.refresh()  # back: the allotment goes back to Redis
-        assert a.shared
-        assert (await redis_counts(b))[0] == 1
-        (await a.admit(t, 0)).settle(0)  # shared again, with a new allotment
-        assert a.allotment("acme")[0] > 0
-    finally:
-        await a._redis.aclose()  # type: ignore[union-attr]
-        await b._redis.aclose()  # type: ignore[union-attr]
-        with contextlib.suppress(Exception):
-            await relay.cut()
+    for x in (a, b, a):
+        await x.refresh()
+    first = await a.admit(t, 0)
+    assert first.shared and a.allotment("acme")[0] == 20  # 640 / (2 replicas x 16)
+    await relay.cut()
+    await a.refresh()  # finds Redis gone
+    assert not a.shared and a.allotment("acme") == (0, 0, 0, 0)
+    admitted = 1
+    with pytest.raises(RateLimited) as over:
+        for _ in range(400):
+            assert not (await a.admit(t, 0)).shared
+            admitted += 1
+    assert admitted == 320 and "this replica's share: 320" in over.value.message
+    # Redis still counts what A held: B cannot take it while A is away
+    assert (await redis_counts(b))[0] == 21
+    await relay.start(relay.port)
+    await a.refresh()  # back: the allotment goes back to Redis
+    assert a.shared
+    assert (await redis_counts(b))[0] == 1
+    (await a.admit(t, 0)).settle(0)  # shared again, with a new allotment
+    assert a.allotment("acme")[0] > 0
 
 
 async def test_an_answer_of_an_unexpected_shape_leaves_no_admission_waiting(
