@@ -324,6 +324,29 @@ async def test_a_full_unit_takes_a_higher_class_over_capacity_and_never_batch() 
     assert r.waiting == 0
 
 
+async def test_requests_ended_since_the_report_may_have_been_its_lower_classes() -> None:
+    # The unit reported itself full of batch work, all of it this gateway's; the batch
+    # requests end before its next report (reports are coalesced). Standard requests take
+    # the freed slots, but a fifth must not go over capacity on the report's batch count:
+    # the unit, with no batch left, would refuse it with a 429 unit_at_capacity.
+    r = router("a")
+    report(r, "a", 0, capacity=4)
+    batch = [await asyncio.wait_for(r.acquire(want=want("bulk", "batch")), 1) for _ in range(4)]
+    full(r, "a", standard=0, batch=4, seq=3)
+    for unit in batch:
+        r.release(unit, Outcome.OK)
+    for _ in range(4):
+        assert (await asyncio.wait_for(r.acquire(want=want("s", "standard")), 1)).id == "a"
+    fifth = asyncio.create_task(r.acquire(want=want("s", "standard")))
+    await settle()
+    assert not fifth.done() and r.waiting == 1, "no batch left to take a slot from: it waits"
+    full(r, "a", standard=4, batch=0, seq=4)
+    await settle()
+    assert not fifth.done(), "the unit's next report says the same"
+    fifth.cancel()
+    await settle()
+
+
 async def test_no_allowance_past_what_the_lower_classes_hold_or_without_tenants() -> None:
     r = router("a")
     full(r, "a", standard=0, batch=1, headroom=4)

@@ -100,7 +100,8 @@ class Unit:
         (0 interactive, 1 standard) over its capacity, as its sidecar admits it: within
         the priority_headroom it reports, while the requests of that class and above
         (those outstanding less the lower classes' by its last report) number fewer than
-        its capacity, so that its engine gives it a lower class's slot. A unit without
+        its capacity, so that its engine gives it a lower class's slot (every request
+        that ended there since the report counted as one of those). A unit without
         server.resume_secret reports no outstanding_standard: it grants interactive as
         standard, and only batch is below it."""
         report = self.report
@@ -113,6 +114,10 @@ class Unit:
         lower = named.get(OUTSTANDING_BATCH, 0.0)
         if rank == 0:
             lower += named.get(OUTSTANDING_STANDARD, 0.0)
+        # Those lower-class requests as of the report: any request that ended since may
+        # have been one of them (by their count alone this gateway would send a request
+        # over capacity that the unit, its lower classes gone, refuses with a 429).
+        lower -= self.finished_since_report
         return estimate - lower < capacity
 
     def metric(self, name: str, default: float = -1.0) -> float:
