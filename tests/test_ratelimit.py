@@ -370,23 +370,33 @@ async def test_an_admission_cancelled_on_its_way_gives_its_slot_back(cluster: st
         await b._redis.aclose()  # type: ignore[union-attr]
 
 
-async def test_a_batch_that_fails_unexpectedly_leaves_no_admission_waiting(
-    cluster: str, caplog: pytest.LogCaptureFixture
+async def broken_call(keys: list[str], args: list[str]) -> object:
+    raise ValueError("a reply of an unexpected shape")
+
+
+async def short_answer(keys: list[str], args: list[str]) -> object:
+    return ["1", "1,0"]  # an admission's answer cut short
+
+
+@pytest.mark.parametrize(
+    ("script_call", "limit", "logged"),
+    [
+        (broken_call, 10, "the batch to Redis failed"),
+        (short_answer, 1600, "an answer from Redis of an unexpected shape"),  # allotments
+    ],
+)
+async def test_a_batch_that_goes_wrong_leaves_no_admission_waiting(
+    cluster: str, caplog: pytest.LogCaptureFixture, script_call: object, limit: int, logged: str
 ) -> None:
     """Whatever goes wrong in a batch, its admissions are answered (from the replica's
     own counts, as with Redis down), never left waiting."""
-    clock = Clock()
-
-    async def broken(keys: list[str], args: list[str]) -> object:
-        raise ValueError("a reply of an unexpected shape")
-
-    a = shared_limiter(cluster, clock, script_call=broken)
-    t = tenant(requests_per_minute=10)
+    a = shared_limiter(cluster, Clock(), script_call=script_call)
+    t = tenant(requests_per_minute=limit)
     try:
         async with asyncio.timeout(5):
             r = await a.admit(t, 0)
         assert not r.shared and not a.shared
-        assert "the batch to Redis failed" in caplog.text
+        assert logged in caplog.text
     finally:
         await a._redis.aclose()  # type: ignore[union-attr]
 
@@ -605,22 +615,3 @@ async def test_an_allotment_is_not_spent_while_redis_is_away_and_goes_back_after
     assert (await redis_counts(b))[0] == 1
     (await a.admit(t, 0)).settle(0)  # shared again, with a new allotment
     assert a.allotment("acme")[0] > 0
-
-
-async def test_an_answer_of_an_unexpected_shape_leaves_no_admission_waiting(
-    cluster: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    clock = Clock()
-
-    async def odd(keys: list[str], args: list[str]) -> object:
-        return ["1", "1,0"]  # an admission's answer cut short
-
-    a = shared_limiter(cluster, clock, script_call=odd)
-    t = tenant(requests_per_minute=1600)
-    try:
-        async with asyncio.timeout(5):
-            r = await a.admit(t, 0)
-        assert not r.shared and not a.shared
-        assert "an answer from Redis of an unexpected shape" in caplog.text
-    finally:
-        await a._redis.aclose()  # type: ignore[union-attr]
