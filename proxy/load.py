@@ -46,6 +46,20 @@ PRIORITY_HEADROOM = "priority_headroom"
 OUTSTANDING_STANDARD = "outstanding_standard"
 OUTSTANDING_BATCH = "outstanding_batch"
 
+# A gateway's name for itself (random per process), on each request it sends a unit and
+# in its watch of the unit's reports: the reports to it count its requests apart
+# (``LoadReport.watcher_outstanding``).
+GATEWAY_HEADER = "x-unitproxy-gateway"
+MAX_GATEWAY_NAME = 64
+
+
+def gateway_name(value: object) -> str | None:
+    """A gateway's name as given (a header, metadata, a query), None where there is
+    none or it is no name (not text, empty or over MAX_GATEWAY_NAME characters)."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_GATEWAY_NAME:
+        return value
+    return None
+
 
 def named_metrics(given: Mapping[str, Any]) -> dict[str, float]:
     """What of ``given`` a report carries as named metrics: names of 1 to
@@ -230,6 +244,9 @@ class LoadReport:
     named_metrics: dict[str, float] = field(default_factory=dict, hash=False)
     # The prefix blocks the engine holds (None: its engine does not tell).
     prefix_blocks: PrefixBlocks | None = None
+    # Of outstanding, the requests of the watcher this report goes to, as it named
+    # itself (WatchLoadRequest.watcher); -1: not counted apart.
+    watcher_outstanding: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         # Field by field, not asdict: asdict deep-copies every block number of
@@ -266,6 +283,7 @@ class LoadReport:
             prefix_cache_resets=self.prefix_cache_resets,
             named_metrics=self.named_metrics,
             prefix_blocks=None if self.prefix_blocks is None else self.prefix_blocks.to_pb(),
+            watcher_outstanding=None if self.watcher_outstanding < 0 else self.watcher_outstanding,
         )
 
     @classmethod
@@ -294,6 +312,9 @@ class LoadReport:
             named_metrics=named_metrics(msg.named_metrics) if msg.named_metrics else {},
             prefix_blocks=(
                 PrefixBlocks.from_pb(msg.prefix_blocks) if msg.HasField("prefix_blocks") else None
+            ),
+            watcher_outstanding=(
+                msg.watcher_outstanding if msg.HasField("watcher_outstanding") else -1
             ),
         )
 

@@ -594,7 +594,7 @@ class GatewaySettings(_Section):
     )
     correct_load: bool = Field(
         True,
-        description="Correct each unit's last report by this gateway's own starts and finishes since. Off only in benchmarks. Default true.",
+        description="Correct each unit's last report by this gateway's own requests: its own in flight in place of the report's count of them (where the report counts them apart), else its starts and finishes since the report. Off only in benchmarks. Default true.",
     )
     tenants_file: Path | None = Field(
         None,

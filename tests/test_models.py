@@ -128,13 +128,6 @@ async def test_policy_prefix_sends_a_conversation_back_to_its_unit(
             seen.append(resp.headers["x-unitproxy-unit"])
             answer = (await resp.json())["choices"][0]["message"]["content"]
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}]
-        # The next turn once the units have reported this one over: a report sent before
-        # it ended, arriving after, would show its unit busy to the load bound.
-        await wait_until(
-            lambda: all(u.report is not None and u.report.outstanding == 0
-                        for u in gw.router.units.values()),
-            what="every unit reports itself idle",
-        )  # fmt: skip
     assert len(set(seen)) == 1, seen
     unit = next(u for u in units if u.core.unit_id == seen[0])
     assert unit.engine.stats().prefix_cache_hit_rate > 0.5

@@ -129,6 +129,7 @@ def every_field_set() -> LoadReport:
         nodes=(NodeStatus("n0", "leader", "h:3", False, "down", 99),),
         named_metrics={"queue_wait_s": 0.125},
         prefix_blocks=PrefixBlocks(7, 3, 5, False, (1, 2**64 - 1), (4,), 256),
+        watcher_outstanding=2,
     )  # fmt: skip
     blank = LoadReport("", UnitState.STARTING, 0, 0)
     for f in dataclasses.fields(LoadReport):

@@ -29,7 +29,9 @@ class Unit1:
         self.state = UnitState.SERVING
         self.seq = 0
 
-    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport:
+    def report(
+        self, blocks_since: tuple[int, int] | None = None, watcher: str | None = None
+    ) -> LoadReport:
         self.seq += 1
         return LoadReport("u1", self.state, self.seq % 7, 8, seq=self.seq)
 

@@ -101,7 +101,9 @@ class Idle:
     def __init__(self) -> None:
         self.health = _Health()
 
-    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport:
+    def report(
+        self, blocks_since: tuple[int, int] | None = None, watcher: str | None = None
+    ) -> LoadReport:
         return LoadReport("u", UnitState.SERVING, 0, 8)
 
 

@@ -132,7 +132,9 @@ class EmulatedUnit:
         if self.fleet.changed is not None:
             self.fleet.changed.add(self.index)
 
-    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport:
+    def report(
+        self, blocks_since: tuple[int, int] | None = None, watcher: str | None = None
+    ) -> LoadReport:
         self._seq += 1
         f, i = self.fleet, self.index
         now = f.clock()

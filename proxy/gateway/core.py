@@ -232,6 +232,7 @@ class GatewayCore:
         settings: GatewaySettings,
     ):
         self._router = router
+        self.name = router.name  # on every attempt: the units count its requests apart
         # Whether the policy learns from answers: the wires then count stream events.
         self.learns = router.learns
         self._metrics = metrics

@@ -176,7 +176,7 @@ class Forwarder:
         headers and the gateway's own), and a JSON content type where the client named
         none. ``usage``: a stream's usage is asked for (the tenant's accounting, a
         sampled request's span)."""
-        headers = unit_fields(ctx, self._unit_auth, self.resume_key)
+        headers = unit_fields(ctx, self._unit_auth, self.resume_key, self.core.name)
         if "content-type" not in headers:
             headers["content-type"] = "application/json"
         if usage:

@@ -371,7 +371,7 @@ class GrpcJob:
         """What an attempt sends the unit: the client's metadata by HTTP's rule, less
         what gRPC reserves, and the gateway's own (``request.unit_fields``)."""
         proxy = self._proxy
-        return unit_fields(self._ctx, proxy.unit_auth, proxy.resume_key, grpc=True)
+        return unit_fields(self._ctx, proxy.unit_auth, proxy.resume_key, proxy.core.name, grpc=True)
 
     async def _attempt_grpc(self, unit: Unit, request: bytes, hint: str | None) -> Tried:
         fields = self._fields()

@@ -98,7 +98,9 @@ class WatchSource(LoadSource):
     async def _hold(self, unit: Unit, stub: load_pb2_grpc.LoadReportingStub) -> bool:
         rates = self._rates
         asked = load_pb2.WatchLoadRequest(
-            min_interval_ms=rates.min_interval_ms, heartbeat_ms=rates.heartbeat_ms
+            min_interval_ms=rates.min_interval_ms,
+            heartbeat_ms=rates.heartbeat_ms,
+            watcher=self._router.name,
         )
         call = stub.WatchLoad(asked)
         received = False
@@ -126,10 +128,10 @@ class HttpWatchSource(LoadSource):
         self._pool_for = pool_for
         self._quiet_s = quiet_s  # no report (heartbeats included) for this long: reconnect
         rates = self._rates
-        self._path = (
-            f"/load/watch?min_interval_ms={rates.min_interval_ms}&heartbeat_ms={rates.heartbeat_ms}"
+        self._path = f"/load/watch?watcher={router.name}" + (
+            f"&min_interval_ms={rates.min_interval_ms}&heartbeat_ms={rates.heartbeat_ms}"
             if rates.min_interval_s or rates.heartbeat_s
-            else "/load/watch"
+            else ""
         )
 
     async def run(self, unit: Unit) -> None:
@@ -253,8 +255,8 @@ class PollSource(LoadSource):
         # The prefix blocks' changes since the last report read (the whole set first,
         # and whenever the unit no longer has those changes).
         since = self._blocks.get(unit.id)
-        path = (
-            "/load" if since is None else f"/load?blocks_epoch={since[0]}&blocks_since={since[1]}"
+        path = f"/load?watcher={self._router.name}" + (
+            "" if since is None else f"&blocks_epoch={since[0]}&blocks_since={since[1]}"
         )
         async with asyncio.timeout(self._interval_s):
             conn = await pool.request(b"GET", path, {})

@@ -32,6 +32,7 @@ from proxy.httputil import (
     new_request_id,
     timeout_s,
 )
+from proxy.load import GATEWAY_HEADER
 from proxy.pb.unitproxy.v1 import inference_pb2
 from proxy.resume import HintKey
 from proxy.tenants import PRIORITIES, PRIORITY_HEADER, PRIORITY_SIG_HEADER, RANK
@@ -237,16 +238,23 @@ def grpc_reserved(name: str) -> bool:
 
 
 def unit_fields(
-    ctx: Context, unit_auth: str | None, key: HintKey | None, grpc: bool = False
+    ctx: Context,
+    unit_auth: str | None,
+    key: HintKey | None,
+    gateway: str | None = None,
+    grpc: bool = False,
 ) -> dict[str, str]:
     """What an attempt sends the unit, the same on both wires (HTTP headers; gRPC
     metadata, ``grpc``): the client's end-to-end fields as they came (``passed``), and
     the gateway's own: the request id, the authorization (``unit_auth``, the unit key,
     else the client's), with tenants the class it settled on (interactive with the
     signature of ``key``: the unit grants interactive only to what a gateway signed),
-    and when it traces, its trace context naming the attempt's span."""
+    the gateway's name (``gateway``: the unit's reports to it count its requests
+    apart), and when it traces, its trace context naming the attempt's span."""
     fields = passed(ctx.headers, ctx.trace is not None, grpc)
     fields[REQUEST_ID_HEADER] = ctx.request_id
+    if gateway is not None:
+        fields[GATEWAY_HEADER] = gateway
     authorization = unit_auth or ctx.authorization
     if authorization:
         fields["authorization"] = authorization

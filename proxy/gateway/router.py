@@ -16,6 +16,7 @@ import asyncio
 import logging
 import math
 import random
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -66,6 +67,9 @@ class Router:
         metrics: GatewayMetrics | None = None,
     ):
         self.settings = settings
+        # This gateway's name to its units, random per router: on its requests and in its
+        # watch of their reports, which then count its requests apart (Unit.estimate).
+        self.name = secrets.token_hex(8)
         # What the router observes it records here itself (None: a registry of its own).
         self.metrics = metrics or GatewayMetrics(CollectorRegistry())
         self.units: dict[str, Unit] = {}

@@ -147,11 +147,23 @@ class Unit:
         return -1.0 if math.isinf(self.report_at) else age_at - self.report_at
 
     def estimate(self) -> int:
-        """Outstanding requests now: the last report, corrected by what this gateway
-        started and finished there since, and never below this gateway's own in-flight
-        count (so a stale report cannot make every request herd onto this unit)."""
-        reported = self.report.outstanding if self.report else 0
-        return max(reported + self.started_since_report - self.finished_since_report, self.inflight)
+        """Outstanding requests now. Where the report counts this gateway's requests
+        apart (its watch named the gateway): the others' by the report, and this
+        gateway's own in flight, which it always knows, whatever the report's flight
+        (one sent before a request of its ended, arriving after, does not count it).
+        Otherwise the last report, corrected by what this gateway started and finished
+        there since, and never below its own in-flight count (so a stale report cannot
+        make every request herd onto this unit)."""
+        report = self.report
+        if report is None:
+            return self.inflight
+        own = report.watcher_outstanding
+        if own >= 0:
+            return max(report.outstanding - own, 0) + self.inflight
+        return max(
+            report.outstanding + self.started_since_report - self.finished_since_report,
+            self.inflight,
+        )
 
     def serving(self, now: float, stale_after_s: float, age_at: float | None = None) -> bool:
         """SERVING by a fresh report and not ejected: it could take work if it had room.

@@ -93,12 +93,19 @@ def with_priority(request: EngineRequest, priority: int) -> EngineRequest:
 class Lease:
     """One admitted request; ``release`` takes it off the outstanding count once."""
 
-    __slots__ = ("_core", "admitted_at", "failure", "priority", "released", "trace")
+    __slots__ = ("_core", "admitted_at", "failure", "gateway", "priority", "released", "trace")
 
-    def __init__(self, core: SidecarCore, admitted_at: float, priority: int = STANDARD):
+    def __init__(
+        self,
+        core: SidecarCore,
+        admitted_at: float,
+        priority: int = STANDARD,
+        gateway: str | None = None,
+    ):
         self._core = core
         self.admitted_at = admitted_at
         self.priority = priority  # its engine priority (PRIORITY_RANK)
+        self.gateway = gateway  # the gateway that sent it, as it names itself
         self.released = False
         self.failure: UnitFailed | None = None  # set by let_go: why the unit dropped it
         self.trace: Trace | None = None  # its spans, with tracing on
@@ -106,7 +113,7 @@ class Lease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._core._release(self.priority)
+            self._core._release(self.priority, self.gateway)
 
 
 class SidecarCore:
@@ -136,6 +143,9 @@ class SidecarCore:
         self._headroom = priority_headroom
         self.outstanding = 0
         self._by_priority = [0 for _ in PRIORITY_RANK]  # outstanding by engine priority
+        # outstanding by the gateway that sent them (only those with some: at most
+        # ``outstanding`` names), for the reports to each watching gateway
+        self._by_gateway: dict[str, int] = {}
         self.http_url = ""
         self.grpc_target = ""
         self.last_progress_at = clock()
@@ -204,23 +214,26 @@ class SidecarCore:
         trace.root.set("unitproxy.unit", self.unit_id)
         return trace
 
-    def admit(self, priority: int = STANDARD, trace: Trace | None = None) -> Lease:
+    def admit(
+        self, priority: int = STANDARD, trace: Trace | None = None, gateway: str | None = None
+    ) -> Lease:
         """A lease for one request of engine priority ``priority`` (PRIORITY_RANK), or
         Overloaded (429) / Unavailable (503) now; ``trace``: its spans (an admission
-        span, with tracing on).
+        span, with tracing on); ``gateway``: the name the gateway that sent it gave
+        (``gateway_name``), counted apart in the reports to that gateway.
 
         Up to capacity any class; over it, up to ``headroom`` more, a request whose
         class and those above it hold fewer than capacity: the engine gives it the slot
         of a running request of a lower class (which pauses, and resumes when a slot
         frees), rather than keeping it behind work it outranks."""
         if trace is None or not trace.sampled:
-            lease = self._admit(priority)
+            lease = self._admit(priority, gateway)
         else:
             span = trace.start("admission")
             span.set("unitproxy.outstanding", self.outstanding)
             span.set("unitproxy.capacity", self.capacity)
             try:
-                lease = self._admit(priority)
+                lease = self._admit(priority, gateway)
             except (Overloaded, Unavailable) as exc:
                 span.set("error.type", exc.code)
                 span.fail(exc.message)
@@ -230,7 +243,7 @@ class SidecarCore:
         lease.trace = trace
         return lease
 
-    def _admit(self, priority: int) -> Lease:
+    def _admit(self, priority: int, gateway: str | None) -> Lease:
         state = self.health.state
         if state is not UnitState.SERVING:
             raise Unavailable(f"unit {self.unit_id} is {state}", code=state.lower())
@@ -248,13 +261,23 @@ class SidecarCore:
             self.last_progress_at = self._clock()  # the watchdog's clock starts with work
         self.outstanding += 1
         self._by_priority[priority] += 1
+        if gateway is not None:
+            by_gateway = self._by_gateway
+            by_gateway[gateway] = by_gateway.get(gateway, 0) + 1
         self._metrics.outstanding.set(self.outstanding)
         self._changes.notify()
-        return Lease(self, self._clock(), priority)
+        return Lease(self, self._clock(), priority, gateway)
 
-    def _release(self, priority: int) -> None:
+    def _release(self, priority: int, gateway: str | None = None) -> None:
         self.outstanding -= 1
         self._by_priority[priority] -= 1
+        if gateway is not None:
+            by_gateway = self._by_gateway
+            left = by_gateway[gateway] - 1
+            if left:
+                by_gateway[gateway] = left
+            else:
+                del by_gateway[gateway]
         self._metrics.outstanding.set(self.outstanding)
         self._changes.notify()
 
@@ -506,9 +529,12 @@ class SidecarCore:
         self._named[name] = float(value)
         self._changes.notify()
 
-    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport:
+    def report(
+        self, blocks_since: tuple[int, int] | None = None, watcher: str | None = None
+    ) -> LoadReport:
         """The unit's report now. ``blocks_since``: the (epoch, seq) of the prefix blocks
-        the reader holds, for the changes since; None: the whole set."""
+        the reader holds, for the changes since; None: the whole set. ``watcher``: the
+        name of the gateway it goes to, whose outstanding requests it counts apart."""
         self._seq += 1
         stats = self.engine.stats()
         named = joined_metrics(stats.named_metrics, self._named)
@@ -549,6 +575,7 @@ class SidecarCore:
             grpc_target=self.grpc_target,
             named_metrics=named,
             prefix_blocks=blocks,
+            watcher_outstanding=-1 if watcher is None else self._by_gateway.get(watcher, 0),
         )
 
 

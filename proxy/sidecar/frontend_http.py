@@ -28,6 +28,7 @@ from engine.frontend import (
 from proxy import multipart, openai_api
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.httputil import REQUEST_ID_HEADER, SSE_CONTENT_TYPE, UNIT_HEADER, ClientGone
+from proxy.load import GATEWAY_HEADER, gateway_name
 from proxy.response_ids import new_response_id
 from proxy.resume import HintKey, check_signed
 from proxy.sidecar import frontend_resume
@@ -148,7 +149,7 @@ async def serve(
         fields["priority"] = priority
     hint = frontend_resume.parse_hint(request.headers.get(frontend_resume.RESUME_HEADER))
     trace = request.get(TRACE)
-    lease = core.admit(priority, trace)
+    lease = core.admit(priority, trace, gateway_name(asked.get(GATEWAY_HEADER)))
     headers: Mapping[str, str] = request.headers
     if trace is not None:  # the engine's own spans hang under this request's
         headers = {k: v for k, v in headers.items() if k.lower() not in TRACE_HEADERS}

@@ -26,6 +26,7 @@ from proxy.auth import ApiKeys
 from proxy.coalesce import Coalescer
 from proxy.errors import GRPC_CODE_KEY, InvalidRequest, UnitProxyError, write_timeout
 from proxy.httputil import REQUEST_ID_HEADER, RESUME_HEADER
+from proxy.load import GATEWAY_HEADER, gateway_name
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1 import inference_pb2, inference_pb2_grpc, load_pb2, load_pb2_grpc
 from proxy.sidecar.core import SidecarCore, with_priority
@@ -128,8 +129,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 meta.get(PRIORITY_SIG_HEADER),
                 meta.get(REQUEST_ID_HEADER),
             )
+            gateway = gateway_name(meta.get(GATEWAY_HEADER))
             await self._generate(
-                request, resume_hint, time_remaining, write, interval_s, priority, trace
+                request, resume_hint, time_remaining, write, interval_s, priority, trace, gateway
             )
         except UnitProxyError as exc:
             code, error = exc.grpc_code.name, exc.message
@@ -151,6 +153,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         interval_s: float,
         priority: int,
         trace: Trace | None = None,
+        gateway: str | None = None,
     ) -> None:
         core = self._core
         request_id = request.request_id or uuid.uuid4().hex
@@ -167,7 +170,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
         delivered = parsed.delivered_tokens or 0
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-        lease = core.admit(priority, trace)
+        lease = core.admit(priority, trace, gateway)
         unit_id = core.unit_id
 
         async def write(delta: TokenDelta) -> None:
@@ -275,5 +278,5 @@ class LoadService(load_pb2_grpc.LoadReportingServicer):
         self, request: load_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[load_pb2.LoadReport]:
         asked = request.min_interval_ms / 1000, request.heartbeat_ms / 1000
-        async for report in self._watch.reports(*asked):
+        async for report in self._watch.reports(*asked, watcher=gateway_name(request.watcher)):
             yield report.to_pb()

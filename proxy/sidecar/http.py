@@ -34,7 +34,7 @@ from proxy.httputil import (
     json_response,
     timeout_s,
 )
-from proxy.load import UnitState
+from proxy.load import GATEWAY_HEADER, UnitState, gateway_name
 from proxy.metrics import ServingMetrics
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateChunk, GenerateRequest
 from proxy.sidecar import frontend_http, grpc_api
@@ -199,7 +199,7 @@ async def _serve(
     if hint is not None:
         parsed = await resume.resume(parsed, hint, core.engine.count_tokens, core.resume_key)
     deadline = _deadline(request)
-    lease = core.admit(priority, request[TRACE])
+    lease = core.admit(priority, request[TRACE], gateway_name(headers.get(GATEWAY_HEADER)))
     if parsed.stream:
         return await _stream(request, parsed, core, lease, deadline)
     return await _complete(parsed, core, lease, deadline)
@@ -364,24 +364,26 @@ def _ready_body(core: SidecarCore) -> dict[str, Any]:
 
 async def _load(request: web.Request) -> web.Response:
     """The report; ``?blocks_epoch=E&blocks_since=S``: the prefix blocks' changes since
-    seq S of epoch E (the whole set when those are gone), else the whole set."""
+    seq S of epoch E (the whole set when those are gone), else the whole set;
+    ``watcher=NAME``: the requests of the gateway of that name counted apart."""
     since = None
     if "blocks_since" in request.query:
         since = _whole(request, "blocks_epoch"), _whole(request, "blocks_since")
-    report = request.app[CORE].report(since)
+    report = request.app[CORE].report(since, gateway_name(request.query.get("watcher")))
     return web.Response(text=report.to_json(), content_type="application/json")
 
 
 async def _load_watch(request: web.Request) -> web.StreamResponse:
     """The reports of WatchLoad as server-sent events: ``data: REPORT-JSON``; the query
-    may carry WatchLoadRequest's fields (``?min_interval_ms=500&heartbeat_ms=2000``)."""
+    may carry WatchLoadRequest's fields (``?min_interval_ms=500&heartbeat_ms=2000&watcher=NAME``)."""
     asked = _asked_ms(request, "min_interval_ms") / 1000, _asked_ms(request, "heartbeat_ms") / 1000
     response = web.StreamResponse(
         headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
     try:
-        async for report in request.app[WATCH].reports(*asked):
+        watcher = gateway_name(request.query.get("watcher"))
+        async for report in request.app[WATCH].reports(*asked, watcher=watcher):
             await response.write(b"data: " + report.to_json().encode() + b"\n\n")
         await response.write_eof()
     except ConnectionResetError:

@@ -31,7 +31,9 @@ class Reporter(Protocol):
     @property
     def health(self) -> _Health: ...
 
-    def report(self, blocks_since: tuple[int, int] | None = None) -> LoadReport: ...
+    def report(
+        self, blocks_since: tuple[int, int] | None = None, watcher: str | None = None
+    ) -> LoadReport: ...
 
 
 class ReportWatch:
@@ -51,7 +53,7 @@ class ReportWatch:
         self.closed = False
 
     async def reports(
-        self, min_interval_s: float = 0.0, heartbeat_s: float = 0.0
+        self, min_interval_s: float = 0.0, heartbeat_s: float = 0.0, watcher: str | None = None
     ) -> AsyncIterator[LoadReport]:
         """Reports until ``close()``: the sidecar is stopping.
 
@@ -60,7 +62,8 @@ class ReportWatch:
         ``heartbeat_s``; each at most ``MAX_ASKED_S``. Zero keeps the unit's own. The
         first interval after the first report is a random part of the asked one: a
         gateway that opens thousands of streams at once then does not get their reports
-        in bursts of thousands, in step, for as long as the streams last.
+        in bursts of thousands, in step, for as long as the streams last. ``watcher``:
+        the watching gateway's name, whose requests each report counts apart.
         """
         loop = asyncio.get_running_loop()
         states = self._core.health.state_changes
@@ -70,7 +73,7 @@ class ReportWatch:
         held: tuple[int, int] | None = None  # the prefix blocks this watcher holds
         while not self.closed:
             seen, state_seen = self._changes.version, states.version
-            report = self._core.report(held)
+            report = self._core.report(held, watcher)
             blocks = report.prefix_blocks
             if blocks is not None:
                 held = blocks.epoch, blocks.seq

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proxy/pb/unitproxy/v1/load.proto\x12\x0cunitproxy.v1\"\x10\n\x0eGetLoadRequest\"A\n\x10WatchLoadRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\x12\x14\n\x0cheartbeat_ms\x18\x02 \x01(\r\"l\n\nNodeStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x10\n\x08since_ms\x18\x06 \x01(\x03\"\xc9\x04\n\nLoadReport\x12\x0f\n\x07unit_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.unitproxy.v1.UnitState\x12\x13\n\x0boutstanding\x18\x03 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\'\n\x05nodes\x18\x08 \x03(\x0b\x32\x18.unitproxy.v1.NodeStatus\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\n \x01(\x03\x12\x10\n\x08http_url\x18\x0b \x01(\t\x12\x13\n\x0bgrpc_target\x18\x0c \x01(\t\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\x12\x0e\n\x06models\x18\x0e \x03(\t\x12\x1c\n\x14prefix_cache_queries\x18\x0f \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x10 \x01(\x04\x12\x1b\n\x13prefix_cache_resets\x18\x11 \x01(\r\x12\x41\n\rnamed_metrics\x18\x12 \x03(\x0b\x32*.unitproxy.v1.LoadReport.NamedMetricsEntry\x12\x31\n\rprefix_blocks\x18\x13 \x01(\x0b\x32\x1a.unitproxy.v1.PrefixBlocks\x1a\x33\n\x11NamedMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xad\x01\n\x0cPrefixBlocks\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x05 \x03(\x06\x12\x0f\n\x07removed\x18\x06 \x03(\x06\x12\x13\n\x0b\x63hunk_chars\x18\x07 \x01(\r\x12\x14\n\x0c\x61\x64\x64\x65\x64_packed\x18\x08 \x01(\x0c\x12\x16\n\x0eremoved_packed\x18\t \x01(\x0c*a\n\tUnitState\x12\x1a\n\x16UNIT_STATE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0f\n\x0bNOT_SERVING\x10\x03\x12\x0c\n\x08\x44RAINING\x10\x04\x32\x9b\x01\n\rLoadReporting\x12\x41\n\x07GetLoad\x12\x1c.unitproxy.v1.GetLoadRequest\x1a\x18.unitproxy.v1.LoadReport\x12G\n\tWatchLoad\x12\x1e.unitproxy.v1.WatchLoadRequest\x1a\x18.unitproxy.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proxy/pb/unitproxy/v1/load.proto\x12\x0cunitproxy.v1\"\x10\n\x0eGetLoadRequest\"R\n\x10WatchLoadRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\x12\x14\n\x0cheartbeat_ms\x18\x02 \x01(\r\x12\x0f\n\x07watcher\x18\x03 \x01(\t\"l\n\nNodeStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x10\n\x08since_ms\x18\x06 \x01(\x03\"\x83\x05\n\nLoadReport\x12\x0f\n\x07unit_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.unitproxy.v1.UnitState\x12\x13\n\x0boutstanding\x18\x03 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x01\x12\'\n\x05nodes\x18\x08 \x03(\x0b\x32\x18.unitproxy.v1.NodeStatus\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\n \x01(\x03\x12\x10\n\x08http_url\x18\x0b \x01(\t\x12\x13\n\x0bgrpc_target\x18\x0c \x01(\t\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\x12\x0e\n\x06models\x18\x0e \x03(\t\x12\x1c\n\x14prefix_cache_queries\x18\x0f \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x10 \x01(\x04\x12\x1b\n\x13prefix_cache_resets\x18\x11 \x01(\r\x12\x41\n\rnamed_metrics\x18\x12 \x03(\x0b\x32*.unitproxy.v1.LoadReport.NamedMetricsEntry\x12\x31\n\rprefix_blocks\x18\x13 \x01(\x0b\x32\x1a.unitproxy.v1.PrefixBlocks\x12 \n\x13watcher_outstanding\x18\x14 \x01(\rH\x00\x88\x01\x01\x1a\x33\n\x11NamedMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x16\n\x14_watcher_outstanding\"\xad\x01\n\x0cPrefixBlocks\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x05 \x03(\x06\x12\x0f\n\x07removed\x18\x06 \x03(\x06\x12\x13\n\x0b\x63hunk_chars\x18\x07 \x01(\r\x12\x14\n\x0c\x61\x64\x64\x65\x64_packed\x18\x08 \x01(\x0c\x12\x16\n\x0eremoved_packed\x18\t \x01(\x0c*a\n\tUnitState\x12\x1a\n\x16UNIT_STATE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0f\n\x0bNOT_SERVING\x10\x03\x12\x0c\n\x08\x44RAINING\x10\x04\x32\x9b\x01\n\rLoadReporting\x12\x41\n\x07GetLoad\x12\x1c.unitproxy.v1.GetLoadRequest\x1a\x18.unitproxy.v1.LoadReport\x12G\n\tWatchLoad\x12\x1e.unitproxy.v1.WatchLoadRequest\x1a\x18.unitproxy.v1.LoadReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADREPORT_NAMEDMETRICSENTRY']._loaded_options = None
   _globals['_LOADREPORT_NAMEDMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_UNITSTATE']._serialized_start=1009
-  _globals['_UNITSTATE']._serialized_end=1106
+  _globals['_UNITSTATE']._serialized_start=1084
+  _globals['_UNITSTATE']._serialized_end=1181
   _globals['_GETLOADREQUEST']._serialized_start=50
   _globals['_GETLOADREQUEST']._serialized_end=66
   _globals['_WATCHLOADREQUEST']._serialized_start=68
-  _globals['_WATCHLOADREQUEST']._serialized_end=133
-  _globals['_NODESTATUS']._serialized_start=135
-  _globals['_NODESTATUS']._serialized_end=243
-  _globals['_LOADREPORT']._serialized_start=246
-  _globals['_LOADREPORT']._serialized_end=831
-  _globals['_LOADREPORT_NAMEDMETRICSENTRY']._serialized_start=780
-  _globals['_LOADREPORT_NAMEDMETRICSENTRY']._serialized_end=831
-  _globals['_PREFIXBLOCKS']._serialized_start=834
-  _globals['_PREFIXBLOCKS']._serialized_end=1007
-  _globals['_LOADREPORTING']._serialized_start=1109
-  _globals['_LOADREPORTING']._serialized_end=1264
+  _globals['_WATCHLOADREQUEST']._serialized_end=150
+  _globals['_NODESTATUS']._serialized_start=152
+  _globals['_NODESTATUS']._serialized_end=260
+  _globals['_LOADREPORT']._serialized_start=263
+  _globals['_LOADREPORT']._serialized_end=906
+  _globals['_LOADREPORT_NAMEDMETRICSENTRY']._serialized_start=831
+  _globals['_LOADREPORT_NAMEDMETRICSENTRY']._serialized_end=882
+  _globals['_PREFIXBLOCKS']._serialized_start=909
+  _globals['_PREFIXBLOCKS']._serialized_end=1082
+  _globals['_LOADREPORTING']._serialized_start=1184
+  _globals['_LOADREPORTING']._serialized_end=1339
 # @@protoc_insertion_point(module_scope)

@@ -25,12 +25,14 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchLoadRequest(_message.Message):
-    __slots__ = ("min_interval_ms", "heartbeat_ms")
+    __slots__ = ("min_interval_ms", "heartbeat_ms", "watcher")
     MIN_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    WATCHER_FIELD_NUMBER: _ClassVar[int]
     min_interval_ms: int
     heartbeat_ms: int
-    def __init__(self, min_interval_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    watcher: str
+    def __init__(self, min_interval_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., watcher: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("name", "role", "address", "healthy", "reason", "since_ms")
@@ -49,7 +51,7 @@ class NodeStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., since_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_resets", "named_metrics", "prefix_blocks")
+    __slots__ = ("unit_id", "state", "outstanding", "capacity", "running", "waiting", "kv_cache_usage", "nodes", "seq", "timestamp_ms", "http_url", "grpc_target", "prefix_cache_hit_rate", "models", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_resets", "named_metrics", "prefix_blocks", "watcher_outstanding")
     class NamedMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,7 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_RESETS_FIELD_NUMBER: _ClassVar[int]
     NAMED_METRICS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WATCHER_OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
     unit_id: str
     state: UnitState
     outstanding: int
@@ -95,7 +98,8 @@ class LoadReport(_message.Message):
     prefix_cache_resets: int
     named_metrics: _containers.ScalarMap[str, float]
     prefix_blocks: PrefixBlocks
-    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ..., named_metrics: _Optional[_Mapping[str, float]] = ..., prefix_blocks: _Optional[_Union[PrefixBlocks, _Mapping]] = ...) -> None: ...
+    watcher_outstanding: int
+    def __init__(self, unit_id: _Optional[str] = ..., state: _Optional[_Union[UnitState, str]] = ..., outstanding: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., seq: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., http_url: _Optional[str] = ..., grpc_target: _Optional[str] = ..., prefix_cache_hit_rate: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_resets: _Optional[int] = ..., named_metrics: _Optional[_Mapping[str, float]] = ..., prefix_blocks: _Optional[_Union[PrefixBlocks, _Mapping]] = ..., watcher_outstanding: _Optional[int] = ...) -> None: ...
 
 class PrefixBlocks(_message.Message):
     __slots__ = ("epoch", "from_seq", "seq", "full", "added", "removed", "chunk_chars", "added_packed", "removed_packed")
