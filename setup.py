@@ -30,6 +30,7 @@ COMPILED = [
     "proxy/gateway/discovery.py",
     "proxy/gateway/fairqueue.py",
     "proxy/gateway/held.py",
+    "proxy/gateway/blocktable.py",
     "proxy/gateway/forward.py",
     "proxy/gateway/grpc_proxy.py",
     "proxy/gateway/index.py",
@@ -70,7 +71,8 @@ COMPILED = [
 COMPILE = os.environ.get("UNITPROXY_COMPILE", "") == "1"
 # mypyc type-checks what it compiles, so the build needs the dependencies' types too.
 _PROJECT = tomllib.loads((Path(__file__).parent / "pyproject.toml").read_text())["project"]
-BUILD_REQUIRES = ["mypy>=1.10", *_PROJECT["dependencies"]]
+# 2.4: librt.vecs (proxy.gateway.blocktable).
+BUILD_REQUIRES = ["mypy>=2.4", *_PROJECT["dependencies"]]
 
 
 def _extensions() -> list[object]:
@@ -81,7 +83,7 @@ def _extensions() -> list[object]:
     except ImportError:
         raise SystemExit(
             "UNITPROXY_COMPILE=1 needs mypy (it has mypyc) and unitproxy's dependencies "
-            "where the build runs: pip install 'mypy>=1.10' . first, "
+            "where the build runs: pip install 'mypy>=2.4' . first, "
             "or build without --no-build-isolation"
         ) from None
     return list(mypycify(COMPILED, opt_level="3"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -17,7 +18,9 @@ from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEven
 from engine.prefix_cache import PrefixCache
 from engine.settings import SimSettings
 from engine.sim import SimEngine
-from proxy.gateway.held import EngineBlocks
+from proxy.build import compiled
+from proxy.gateway.blocktable import CompactBlocks
+from proxy.gateway.held import BlockMap, EngineBlocks, engine_blocks
 from proxy.gateway.policies.prefix import PrefixAffinity
 from proxy.gateway.request import prompt_text
 from proxy.gateway.server import Gateway
@@ -30,6 +33,8 @@ from tests.conftest import SidecarFactory, wait_until
 from tests.redisenv import REDIS_URL, redis_section
 
 SOURCES = ["watch", "watch-http", "poll", "redis"]
+# The gateway's map from block to units, both forms (held.engine_blocks picks one).
+MAPS = [EngineBlocks, CompactBlocks]
 WORDS = [
     "the",
     "quick",
@@ -141,8 +146,9 @@ def test_the_reported_set_is_bounded_the_most_recent_kept() -> None:
     assert len(held) == 5 and set(held.full().added) <= set(last)
 
 
-def test_a_gateways_view_applies_only_changes_that_follow_on() -> None:
-    view = EngineBlocks(512)
+@pytest.mark.parametrize("kind", MAPS)
+def test_a_gateways_view_applies_only_changes_that_follow_on(kind: type[BlockMap]) -> None:
+    view = kind(512)
     assert not view.apply("u", PrefixBlocks(1, 0, 2, False, (5, 6), (), 512)), "no set yet"
     assert view.apply("u", PrefixBlocks(1, 0, 2, True, (5, 6), (), 512))
     assert not view.apply("u", PrefixBlocks(1, 3, 4, False, (7,), (), 512)), "a gap"
@@ -157,8 +163,9 @@ def test_a_gateways_view_applies_only_changes_that_follow_on() -> None:
     assert [d for d, _ in view.matches([1, 2])] == [1]
 
 
-def test_a_block_two_units_hold_stays_matched_when_one_lets_it_go() -> None:
-    view = EngineBlocks(512)
+@pytest.mark.parametrize("kind", MAPS)
+def test_a_block_two_units_hold_stays_matched_when_one_lets_it_go(kind: type[BlockMap]) -> None:
+    view = kind(512)
     assert view.apply("a", PrefixBlocks(1, 0, 3, True, (5, 6, 7), (), 512))
     assert view.apply("b", PrefixBlocks(2, 0, 2, True, (5, 6), (), 512))
     assert [(d, sorted(u)) for d, u in view.matches([5, 6, 7])] == [(3, ["a"]), (2, ["b"])]
@@ -172,8 +179,9 @@ def test_a_block_two_units_hold_stays_matched_when_one_lets_it_go() -> None:
     assert list(view.matches([5, 6, 8])) == []
 
 
-def test_a_block_three_units_hold_loses_them_one_by_one_each_way() -> None:
-    view = EngineBlocks(512)
+@pytest.mark.parametrize("kind", MAPS)
+def test_a_block_three_units_hold_loses_them_one_by_one_each_way(kind: type[BlockMap]) -> None:
+    view = kind(512)
     for unit in ("a", "b", "c"):
         assert view.apply(unit, PrefixBlocks(1, 0, 2, True, (5, 6), (), 512))
     assert [(d, sorted(u)) for d, u in view.matches([5, 6])] == [(2, ["a", "b", "c"])]
@@ -188,6 +196,65 @@ def test_a_block_three_units_hold_loses_them_one_by_one_each_way() -> None:
     view.forget("c")
     view.forget("b")
     assert list(view.matches([5, 6])) == [] and list(view.matches([5, 7])) == []
+
+
+def test_the_packed_map_answers_as_the_dict_map_under_random_reports() -> None:
+    """Whole sets, changes (blocks named twice, removed ones never held), units that
+    share blocks, forgotten units, numbers at both ends of 64 bits, and tables that
+    grow: every answer of the packed map is the dict map's."""
+    rng = random.Random(5)
+    want, got = EngineBlocks(512), CompactBlocks(512)
+    pool = [rng.getrandbits(64) for _ in range(2000)] + [
+        0,
+        1,
+        (1 << 63) - 1,
+        1 << 63,
+        (1 << 64) - 1,
+    ]
+    units = [f"u{i}" for i in range(8)]
+    seqs: dict[str, int] = {}
+    for step in range(800):
+        unit = rng.choice(units)
+        roll = rng.random()
+        if roll < 0.03:
+            want.forget(unit)
+            got.forget(unit)
+            seqs.pop(unit, None)
+            continue
+        seq = seqs.get(unit, 0)
+        if roll < 0.2 or unit not in seqs:
+            added = tuple(rng.sample(pool, rng.randrange(0, 800)))
+            blocks = PrefixBlocks(1, 0, seq + 1, True, added, (), 512)
+        else:
+            added = tuple(rng.choices(pool, k=rng.randrange(0, 300)))
+            removed = tuple(rng.choices(pool, k=rng.randrange(0, 300)))
+            from_seq = seq if roll < 0.95 else seq + 1  # now and then a gap
+            blocks = PrefixBlocks(1, from_seq, seq + 1, False, added, removed, 512)
+        assert want.apply(unit, blocks) == got.apply(unit, blocks)
+        if want.at(unit) is not None:
+            seqs[unit] = want.at(unit)[1]  # type: ignore[index]
+        for each in units if step % 20 == 0 else [unit]:
+            assert got.held(each) == want.held(each) and got.at(each) == want.at(each)
+        chain = rng.sample(sorted(want.held(unit) | {0, 1, 2}), 3) + rng.sample(pool, 3)
+        assert _sorted(got.matches(chain)) == _sorted(want.matches(chain))
+    assert got.gaps == want.gaps > 0
+    # A unit that lets go of nearly all it held (its set shrinks), then of the rest.
+    for view in (want, got):
+        assert view.apply("big", PrefixBlocks(3, 0, 1, True, tuple(pool[:900]), (), 512))
+        assert view.apply("big", PrefixBlocks(3, 1, 2, False, (), tuple(pool[5:900]), 512))
+    assert got.held("big") == want.held("big") == set(pool[:5])
+    assert _sorted(got.matches(pool[:6])) == _sorted(want.matches(pool[:6]))
+    for view in (want, got):
+        assert view.apply("big", PrefixBlocks(3, 2, 3, False, (), tuple(pool[:5]), 512))
+    assert got.held("big") == set()
+    assert _sorted(got.matches(pool[:6])) == _sorted(want.matches(pool[:6]))
+    assert type(engine_blocks(512)) is (
+        CompactBlocks if compiled(CompactBlocks.__module__) else EngineBlocks
+    )
+
+
+def _sorted(matches: Iterator[tuple[int, list[str]]]) -> list[tuple[int, list[str]]]:
+    return [(depth, sorted(units)) for depth, units in matches]
 
 
 def _views(gw: Gateway) -> dict[str, frozenset[int]]:

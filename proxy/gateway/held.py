@@ -15,8 +15,36 @@ would be most of the memory, and making one per block most of a report's cost).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
+from proxy.build import compiled
 from proxy.load import PrefixBlocks
+
+
+class BlockMap(Protocol):
+    """``EngineBlocks``, or ``blocktable.CompactBlocks`` (the same map, packed)."""
+
+    chunk_chars: int
+    gaps: int
+
+    def knows(self, unit_id: str) -> bool: ...
+    def at(self, unit_id: str) -> tuple[int, int] | None: ...
+    def held(self, unit_id: str) -> set[int]: ...
+    def apply(self, unit_id: str, blocks: PrefixBlocks) -> bool: ...
+    def forget(self, unit_id: str) -> None: ...
+    def matches(self, blocks: list[int]) -> Iterator[tuple[int, list[str]]]: ...
+
+
+def engine_blocks(chunk_chars: int) -> BlockMap:
+    """The packed map where it is compiled (a third of the memory, faster), else this
+    module's (the packed one interpreted is several times slower)."""
+    try:
+        from proxy.gateway import blocktable
+    except ImportError:  # no librt: a pure install without mypy's runtime
+        return EngineBlocks(chunk_chars)
+    if compiled(blocktable.__name__):
+        return blocktable.CompactBlocks(chunk_chars)
+    return EngineBlocks(chunk_chars)
 
 
 class EngineBlocks:

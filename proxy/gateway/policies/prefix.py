@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from proxy.gateway.held import EngineBlocks, merged
+from proxy.gateway.held import engine_blocks, merged
 from proxy.gateway.index import LeastLoaded
 from proxy.gateway.policies.base import Candidates, Policy, Shared
 from proxy.gateway.policies.lor import least_outstanding
@@ -132,7 +132,7 @@ class PrefixAffinity(Policy):
         self.reads_prompt = True
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.feedback = EngineFeedback(self.index) if s.prefix_engine_feedback else None
-        self.engine = EngineBlocks(s.prefix_chunk_chars)  # what units report they hold
+        self.engine = engine_blocks(s.prefix_chunk_chars)  # what units report they hold
         self.budget = Budget(s.prefix_ttft_s, s.prefix_prefill_tokens_per_s)
         # The least loaded bounds a choice, and the fleet's mean load bounds that.
         self.heap = LeastLoaded(shared.rng, shared.view, sums=True)
