@@ -401,8 +401,20 @@ async def limits_run(
     statuses: dict[str, int] = {}
     for a in load.answers:
         statuses[a.status] = statuses.get(a.status, 0) + 1
+    by_replica = []  # what each replica answered over the run, and how long after the stop
+    for r in (0, 1):
+        mine = [a for a in load.answers if a.replica == r]
+        counts: dict[str, int] = {}
+        for a in mine:
+            counts[a.status] = counts.get(a.status, 0) + 1
+        last_200 = max((a.at for a in mine if a.status == "200"), default=None)
+        by_replica.append({
+            "statuses": counts,
+            "last_200_after_stop_s": None if last_200 is None else last_200 - stopped,
+        })  # fmt: skip
     return {
         "system": pair.name,
+        "by_replica": by_replica,
         "load_started": started,
         "redis_stopped": stopped,
         "with_redis": measure(load, *shared, tpm),
@@ -495,6 +507,12 @@ def table(r: dict[str, Any]) -> str:
                 f"{no:>5} {other:>5}"
             )
         lines.append(f"{system}: answers over the whole run: {run_['statuses']}")
+        for i, rep in enumerate(run_["by_replica"]):
+            last = rep["last_200_after_stop_s"]
+            when = "none" if last is None else f"{last:+.1f} s"
+            lines.append(
+                f"    replica {i}: {rep['statuses']}; its last 200 at {when} from the stop"
+            )
     if "skipped" in r["litellm"]:
         lines.append(f"{THEIRS}: skipped ({r['litellm']['skipped']})")
     lat = r["latency"]
