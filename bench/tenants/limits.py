@@ -102,6 +102,7 @@ class Answer:
     replica: int
     status: str  # "200", "429 rate_limited" (LiteLLM: "429 throttling_error"), or what else came
     tokens: int = 0  # usage: prompt + completion
+    sent: float = 0.0  # time.time() it was sent
 
 
 @dataclass
@@ -241,6 +242,7 @@ async def fleet(args: argparse.Namespace, workdir: Path) -> AsyncIterator[Fleet]
 async def send(http: aiohttp.ClientSession, url: str, replica: int, load: Load) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
     headers = {"Authorization": f"Bearer {KEY}"}
+    sent = time.time()
     try:
         async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
             data = await resp.json(content_type=None)
@@ -248,7 +250,7 @@ async def send(http: aiohttp.ClientSession, url: str, replica: int, load: Load) 
             if resp.status == 200:
                 usage = data["usage"]
                 tokens = int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
-                load.answers.append(Answer(time.time(), replica, status, tokens))
+                load.answers.append(Answer(time.time(), replica, status, tokens, sent))
                 return
             with contextlib.suppress(KeyError, TypeError, AttributeError):
                 error = data["error"]
@@ -256,7 +258,7 @@ async def send(http: aiohttp.ClientSession, url: str, replica: int, load: Load) 
                 status += " " + (str(error["type"]) if code == status else code)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         status = type(exc).__name__
-    load.answers.append(Answer(time.time(), replica, status))
+    load.answers.append(Answer(time.time(), replica, status, 0, sent))
 
 
 def rejected(status: str) -> bool:
@@ -299,8 +301,14 @@ def measure(load: Load, start: float, end: float, tpm: int) -> dict[str, Any]:
     statuses: dict[str, int] = {}
     for a in answers:
         statuses[a.status] = statuses.get(a.status, 0) + 1
+    # Sent in the phase and answered neither 200 nor 429 (an error, or no answer: a
+    # request that hangs ends in a timeout, or when the load's connections close, after
+    # the phase, so its status above is not among the phase's answers).
+    failed = [a for a in load.answers
+              if start <= a.sent < end and a.status != "200" and not rejected(a.status)]  # fmt: skip
     return {
         "from": start,
+        "failed_of_sent": len(failed),
         "seconds": end - start,
         "served_requests": len(served),
         "tokens": tokens,
@@ -488,7 +496,7 @@ def table(r: dict[str, Any]) -> str:
         f"({r['arrivals_per_s']:.1f} requests/s of {r['tokens_per_request']} tokens) through 2 "
         f"replicas each; each phase measured over {r['measured_s']:g} s",
         f"{'system':10} {'phase':32} {'served tok/min':>14} {'vs limit':>9} {'replica 0':>10}"
-        f" {'replica 1':>10} {'200':>5} {'429':>5} {'other':>5}",
+        f" {'replica 1':>10} {'200':>5} {'429':>5} {'failed':>6}",
     ]
     runs = [(OURS, r, "Redis stopped (limit / 2 each)")]
     if "with_redis" in r["litellm"]:
@@ -499,12 +507,12 @@ def table(r: dict[str, Any]) -> str:
             m = run_[key]
             st = m["statuses"]
             no = sum(n for s, n in st.items() if rejected(s))
-            other = sum(n for s, n in st.items() if s != "200" and not rejected(s))
+            other = m["failed_of_sent"]
             lines.append(
                 f"{system:10} {name:32} {m['tokens_per_minute']:>14.0f} "
                 f"{m['error'] * 100:>+8.1f}% {m['per_replica_tokens_per_minute'][0]:>10.0f} "
                 f"{m['per_replica_tokens_per_minute'][1]:>10.0f} {st.get('200', 0):>5} "
-                f"{no:>5} {other:>5}"
+                f"{no:>5} {other:>6}"
             )
         lines.append(f"{system}: answers over the whole run: {run_['statuses']}")
         for i, rep in enumerate(run_["by_replica"]):
