@@ -7,12 +7,18 @@
 #   bench/.venvs/nodelay.so     cc nodelay.c (LD_PRELOAD: TCP_NODELAY on accepted sockets,
 #                               for the 'sglang-router+nodelay' target; skipped without cc)
 #
-# Neither touches the project's .venv. A peer that does not install is reported and
+# and, asked for by name, the reference for bench/tenants's limits scenario:
+#
+#   bench/.venvs/litellm        pip install 'litellm[proxy]==1.108.7' -> bin/litellm
+#
+# None touches the project's .venv. A peer that does not install is reported and
 # skipped; the bench runs without it. Re-running is cheap (pip finds it installed).
 #
-#   bash bench/overhead/setup_peers.sh              # both
+#   bash bench/overhead/setup_peers.sh              # both routers
 #   bash bench/overhead/setup_peers.sh vllm-router  # one
+#   bash bench/overhead/setup_peers.sh litellm      # LiteLLM's proxy (a few minutes)
 #   VLLM_ROUTER_VERSION=0.1.17 SGLANG_ROUTER_VERSION=0.3.2 bash bench/overhead/setup_peers.sh
+#   LITELLM_VERSION=1.108.7 bash bench/overhead/setup_peers.sh litellm
 set -u
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,6 +31,8 @@ spec() {  # the pip requirement for a peer, pinned when a version is given
     case "$1" in
         vllm-router) echo "vllm-router${VLLM_ROUTER_VERSION:+==$VLLM_ROUTER_VERSION}" ;;
         sglang-router) echo "sglang-router${SGLANG_ROUTER_VERSION:+==$SGLANG_ROUTER_VERSION}" ;;
+        # pinned: its config keys and custom auth hook change between releases
+        litellm) echo "litellm[proxy]==${LITELLM_VERSION:-1.108.7}" ;;
         *) return 1 ;;
     esac
 }
@@ -32,7 +40,7 @@ spec() {  # the pip requirement for a peer, pinned when a version is given
 failed=0
 for peer in "${peers[@]}"; do
     if ! req="$(spec "$peer")"; then
-        echo "setup_peers: unknown peer '$peer' (choose vllm-router, sglang-router)" >&2
+        echo "setup_peers: unknown peer '$peer' (choose vllm-router, sglang-router, litellm)" >&2
         failed=1
         continue
     fi

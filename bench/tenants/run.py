@@ -19,16 +19,21 @@ capacity is its slots) and one gateway with a tenants file, as child processes o
 Then the limits scenario (bench/tenants/limits.py, its own fleet: two gateway replicas
 sharing a Redis of the bench's own; --limits-only, --skip-limits): a tenant offering 4x
 its tokens_per_minute, tokens served against the limit with Redis and with that Redis
-stopped. Its PNG is <out>_limits.png.
+stopped; the same through two LiteLLM proxies with per-key TPM as the reference, where
+bench/.venvs/litellm is installed (bash bench/overhead/setup_peers.sh litellm;
+--no-litellm leaves it out), and the latency each adds at a light load. Its PNG is
+<out>_limits.png.
 
 Goals (issue 32): b and c TTFT p99 under the flood <= 1.5x alone, interactive <= 1.2x
 alone (priority); one class <= 0.5 s; Jain's index >= 0.95 in every window; batch
 tokens/s under the interactive load >= 50 % of the fleet's spare capacity.
 
     .venv/bin/python bench/tenants/run.py            # 20 s phases, 30 s of fairness (~2.5 min)
-                                                     # and limits measured 60 s (~4 min)
+                                                     # and limits measured 60 s (~4 min;
+                                                     # ~9 min with LiteLLM)
     .venv/bin/python bench/tenants/run.py --quick    # 4 s phases, 10 s of fairness (~45 s)
-                                                     # and limits measured 15 s (~1.5 min)
+                                                     # and limits measured 15 s (~1.5 min;
+                                                     # ~4 min with LiteLLM)
 """
 
 from __future__ import annotations
