@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from json.scanner import make_scanner
 from typing import Any
 
 from engine import tokens
@@ -41,7 +42,7 @@ WORKED = frozenset({"200", "499", "OK", "CANCELLED"})
 _DECODER = json.JSONDecoder()  # one, not one a call (json.loads builds none either)
 # Its scanner, called directly: what ``_DECODER.raw_decode`` calls, less that method's
 # interpreted frame (raw_decode turns the scanner's StopIteration into a ValueError).
-_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once
+_SCAN: Callable[[str, int], tuple[Any, int]] = make_scanner(_DECODER)  # type: ignore[arg-type]
 
 
 def parse_json(data: bytes) -> Any:
