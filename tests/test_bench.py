@@ -84,10 +84,12 @@ def test_bench_quick_mode_runs(name: str, tmp_path: Path) -> None:
 )
 def test_overhead_runs_the_compiled_gateway(tmp_path: Path) -> None:
     """Target unitproxy+compiled builds build/compiled (minutes, once; .ci/run's compiled
-    test run then finds it up to date) and is judged beside unitproxy."""
+    test run then finds it up to date) and is judged beside unitproxy; the same tree with
+    tenants (unitproxy+compiled+tenants) runs beside it."""
     out = tmp_path / "overhead.json"
     argv = [sys.executable, "bench/overhead/run.py", "--quick", "--out", str(out),
-            "--targets", "unitproxy,unitproxy+compiled", "--scenarios", "completions",
+            "--targets", "unitproxy,unitproxy+compiled,unitproxy+compiled+tenants",
+            "--scenarios", "completions",
             "--concurrency", "2", "--duration", "0.5", "--warmup", "0.2"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     output = done.stdout + done.stderr
@@ -104,6 +106,11 @@ def test_overhead_runs_the_compiled_gateway(tmp_path: Path) -> None:
     ]
     assert statuses and "compiled" in statuses[0]["version"], statuses
     assert any(v["target"].startswith("[unitproxy+compiled] ") for v in report["verdicts"])
+    (tenants,) = [s for p in report["phases"] for s in p["targets"]
+                  if s["name"] == "unitproxy+compiled+tenants"]  # fmt: skip
+    assert "compiled" in tenants["version"] and "--tenants-file" in tenants["argv"], tenants
+    assert rows["unitproxy+compiled+tenants"]["requests_per_s"] > 0, output[-3000:]
+    assert rows["unitproxy+compiled+tenants"]["error_count"] == 0
 
 
 @pytest.mark.timeout(200)

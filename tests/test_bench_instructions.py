@@ -3,7 +3,9 @@ read, and the idle run subtracted (pure functions over a listing in its format).
 
 from __future__ import annotations
 
-from bench.overhead import instructions
+import pytest
+
+from bench.overhead import instructions, targets
 
 # The shape of `callgrind_annotate --inclusive=no --auto=no` (valgrind 3.19): a header,
 # the program's total, then one line per function with its own count.
@@ -53,3 +55,41 @@ def test_rank_subtracts_the_idle_run_and_keeps_the_top() -> None:
         {"function": "c", "instructions_per_request": 80},
     ]
     assert instructions.rank(busy, idle, requests=10, top=0) == []
+
+
+def test_the_compiled_tree_with_tenants_is_a_target_of_both_benches() -> None:
+    name = targets.COMPILED_TENANTS
+    assert targets.is_tenants(name) and targets.is_compiled(name)
+    assert targets.is_unitproxy(name) and targets.known_target(name)
+    assert not targets.is_compiled(targets.TENANTS) and not targets.is_tenants(targets.COMPILED)
+    assert not targets.known_target("unitproxy+compiled+tenants@HEAD")
+    args = instructions.parse_args(
+        ["--targets", f"unitproxy,{name}", "--scenarios", "completions,grpc,stream-0ms"]
+    )
+    assert args.targets == ["unitproxy", name]
+    assert args.scenarios == ["completions", "grpc", "stream-0ms"]
+    assert instructions.parse_args([]).scenarios == ["completions"]
+    for bad in (["--targets", "unitproxy+nope"], ["--scenarios", "embeddings"]):
+        with pytest.raises(SystemExit):
+            instructions.parse_args(bad)
+
+
+def test_the_report_gives_what_tenants_add_in_each_scenario() -> None:
+    def row(target: str, scenario: str, n: float) -> dict[str, object]:
+        return {"target": target, "scenario": scenario, "instructions_per_request": n}
+
+    rows = [
+        row(targets.COMPILED, "completions", 100_000),
+        row(targets.COMPILED_TENANTS, "completions", 125_000),
+        row(targets.COMPILED, "grpc", 400_000),
+        row(targets.COMPILED_TENANTS, "grpc", 440_000),
+        row("unitproxy", "grpc", 500_000),
+    ]
+    lines = instructions.report(rows).splitlines()[1:]
+    added = {(line.split()[0], line.split()[1]): line.split()[-1] for line in lines}
+    assert added[("completions", targets.COMPILED_TENANTS)] == "+25.0%"
+    assert added[("grpc", targets.COMPILED_TENANTS)] == "+10.0%"
+    assert added[("grpc", "unitproxy")] == "-"
+    # a request with the tenant's key: one Authorization line in the head
+    assert instructions.http_request("sk-1").count(b"Authorization: Bearer sk-1\r\n") == 1
+    assert b"Authorization" not in instructions.REQUEST

@@ -5,7 +5,9 @@ routers' rates move 10-40 % between runs while their order is within a few per c
 This bench counts instead. Each router runs under valgrind's callgrind, which counts
 the user-space instructions a process executes (the same count whatever else the
 machine does), in front of its own sim sidecar (not counted). A client on one
-connection sends ``--requests`` non-streamed completions after a warm-up. The same
+connection sends ``--requests`` requests of each ``--scenarios`` after a warm-up:
+``completions`` (non-streamed, 8 tokens), ``stream-0ms`` (SSE, 64 tokens) and ``grpc``
+(Inference/Generate, 64 tokens; unitproxy only), bench/overhead's scenarios. The same
 router is then started again and left idle for as long as those requests took, so its
 start, stop, timers, health checks and load reports cancel out:
 
@@ -20,6 +22,13 @@ which comes with valgrind).
     python bench/overhead/instructions.py                   # every target, 2,000 requests
     python bench/overhead/instructions.py --targets unitproxy,unitproxy+compiled
     python bench/overhead/instructions.py --quick           # unitproxy, 100 requests
+    python bench/overhead/instructions.py --targets unitproxy,unitproxy+tenants \
+        --scenarios completions,stream-0ms,grpc            # what tenants add, pure tree
+
+The ``+tenants`` targets (``unitproxy+tenants``, ``unitproxy+compiled+tenants``) run the
+gateway with bench/overhead's tenants file, its limits counted in a redis-server of the
+bench's own (each replica's allotments: most admissions need no Redis call), and every
+request of every target in the run carries the tenant's key; not in the defaults.
 
 Needs valgrind (Debian package valgrind; without it nothing is measured, and the
 bench says so); peers from bench/overhead/setup_peers.sh.
@@ -36,6 +45,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,25 +55,49 @@ if __package__ in (None, ""):  # run as a file: make the bench.overhead package 
 
 from bench.common import MODEL, answers, code_version, cpu_model, free_ports, run_loop
 from bench.overhead import targets
+from bench.overhead.load import SCENARIOS, open_client
+from bench.redisproc import redis_server, why_not
 from proxy.procutil import python_m
 
-TARGETS = ("unitproxy", targets.COMPILED, "vllm-router", "sglang-router")
+TARGETS = ("unitproxy", targets.COMPILED, "vllm-router", "sglang-router")  # the defaults
+KNOWN = (*TARGETS, targets.TENANTS, targets.COMPILED_TENANTS)
+UNITPROXY = ("unitproxy", targets.COMPILED, targets.TENANTS, targets.COMPILED_TENANTS)
+SCENARIO_NAMES = ("completions", "stream-0ms", "grpc")
 BODY = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 8}).encode()
-REQUEST = (
-    b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-    b"Content-Length: %d\r\n\r\n" % len(BODY)
-) + BODY
+
+
+def http_request(api_key: str | None) -> bytes:
+    """The non-streamed completion, raw, with ``api_key`` as a bearer token."""
+    auth = b"" if api_key is None else b"Authorization: Bearer %s\r\n" % api_key.encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"%sContent-Length: %d\r\n\r\n" % (auth, len(BODY))
+    ) + BODY
+
+
+REQUEST = http_request(None)
 START_TIMEOUT_S = 4 * targets.READY_TIMEOUT_S  # a router under valgrind starts 20-50x slower
 SETTLE_S = 2.0  # after start and before stop: the same in both runs
 
 
-async def _requests(url: str, n: int) -> None:
-    """``n`` completions, one at a time on one connection; each must be a 200."""
+async def _requests(
+    url: str, grpc_target: str, n: int, scenario: str = "completions", api_key: str | None = None
+) -> None:
+    """``n`` requests of ``scenario``, one at a time on one connection; each must succeed."""
+    if scenario != "completions":
+        address = grpc_target if scenario == "grpc" else url
+        async with open_client(SCENARIOS[scenario], address, MODEL, 1, api_key) as send:
+            for _ in range(n):
+                outcome = await send()
+                if outcome.error is not None:
+                    raise RuntimeError(f"{address}: {scenario}: {outcome.error}")
+        return
+    request = http_request(api_key)
     host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         for _ in range(n):
-            writer.write(REQUEST)
+            writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"{url}: {head[:200]!r}")
@@ -74,19 +108,22 @@ async def _requests(url: str, n: int) -> None:
         writer.close()
 
 
-def _router_argv(name: str, backend: targets.Backend) -> tuple[list[str], dict[str, str], str]:
-    """The router's command line, extra environment and URL."""
+def _router_argv(
+    name: str, backend: targets.Backend, tenants_args: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str], str, str]:
+    """The router's command line, extra environment, URL and gRPC target."""
     port, other = free_ports(2)
     url = f"http://{targets.HOST}:{port}"
-    if name in ("unitproxy", targets.COMPILED):
+    if name in UNITPROXY:
         argv = [
             *python_m("gateway"),
             "--host", targets.HOST, "--http-port", str(port), "--grpc-port", str(other),
             "--unit", f"u0={backend.http_url},{backend.grpc_target}", "--log-level", "warning",
+            *(tenants_args if targets.is_tenants(name) else ()),
         ]  # fmt: skip
-        return argv, {}, url
+        return argv, {}, url, f"{targets.HOST}:{other}"
     argv, env, _ = targets.PEERS[name](backend, port, other)
-    return argv, env, url
+    return argv, env, url, ""
 
 
 # A function's line in callgrind_annotate's listing: count, share, file:function [object]
@@ -161,20 +198,36 @@ def _counted(out_dir: Path) -> int:
     return total
 
 
-def _run_dir(work: Path, name: str, idle: bool) -> Path:
-    return work / f"{name}-{'idle' if idle else 'requests'}"
+def _run_dir(work: Path, name: str, idle: bool, scenario: str = "completions") -> Path:
+    where = name if scenario == "completions" else f"{name}-{scenario}"
+    return work / f"{where}-{'idle' if idle else 'requests'}"
+
+
+@dataclass(frozen=True)
+class Load:
+    """What each run sends: ``scenario``, with ``api_key`` where the run has tenants."""
+
+    scenario: str = "completions"
+    api_key: str | None = None
+    tenants_args: tuple[str, ...] = ()  # what a +tenants target gets
 
 
 async def _one_run(
-    name: str, cwd: Path | None, requests: int, warmup: int, idle_s: float | None, work: Path
+    name: str,
+    cwd: Path | None,
+    requests: int,
+    warmup: int,
+    idle_s: float | None,
+    work: Path,
+    load: Load = Load(),
 ) -> tuple[int, float]:
     """One router under callgrind: (instructions, seconds the measured part took)."""
-    out_dir = _run_dir(work, name, idle_s is not None)
+    out_dir = _run_dir(work, name, idle_s is not None, load.scenario)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     async with AsyncExitStack() as stack:
         backend = await targets.start_backend(stack, 0.0, 256, out_dir, name)
-        argv, env, url = _router_argv(name, backend)
+        argv, env, url, grpc_target = _router_argv(name, backend, load.tenants_args)
         valgrind = [
             "valgrind", "--tool=callgrind", "--dump-instr=no", "--trace-children=no",
             f"--callgrind-out-file={out_dir}/callgrind.%p",
@@ -182,12 +235,12 @@ async def _one_run(
         child = await stack.enter_async_context(
             targets.running(name, [*valgrind, *argv], out_dir / "router.log", env=env, cwd=cwd)
         )
-        await child.until(answers(url), START_TIMEOUT_S, "answering")
-        await _requests(url, warmup)
+        await child.until(answers(url, load.api_key), START_TIMEOUT_S, "answering")
+        await _requests(url, grpc_target, warmup, load.scenario, load.api_key)
         await asyncio.sleep(SETTLE_S)
         started = time.monotonic()
         if idle_s is None:
-            await _requests(url, requests)
+            await _requests(url, grpc_target, requests, load.scenario, load.api_key)
         else:
             await asyncio.sleep(idle_s)
         took = time.monotonic() - started
@@ -198,12 +251,17 @@ async def _one_run(
     return counted, took
 
 
-async def measure(name: str, requests: int, warmup: int, work: Path, top: int) -> dict[str, Any]:
-    cwd = await targets.compiled_tree() if name == targets.COMPILED else None
-    busy, took = await _one_run(name, cwd, requests, warmup, None, work)
-    idle, _ = await _one_run(name, cwd, requests, warmup, took, work)
+async def measure(
+    name: str, requests: int, warmup: int, work: Path, top: int, load: Load = Load()
+) -> dict[str, Any]:
+    if load.scenario == "grpc" and name not in UNITPROXY:
+        raise targets.Unavailable("no gRPC front")
+    cwd = await targets.compiled_tree() if targets.is_compiled(name) else None
+    busy, took = await _one_run(name, cwd, requests, warmup, None, work, load)
+    idle, _ = await _one_run(name, cwd, requests, warmup, took, work, load)
     row: dict[str, Any] = {
         "target": name,
+        "scenario": load.scenario,
         "requests": requests,
         "instructions_with_requests": busy,
         "instructions_idle": idle,
@@ -212,7 +270,10 @@ async def measure(name: str, requests: int, warmup: int, work: Path, top: int) -
     }
     if top > 0 and shutil.which("callgrind_annotate") is not None:
         row["top_functions"] = await top_functions(
-            _run_dir(work, name, False), _run_dir(work, name, True), requests, top
+            _run_dir(work, name, False, load.scenario),
+            _run_dir(work, name, True, load.scenario),
+            requests,
+            top,
         )
     return row
 
@@ -225,17 +286,51 @@ def _top_lines(row: dict[str, Any]) -> list[str]:
     ]
 
 
+# Each +tenants target and the same gateway without tenants: its A/B.
+TENANTS_OFF = {targets.TENANTS: "unitproxy", targets.COMPILED_TENANTS: targets.COMPILED}
+
+
 def report(rows: Sequence[dict[str, Any]]) -> str:
-    vllm = next((r for r in rows if r["target"] == "vllm-router"), None)
-    lines = [f"{'target':<20} {'instructions/request':>21} {'x vllm-router':>14}"]
+    """One line per scenario and target: instructions a request, the ratio to
+    vllm-router's in the same scenario, and what tenants add over the same tree without."""
+    lines = [
+        f"{'scenario':<12} {'target':<27} {'instructions/request':>21} {'x vllm-router':>14}"
+        f" {'tenants add':>12}"
+    ]
     for r in rows:
+        scenario = r.get("scenario", "completions")
+        same = {x["target"]: x for x in rows if x.get("scenario", "completions") == scenario}
+        vllm = same.get("vllm-router")
         ratio = (
             f"{r['instructions_per_request'] / vllm['instructions_per_request']:.2f}"
             if vllm and vllm["instructions_per_request"] > 0
             else "-"
         )
-        lines.append(f"{r['target']:<20} {r['instructions_per_request']:>21,.0f} {ratio:>14}")
+        off = same.get(TENANTS_OFF.get(r["target"], ""))
+        added = (
+            f"{r['instructions_per_request'] / off['instructions_per_request'] - 1:+.1%}"
+            if off and off["instructions_per_request"] > 0
+            else "-"
+        )
+        lines.append(
+            f"{scenario:<12} {r['target']:<27} {r['instructions_per_request']:>21,.0f}"
+            f" {ratio:>14} {added:>12}"
+        )
     return "\n".join(lines)
+
+
+async def _with_tenants(stack: AsyncExitStack, work: Path) -> Load:
+    """The load of a run with a +tenants target: bench/overhead's tenants file and a
+    redis-server of the bench's own (entered on ``stack``)."""
+    why = why_not()
+    if why is not None:
+        raise targets.Unavailable(f"tenants need a Redis: {why}")
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
+    path = work / "tenants.toml"
+    await asyncio.to_thread(path.write_text, targets.TENANTS_TOML)
+    redis = await stack.enter_async_context(redis_server(work / "redis.log"))
+    args = ("--tenants-file", str(path), "--redis-url", redis.url)
+    return Load("completions", targets.TENANTS_API_KEY, args)
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -246,19 +341,38 @@ async def main(args: argparse.Namespace) -> int:
         why = "valgrind is not installed (Debian package valgrind)"
         skipped = dict.fromkeys(args.targets, why)
         print(f"instructions: nothing measured: {why}", file=sys.stderr)
-    for name in args.targets if not skipped else ():
-        try:
-            rows.append(await measure(name, args.requests, args.warmup, work, args.top))
-        except targets.Unavailable as exc:
-            skipped[name] = str(exc)
-            print(f"instructions: {name} left out: {exc}", file=sys.stderr)
-        else:
-            print(f"instructions: {name}: {rows[-1]['instructions_per_request']:,.0f} a request")
-            if rows[-1].get("top_functions"):
+    tenants = any(map(targets.is_tenants, args.targets))
+    runs = [(s, n) for s in args.scenarios for n in args.targets] if not skipped else []
+    async with AsyncExitStack() as stack:
+        load = Load()
+        if tenants and runs:
+            try:
+                load = await _with_tenants(stack, work)
+            except targets.Unavailable as exc:
+                skipped = dict.fromkeys(args.targets, str(exc))
+                runs = []
+        for scenario, name in runs:
+            key = name if scenario == "completions" else f"{name} ({scenario})"
+            try:
+                row = await measure(
+                    name,
+                    args.requests,
+                    args.warmup,
+                    work,
+                    args.top,
+                    replace(load, scenario=scenario),
+                )
+            except targets.Unavailable as exc:
+                skipped[key] = str(exc)
+                print(f"instructions: {key} left out: {exc}", file=sys.stderr)
+                continue
+            rows.append(row)
+            print(f"instructions: {key}: {row['instructions_per_request']:,.0f} a request")
+            if row.get("top_functions"):
                 print(
                     f"  its functions with the most own instructions a request (--top {args.top}):"
                 )
-                print("\n".join(_top_lines(rows[-1])))
+                print("\n".join(_top_lines(row)))
     print(report(rows))
     result = {
         "benchmark": "overhead-instructions",
@@ -277,7 +391,15 @@ async def main(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", help=f"comma-separated, of {', '.join(TARGETS)} (default all)")
+    parser.add_argument(
+        "--targets",
+        help=f"comma-separated, of {', '.join(KNOWN)} (default: {', '.join(TARGETS)})",
+    )
+    parser.add_argument(
+        "--scenarios",
+        help=f"comma-separated, of {', '.join(SCENARIO_NAMES)} (default completions; grpc:"
+        " unitproxy's targets only)",
+    )
     parser.add_argument("--requests", type=int, help="measured requests per target (default 2,000)")
     parser.add_argument("--warmup", type=int, help="requests before the count (default 300)")
     parser.add_argument("--out", type=Path, help="JSON (default bench/results/instructions.json)")
@@ -288,10 +410,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     args = parser.parse_args(argv)
     names = args.targets.split(",") if args.targets else (["unitproxy"] if args.quick else TARGETS)
-    unknown = [n for n in names if n not in TARGETS]
+    unknown = [n for n in names if n not in KNOWN]
     if unknown:
-        parser.error(f"unknown target {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+        parser.error(f"unknown target {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
     args.targets = list(dict.fromkeys(names))
+    scenarios = args.scenarios.split(",") if args.scenarios else ["completions"]
+    unknown = [s for s in scenarios if s not in SCENARIO_NAMES]
+    if unknown:
+        parser.error(
+            f"unknown scenario {', '.join(unknown)}; choose from {', '.join(SCENARIO_NAMES)}"
+        )
+    args.scenarios = list(dict.fromkeys(scenarios))
     args.requests = args.requests or (100 if args.quick else 2000)
     args.warmup = args.warmup if args.warmup is not None else (50 if args.quick else 300)
     if args.requests < 1 or args.warmup < 0 or args.top < 0:

@@ -21,8 +21,9 @@ sidecar would push load reports to it while the other targets run.)
 Targets: direct, unitproxy (the gateway, policy lor), vllm-router and sglang-router
 (round_robin: with one worker their cheapest policy), and sglang-router+nodelay (the
 same with TCP_NODELAY forced on its accepted sockets); unitproxy+tenants is the gateway
-with tenants (--tenants-file, --tenants-redis; unitproxy+tenants@REF: a commit's), and
-with one in the run every target's load carries the same API key. The peers are PyPI
+with tenants (--tenants-file, --tenants-redis; unitproxy+tenants@REF: a commit's;
+unitproxy+compiled+tenants: the compiled tree's), and with one in the run every target's
+load carries the same API key. The peers are PyPI
 packages in their own virtual environments under bench/.venvs, put there by
 
     bash bench/overhead/setup_peers.sh
@@ -48,6 +49,7 @@ client is this process (uvloop, one aiohttp session or one gRPC channel per run)
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy+tenants  # tenants A/B
     .venv/bin/python bench/overhead/run.py --targets unitproxy,unitproxy+trace0.01,unitproxy+trace1
     .venv/bin/python bench/overhead/run.py --targets unitproxy+tenants,unitproxy+tenants@main
+    .venv/bin/python bench/overhead/run.py --targets unitproxy+compiled,unitproxy+compiled+tenants
 
 Writes the table to stdout, JSON to bench/results/overhead.json, a PNG beside it and
 the children's logs to bench/results/overhead-logs/ (--quick: overhead.quick.*).
@@ -91,8 +93,10 @@ from bench.overhead import goals, output, report
 from bench.overhead.load import SCENARIOS, Scenario, measure, open_client
 from bench.overhead.targets import (
     ALL_TARGETS,
+    COMPILED_TENANTS,
     TENANTS,
     TENANTS_API_KEY,
+    TENANTS_TOML,
     Backend,
     Target,
     TargetStatus,
@@ -111,37 +115,6 @@ QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full
 MIN_SLOTS = 256  # sidecar capacity and sim batch slots: never the bottleneck
 IDLE_TIMEOUT_S = 5.0  # after a run, the sidecar must show 0 outstanding within this
 API_KEY = TENANTS_API_KEY
-BIG = 10**12  # a limit never reached
-# unitproxy+tenants' default tenants: the load's tenant has every limit (each is counted
-# and settled, in Redis), never reached; the others only make the set realistic.
-TENANTS_TOML = f"""\
-[[tenant]]
-name = "bench"
-keys = ["{API_KEY}"]
-requests_per_minute = {BIG}
-tokens_per_minute = {BIG}
-max_concurrent = 1000000
-tokens_per_day = {BIG}
-
-[[tenant]]
-name = "search"
-keys = ["sk-search-1", "sk-search-2"]
-priority = "interactive"
-requests_per_minute = 600
-tokens_per_minute = 200000
-
-[[tenant]]
-name = "agents"
-keys = ["sk-agents-1"]
-max_concurrent = 64
-tokens_per_day = 50000000
-
-[[tenant]]
-name = "nightly"
-keys = ["sk-nightly-1"]
-priority = "batch"
-tokens_per_minute = 1000000
-"""
 T = TypeVar("T")
 
 
@@ -409,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
         " for an A/B), unitproxy+traceR (this tree's gateway tracing R of its requests, e.g."
         " unitproxy+trace0.01), unitproxy+compiled (this tree built by"
         f" scripts/compiled_tree.sh) or {TENANTS} (this tree with tenants, their limits"
-        f" counted in Redis; {TENANTS}@REF: a commit's). Default all but these four;"
+        f" counted in Redis; {TENANTS}@REF: a commit's; {COMPILED_TENANTS}: the compiled"
+        " tree's). Default all but these five;"
         " direct is always run (the baseline).",
     )
     add(
@@ -468,7 +442,14 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
         (
             "target",
             targets,
-            (*ALL_TARGETS, "unitproxy@REF", "unitproxy+traceR", "unitproxy+compiled", TENANTS),
+            (
+                *ALL_TARGETS,
+                "unitproxy@REF",
+                "unitproxy+traceR",
+                "unitproxy+compiled",
+                TENANTS,
+                COMPILED_TENANTS,
+            ),
             known_target,
         ),
     ):

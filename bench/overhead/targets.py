@@ -23,6 +23,9 @@ about 20 % more sidecar CPU per request and 16-21 % less direct throughput).
                            (scripts/compiled_tree.sh build/compiled: 2-3 minutes the
                            first time, none while the sources stay the same); not in
                            the default targets
+    unitproxy+compiled+tenants
+                           the compiled tree (as CI builds it) with tenants, as
+                           unitproxy+tenants: the tenants A/B against unitproxy+compiled
     vllm-router            bench/.venvs/vllm-router/bin/vllm-router --worker-urls HTTP
     sglang-router          bench/.venvs/sglang-router: python -m sglang_router.launch_router
     sglang-router+nodelay  the same with LD_PRELOAD=bench/.venvs/nodelay.so: TCP_NODELAY
@@ -198,7 +201,39 @@ PROTOCOLS = {"direct": ("http", "grpc"), "unitproxy": ("http", "grpc")}  # peers
 WORKTREES = REPO / "bench" / ".worktrees"
 COMPILED = "unitproxy+compiled"
 TENANTS = "unitproxy+tenants"
+COMPILED_TENANTS = "unitproxy+compiled+tenants"  # the compiled tree with tenants
 TENANTS_API_KEY = "sk-bench-0"  # with TENANTS in the run, every target's load sends it
+BIG = 10**12  # a limit never reached
+# unitproxy+tenants' default tenants: the load's tenant has every limit (each is counted
+# and settled, in Redis), never reached; the others only make the set realistic.
+TENANTS_TOML = f"""\
+[[tenant]]
+name = "bench"
+keys = ["{TENANTS_API_KEY}"]
+requests_per_minute = {BIG}
+tokens_per_minute = {BIG}
+max_concurrent = 1000000
+tokens_per_day = {BIG}
+
+[[tenant]]
+name = "search"
+keys = ["sk-search-1", "sk-search-2"]
+priority = "interactive"
+requests_per_minute = 600
+tokens_per_minute = 200000
+
+[[tenant]]
+name = "agents"
+keys = ["sk-agents-1"]
+max_concurrent = 64
+tokens_per_day = 50000000
+
+[[tenant]]
+name = "nightly"
+keys = ["sk-nightly-1"]
+priority = "batch"
+tokens_per_minute = 1000000
+"""
 COMPILED_TREE = REPO / "build" / "compiled"  # where .ci/run builds it too
 COMPILE_TIMEOUT_S = 900.0
 
@@ -219,7 +254,8 @@ def trace_ratio(name: str) -> float | None:
 
 def is_unitproxy(name: str) -> bool:
     """``unitproxy`` (this tree), ``unitproxy@REF`` (a commit of it), ``unitproxy+compiled``,
-    ``unitproxy+tenants`` (``@REF``: a commit's), ``unitproxy+traceR``."""
+    ``unitproxy+tenants`` (``@REF``: a commit's), ``unitproxy+compiled+tenants``,
+    ``unitproxy+traceR``."""
     return (
         name in ("unitproxy", COMPILED)
         or name.startswith("unitproxy@")
@@ -229,14 +265,22 @@ def is_unitproxy(name: str) -> bool:
 
 
 def is_tenants(name: str) -> bool:
-    """``unitproxy+tenants`` or ``unitproxy+tenants@REF``: a gateway with tenants."""
-    return name == TENANTS or (name.startswith(TENANTS + "@") and len(name) > len(TENANTS) + 1)
+    """``unitproxy+tenants``, ``unitproxy+tenants@REF`` or ``unitproxy+compiled+tenants``: a
+    gateway with tenants."""
+    return name in (TENANTS, COMPILED_TENANTS) or (
+        name.startswith(TENANTS + "@") and len(name) > len(TENANTS) + 1
+    )
+
+
+def is_compiled(name: str) -> bool:
+    """``unitproxy+compiled`` or ``unitproxy+compiled+tenants``: runs build/compiled."""
+    return name in (COMPILED, COMPILED_TENANTS)
 
 
 def known_target(name: str) -> bool:
     return (
         name in ALL_TARGETS
-        or name == COMPILED
+        or is_compiled(name)
         or is_tenants(name)
         or trace_ratio(name) is not None
         or (name.startswith("unitproxy@") and len(name) > len("unitproxy@"))
@@ -291,7 +335,7 @@ async def _start_gateway(
 ) -> Target:
     cwd, version = None, "this tree"
     ratio = trace_ratio(name)
-    if name == COMPILED:  # python -m proxy runs the code in its cwd: it is sys.path[0]
+    if is_compiled(name):  # python -m proxy runs the code in its cwd: it is sys.path[0]
         cwd, version = await compiled_tree(), "this tree, request path compiled (mypyc)"
     elif ratio is not None:
         sink = await _start_sink(stack, log_dir, name)

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from json.scanner import make_scanner
 from typing import Any
 
 from engine import tokens
@@ -39,6 +40,9 @@ count_tokens = tokens.TokenCounter()
 # A request that ended so (HTTP status, gRPC code) had a unit work on its prompt.
 WORKED = frozenset({"200", "499", "OK", "CANCELLED"})
 _DECODER = json.JSONDecoder()  # one, not one a call (json.loads builds none either)
+# Its scanner, called directly: what ``_DECODER.raw_decode`` calls, less that method's
+# interpreted frame (raw_decode turns the scanner's StopIteration into a ValueError).
+_SCAN: Callable[[str, int], tuple[Any, int]] = make_scanner(_DECODER)  # type: ignore[arg-type]
 
 
 def parse_json(data: bytes) -> Any:
@@ -47,10 +51,10 @@ def parse_json(data: bytes) -> Any:
     an error) goes to ``json.loads``, which decides as it always did."""
     try:
         text = data.decode()
-        value, end = _DECODER.raw_decode(text)
+        value, end = _SCAN(text, 0)
         if end == len(text):
             return value
-    except ValueError:  # UnicodeDecodeError too
+    except (ValueError, StopIteration):  # UnicodeDecodeError too; StopIteration: no value
         pass
     return json.loads(data)
 
@@ -114,8 +118,8 @@ class Usage:
         if at < 0:
             return
         try:
-            usage, _ = _DECODER.raw_decode(data[at + 8 :].decode().lstrip())
-        except ValueError:  # UnicodeDecodeError too
+            usage, _ = _SCAN(data[at + 8 :].decode().lstrip(), 0)
+        except (ValueError, StopIteration):  # UnicodeDecodeError too; StopIteration: no value
             return
         self.read_usage(usage)
 
@@ -207,7 +211,8 @@ class Admission:
         used = u.prompt + u.completion
         self.reservation.settle(used)
         served = self._gate.served
-        if served is not None and u.attempted:  # charged its cost when a unit took it
+        # Charged its cost when a unit took it: the difference, where there is one.
+        if served is not None and u.attempted and used != self.cost:
             served(self.tenant.name, used - self.cost)
         self._gate.account(self, status)
 
