@@ -436,6 +436,7 @@ class VllmEngine(Engine):
         # KV cache events: who is told, where vLLM publishes them, the reader's task.
         self._kv_listener: KVEvents | None = None
         self._kv_endpoint: str | None = None
+        self._kv_replay: str | None = None  # where vLLM answers for batches missed
         self._kv_reader: asyncio.Task[None] | None = None
         self._kv_names = KVEventNames()
         self._block_size = 0
@@ -461,6 +462,7 @@ class VllmEngine(Engine):
         if endpoint is None:
             return False
         self._kv_listener, self._kv_endpoint = listener, endpoint
+        self._kv_replay = kv_replay_endpoint(self._kwargs, endpoint)
         return True
 
     async def find_prompt_blocks(self, request: EngineRequest) -> tuple[str, list[tuple[int, int]]]:
@@ -487,10 +489,16 @@ class VllmEngine(Engine):
         size = self._kv_names.block_size or self._block_size
         return text, token_blocks(ids, ends, size)
 
-    async def _read_kv_events(self, socket: Any, decode: Callable[[bytes], Any]) -> None:
-        """Each batch vLLM publishes, in order, renamed, to the listener. A batch
-        missed (a gap in vLLM's sequence) empties what the listener holds: it knows
-        nothing it cannot be sure of, and the blocks stored next are named again."""
+    async def _read_kv_events(
+        self, socket: Any, decode: Callable[[bytes], Any], context: Any = None
+    ) -> None:
+        """Each batch vLLM publishes, in order, renamed, to the listener. Batches
+        missed (a gap in vLLM's sequence: the subscription joined late, or fell behind
+        past its high-water mark) are asked of vLLM's replay socket (``context`` makes
+        the socket that asks), in order, before the batch after them. Where they cannot
+        all be had (no replay socket, gone from its buffer, no answer), what the
+        listener holds is emptied: it knows nothing it cannot be sure of, and the
+        blocks stored next are named again."""
         listener = self._kv_listener
         assert listener is not None
         expected = 0
@@ -506,13 +514,21 @@ class VllmEngine(Engine):
                 continue  # a gap at the next one
             events: list[KVEvent] = []
             if seq != expected:
-                logger.warning(
-                    "engine vllm: KV events %d..%d were missed; prefix blocks start over",
-                    expected,
-                    seq - 1,
-                )
-                self._kv_names = KVEventNames()
-                events.append(AllBlocksCleared())
+                missed = None
+                if seq > expected and self._kv_replay is not None and context is not None:
+                    missed = await replayed(context, self._kv_replay, expected, seq, decode)
+                if missed is None:
+                    logger.warning(
+                        "engine vllm: KV events %d..%d were missed; prefix blocks start over",
+                        expected,
+                        seq - 1,
+                    )
+                    self._kv_names = KVEventNames()
+                    events.append(AllBlocksCleared())
+                else:
+                    logger.info("engine vllm: KV events %d..%d replayed", expected, seq - 1)
+                    for old in missed:
+                        events.extend(self._kv_names.translate(old.events))
             expected = seq + 1
             events.extend(self._kv_names.translate(batch.events))
             if events:
@@ -545,7 +561,8 @@ class VllmEngine(Engine):
         built.kv_socket = socket
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._kv_reader = asyncio.create_task(
-            self._read_kv_events(socket, decoder.decode), name="vllm kv events"
+            self._read_kv_events(socket, decoder.decode, built.kv_context),
+            name="vllm kv events",
         )
 
     # -- lifetime ---------------------------------------------------------------------
@@ -633,7 +650,7 @@ class VllmEngine(Engine):
         otlp_protocol(self._kwargs)
         kwargs = dict(self._kwargs)
         if self._kv_listener is not None and "kv_events_config" not in kwargs:
-            kwargs["kv_events_config"] = _kv_events_config(self._kv_endpoint)
+            kwargs["kv_events_config"] = _kv_events_config(self._kv_endpoint, self._kv_replay)
         try:
             args = AsyncEngineArgs(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -856,7 +873,24 @@ def kv_events_endpoint(kwargs: dict[str, Any]) -> str | None:
     fields = config if isinstance(config, dict) else vars(config)
     if not fields.get("enable_kv_cache_events") or fields.get("publisher") not in (None, "zmq"):
         return None
-    endpoint = str(fields.get("endpoint") or "tcp://*:5557")
+    return _bound_here(str(fields.get("endpoint") or "tcp://*:5557"))
+
+
+def kv_replay_endpoint(kwargs: dict[str, Any], endpoint: str) -> str | None:
+    """Where vLLM answers for KV event batches a reader missed (its publisher's
+    ``replay_endpoint``): beside ``endpoint`` where this process sets the config, else
+    the configured one where it binds here. None: no replay (then a gap empties the
+    unit's prefix blocks)."""
+    config = kwargs.get("kv_events_config")
+    if config is None:
+        return endpoint + "-replay"
+    fields = config if isinstance(config, dict) else vars(config)
+    replay = fields.get("replay_endpoint")
+    return None if not replay else _bound_here(str(replay))
+
+
+def _bound_here(endpoint: str) -> str | None:
+    """A socket vLLM binds, as this process reaches it (None: vLLM connects out)."""
     if endpoint.startswith(("ipc://", "inproc://")):
         return endpoint
     if endpoint.startswith("tcp://*:") and not endpoint.endswith(":0"):
@@ -864,10 +898,53 @@ def kv_events_endpoint(kwargs: dict[str, Any]) -> str | None:
     return None  # the publisher connects out to a subscriber elsewhere
 
 
-def _kv_events_config(endpoint: str | None) -> Any:
+REPLAY_TIMEOUT_S = 2.0  # vLLM's publisher answers between two batches it publishes
+
+
+async def replayed(
+    context: Any, endpoint: str, start: int, stop: int, decode: Callable[[bytes], Any]
+) -> list[Any] | None:
+    """KV event batches ``start`` .. ``stop`` - 1 from vLLM's replay socket at
+    ``endpoint`` (its ROUTER: the start as 8 bytes big-endian in, each buffered batch
+    from it out as topic, seq, payload, then seq -1), decoded, in order; None when
+    not every one of them came (gone from its buffer, undecodable, no answer within
+    REPLAY_TIMEOUT_S)."""
+    import zmq  # type: ignore[import-not-found,unused-ignore]
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    got: list[Any] = []
+    try:
+        socket.connect(endpoint)
+        async with asyncio.timeout(REPLAY_TIMEOUT_S):
+            await socket.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                frames = await socket.recv_multipart()
+                if len(frames) != 4:
+                    return None
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq < 0:
+                    break  # the end of what it holds
+                if start + len(got) <= seq < stop:
+                    if seq != start + len(got):
+                        return None  # those before it are gone from its buffer
+                    got.append(decode(frames[3]))
+    except Exception as exc:  # TimeoutError, zmq's errors, a batch that does not decode
+        logger.warning(
+            "engine vllm: KV events replay failed: %s", one_line(exc) or type(exc).__name__
+        )
+        return None
+    finally:
+        socket.close(linger=0)
+    return got if len(got) == stop - start else None
+
+
+def _kv_events_config(endpoint: str | None, replay: str | None) -> Any:
     from vllm.config import KVEventsConfig  # type: ignore[import-not-found,unused-ignore]
 
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    return KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, replay_endpoint=replay
+    )
 
 
 def _check_local_paths(kwargs: dict[str, Any]) -> None:

@@ -19,7 +19,14 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from engine.vllm import KVEventNames, VllmEngine, block_key, kv_events_endpoint, token_blocks
+from engine.vllm import (
+    KVEventNames,
+    VllmEngine,
+    block_key,
+    kv_events_endpoint,
+    kv_replay_endpoint,
+    token_blocks,
+)
 from proxy.gateway.policies.prefix import PrefixAffinity
 from proxy.gateway.request import prompt_text
 from proxy.gateway.server import Gateway
@@ -231,6 +238,89 @@ def test_vllms_block_hashes_are_renamed_by_their_tokens_as_a_prompt_is_cut() -> 
     gone = vllm_events.BlockRemoved(block_hashes=[b"b", b"z"], medium="GPU")
     assert names.translate([gone]) == [BlockRemoved((k2,))]
     assert len(names) == 1
+
+
+def test_the_replay_endpoint_is_beside_this_process_own_or_the_one_configured() -> None:
+    assert kv_replay_endpoint({"model": "m"}, "ipc:///tmp/e") == "ipc:///tmp/e-replay"
+    configured = {"enable_kv_cache_events": True, "replay_endpoint": "tcp://*:5558"}
+    assert kv_replay_endpoint({"kv_events_config": configured}, "x") == "tcp://127.0.0.1:5558"
+    none = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557"}
+    assert kv_replay_endpoint({"kv_events_config": none}, "tcp://127.0.0.1:5557") is None
+
+
+@vllm_test
+@pytest.mark.parametrize("buffered", [100, 1])
+async def test_batches_a_reader_missed_are_replayed_from_vllms_buffer(
+    tiny_model: Path,  # noqa: F811 (a fixture)
+    tmp_path: Path,
+    buffered: int,
+) -> None:
+    """vLLM's own publisher (its PUB and replay ROUTER sockets) sends batches 0 and 1
+    before the sidecar's reader subscribes: the reader, seeing batch 2 first, asks the
+    replay socket for 0 and 1 and names the whole chain; where vLLM's buffer no longer
+    has them (one batch kept), the reader's listener is emptied and told only what it
+    can name."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from vllm.distributed import kv_events as vllm_events
+
+    from engine.kv_events import AllBlocksCleared, BlockStored
+
+    endpoint = f"ipc://{tmp_path}/kv"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+              "replay_endpoint": endpoint + "-replay", "buffer_steps": buffered}  # fmt: skip
+    settings = vllm_engine_settings(tiny_model)
+    settings["engine_args"] = {**settings["engine_args"], "kv_events_config": config}
+    engine = VllmEngine(load({"engine": settings}).engine)
+    heard: list[Any] = []
+    assert engine.subscribe_kv_events(heard.extend)
+
+    def batch(i: int) -> Any:
+        parent = None if i == 0 else bytes([i - 1])
+        stored = vllm_events.BlockStored(
+            block_hashes=[bytes([i])], parent_block_hash=parent, token_ids=[2 * i, 2 * i + 1],
+            block_size=2, lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+        return vllm_events.KVEventBatch(ts=0.0, events=[stored])
+
+    publisher = vllm_events.ZmqEventPublisher(
+        0, endpoint=endpoint, replay_endpoint=endpoint + "-replay", buffer_steps=buffered
+    )
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.SUB)
+    reader: asyncio.Task[None] | None = None
+    try:
+        publisher.publish(batch(0))
+        publisher.publish(batch(1))
+        await asyncio.sleep(0.3)  # published, to nobody
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(endpoint)
+        decoder = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
+        reader = asyncio.create_task(engine._read_kv_events(socket, decoder.decode, context))
+        sent = 2
+        while not heard and sent < 40:  # until the subscription has joined
+            publisher.publish(batch(sent))
+            sent += 1
+            await asyncio.sleep(0.1)
+        await wait_until(lambda: len(heard) >= (sent if buffered > 1 else 1), timeout_s=10)
+    finally:
+        if reader is not None:
+            reader.cancel()
+        socket.close(linger=0)
+        context.destroy(linger=0)
+        publisher.shutdown()
+    keys: list[int] = []
+    for i in range(sent):
+        keys.append(block_key(keys[-1] if keys else None, [2 * i, 2 * i + 1]))
+    if buffered > 1:  # every batch, in order, the chain named from its first block
+        assert heard == [
+            BlockStored((k,), keys[i - 1] if i else None, 2) for i, k in enumerate(keys)
+        ]
+    else:  # gone: what was held is dropped; the chain's later blocks cannot be named
+        assert heard[0] == AllBlocksCleared()
+        assert not any(isinstance(e, BlockStored) for e in heard)
 
 
 def test_the_kv_events_endpoint_is_this_process_own_or_the_one_configured() -> None:
