@@ -447,12 +447,16 @@ class GatewaySettings(_Section):
     prefix_ttft_s: float = Field(
         0.0,
         ge=0,
-        description="Policy prefix: the time to first token tolerated for affinity, in s. A unit holding the prefix that is above the bound over the mean load still takes the request while the prompt tokens queued for prefill there, this request's counted, are what it clears within this time (its prefill rate x this); prefix_slack decides instead for a unit whose rate or queue is unknown. 0: off (prefix_slack). Default 0.",
+        description="Policy prefix: the time to first token tolerated for affinity, in s. A unit holding the prefix that is above the bound over the mean load still takes the request while the prompt tokens queued for prefill there, this request's counted, are what it clears within this time (its prefill rate x this); prefix_slack decides instead for a unit whose rate or queue is unknown. 0: off (prefix_weigh_prefill, else prefix_slack). Default 0.",
+    )
+    prefix_weigh_prefill: bool = Field(
+        True,
+        description="Policy prefix, with prefix_ttft_s 0: a unit holding the prefix that is above the bound over the mean load still takes the request while the prefill before its first token there (the prompt tokens queued for prefill, named metric prefill_queue_tokens, and this request's tokens it does not hold, at its prefill rate) is no longer than at the least loaded unit (its queue and the prompt's tokens it does not hold, at its rate): the prefill affinity saves weighed against the queue it adds. prefix_slack decides instead where either unit reports no queue or rate. false: prefix_slack alone. Default true.",
     )
     prefix_prefill_tokens_per_s: float = Field(
         0.0,
         ge=0,
-        description="Policy prefix, with prefix_ttft_s: the prompt tokens a unit prefills per second. 0: each unit's own, measured by its engine and reported as the named metric prefill_tokens_per_s. Default 0.",
+        description="Policy prefix, with prefix_ttft_s or prefix_weigh_prefill: the prompt tokens a unit prefills per second. 0: each unit's own, measured by its engine and reported as the named metric prefill_tokens_per_s. Default 0.",
     )
     load_source: Literal["watch", "watch-http", "poll", "redis"] = Field(
         "watch",

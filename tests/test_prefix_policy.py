@@ -266,6 +266,95 @@ async def test_the_router_bounds_affinity_by_the_units_reported_prefill_when_a_t
         assert chosen.id == goes_to, (ttft_s, queued)
 
 
+def test_weighed_a_holder_above_the_bound_keeps_the_request_while_it_starts_it_no_later() -> None:
+    # mean 0.25: the bound over the mean is 1.1 x 0.25 x 64 = 17.6 requests, + slack 1
+    least = calibrated("c", 0, queued=500, rate=4000)
+    budget = Budget(ttft_s=0.0, rate=0.0, weigh=True)
+    budget.new_tokens = 100  # the holder lacks 100 of the prompt's tokens
+    budget.against(least, 2100)  # the least loaded unit would prefill all 2,100
+    assert budget.least_s == pytest.approx((500 + 2100) / 4000)
+    # 30 outstanding, far over the bound and the slack: its queue of 2,400 tokens and
+    # the 100 it lacks (0.625 s) start it no later than 500 + 2,100 at c (0.65 s)
+    deep = calibrated("a", 30, queued=2400, rate=4000)
+    assert budget.fits(deep) == 1
+    assert prefix_affinity(least, [[deep]], CORRECTED, 0.25, 0.1, 1, budget.fits) is deep
+    assert prefix_affinity(least, [[deep]], CORRECTED, 0.25, 0.1, 1) is least, "by slack"
+    # 2,600 queued: 0.675 s against 0.65 s, the prefill it saves no longer pays
+    deeper = calibrated("b", 30, queued=2600, rate=4000)
+    assert budget.fits(deeper) == 0
+    assert prefix_affinity(least, [[deeper]], CORRECTED, 0.25, 0.1, 1, budget.fits) is least
+    # within the bound the weighing is not asked: the holder takes it
+    near = calibrated("e", 10, queued=9000, rate=4000)
+    assert prefix_affinity(least, [[near]], CORRECTED, 0.25, 0.1, 1, budget.fits) is near
+    # the rates count: the holder prefills twice as fast
+    assert budget.fits(calibrated("f", 30, queued=4800, rate=8000)) == 1
+    # either side unknown: -1, and the slack decides
+    assert budget.fits(unit("d", 30)) == -1
+    budget.against(unit("g", 0), 2100)
+    assert budget.least_s == -1 and budget.fits(deep) == -1
+    # what this gateway sent a unit since its report is queued there too, until the next
+    budget.against(least, 2100)
+    budget.chose(deep, 200)
+    assert budget.queued(deep) == 2600 and budget.fits(deep) == 0
+    budget.reported(deep)
+    assert budget.queued(deep) == 2400 and budget.fits(deep) == 1
+    off = Budget(ttft_s=0.0, rate=0.0, weigh=False)
+    off.against(least, 2100)
+    assert off.fits(deep) == -1, "not weighed: the slack decides"
+    # a tolerated TTFT, where set, decides instead: 2,500 tokens miss 0.5 s at 4,000/s
+    capped = Budget(ttft_s=0.5, rate=0.0, weigh=True)
+    capped.new_tokens = 100
+    capped.against(least, 2100)
+    assert capped.fits(deep) == 0
+
+
+async def test_the_router_weighs_the_prefill_a_holder_saves_against_its_queue() -> None:
+    text = system(3) + "a question"  # 1,930 characters: 482 tokens, 3 whole blocks
+    # u0 holds the prompt's prefix (its engine says so: 1,536 characters) and is far
+    # above the mean; u1 is idle with a queue of 200 tokens; both prefill 20,000
+    # tokens a second. u0 lacks 394 characters (98.5 tokens): 100 queued start it sooner
+    # than u1's 200 + 482.5, 600 queued do not
+    cases = [(True, 100.0, "u0"), (True, 600.0, "u1"), (False, 100.0, "u1")]
+    for weigh, queued, goes_to in cases:
+        r = fleet(2, policy="prefix", prefix_weigh_prefill=weigh)
+        blocks = index(r).hashes(text)
+        held = PrefixBlocks(1, 0, 1, True, tuple(blocks), (), 512)
+        metrics = {"prefill_queue_tokens": queued, "prefill_tokens_per_s": 20_000.0}
+        report = LoadReport("u0", UnitState.SERVING, 40, 64, seq=11, named_metrics=metrics,
+                            prefix_blocks=held)  # fmt: skip
+        r.apply_report("u0", report)
+        idle = {"prefill_queue_tokens": 200.0, "prefill_tokens_per_s": 20_000.0}
+        r.apply_report("u1", LoadReport("u1", UnitState.SERVING, 0, 64, seq=11, named_metrics=idle))
+        chosen = await r.acquire(want=Want(None, blocks, len(text)))
+        assert chosen.id == goes_to, (weigh, queued)
+
+
+async def test_weighed_the_prompts_sent_since_a_units_report_count_in_its_queue() -> None:
+    text = system(3) + "a question"  # as above: u0 lacks 98.5 of its 482.5 tokens
+    r = fleet(2, policy="prefix")
+    blocks = index(r).hashes(text)
+    held = PrefixBlocks(1, 0, 1, True, tuple(blocks), (), 512)
+
+    def report(seq: int) -> None:
+        metrics = {"prefill_queue_tokens": 400.0, "prefill_tokens_per_s": 20_000.0}
+        r.apply_report("u0", LoadReport("u0", UnitState.SERVING, 40, 64, seq=seq,
+                                        named_metrics=metrics, prefix_blocks=held))  # fmt: skip
+        idle = {"prefill_queue_tokens": 200.0, "prefill_tokens_per_s": 20_000.0}
+        r.apply_report("u1", LoadReport("u1", UnitState.SERVING, 0, 64, seq=seq, named_metrics=idle))
+
+    async def choose() -> str:
+        return (await r.acquire(want=Want(None, blocks, len(text)))).id
+
+    report(11)
+    # 400 + 98.5, then 400 + 98.5 + 98.5, are no more than u1's 200 + 482.5; with the
+    # two sent since its report u0's queue is 597, and 597 + 98.5 is more
+    assert [await choose() for _ in range(3)] == ["u0", "u0", "u1"]
+    assert isinstance(r.policy, PrefixAffinity)
+    assert r.policy.budget.sent == pytest.approx({"u0": 197, "u1": 482.5})
+    report(12)  # each unit's next report counts what it was sent (as its queue)
+    assert r.policy.budget.sent == {}
+
+
 def slotted(id: str, outstanding: int, slots: float, capacity: int = 64) -> Unit:
     u = Unit(id, f"http://{id}:1", f"{id}:2")
     named = {"engine_slots": slots}

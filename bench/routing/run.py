@@ -87,7 +87,7 @@ QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")  # a smoke run keeps the full
 OWN_POLICIES = ("lor", "prefix", "prefix-strict", "prefix-unfed", "p2c", "round_robin",
                 "random", "lor-delayed", "lor-delayed-corrected", "lor-unbudgeted",
                 "lor-as-at-1000", "lor-2gw", "lor-3gw", "prefix-2gw", "prefix-3gw", "prefix-guess",
-                "prefix-guess-2gw", "prefix-guess-3gw", "prefix-slots", "latency",
+                "prefix-guess-2gw", "prefix-guess-3gw", "prefix-slots", "prefix-slack", "latency",
                 "latency-goodput")  # fmt: skip
 # -Ngw: N gateway replicas, each with its own index and counts; clients spread over them
 REPLICATED = re.compile(r"(.+)-([23])gw")
@@ -167,6 +167,9 @@ class BenchSettings:
             "prefix-unfed": ["--policy", "prefix", "--prefix-engine-feedback", "false"],
             # prefix by this gateway's guess alone: not the blocks the units report holding
             "prefix-guess": ["--policy", "prefix", "--prefix-engine-blocks", "false"],
+            # above the bound over the mean, prefix_slack alone decides (not the prefill
+            # the holder saves weighed against its queue: the default before it)
+            "prefix-slack": ["--policy", "prefix", "--prefix-weigh-prefill", "false"],
             # a holder with an engine slot free for the request takes it above the bound
             "prefix-slots": ["--policy", "prefix", "--prefix-free-slots", "true"],
             # Every unit at its own report rate (no budget, no floor), and every unit asked

@@ -61,8 +61,9 @@ def prefix_affinity(
     holds it from then on.
 
     ``fits`` (calibration, ``Budget.fits``): whether a unit above the bound over the
-    mean clears its queued prefill, this request's counted, within the tolerated TTFT
-    (1 yes, 0 no, -1 unknown); where it knows, it decides instead of ``slack``.
+    mean clears its queued prefill, this request's counted, within the tolerated TTFT,
+    or, weighed, starts the request no later than ``least`` would (1 yes, 0 no, -1
+    unknown); where it knows, it decides instead of ``slack``.
 
     ``free_slots``: a holder also takes the request while it has an engine slot free
     for it (estimated outstanding + 1 at most the ``engine_slots`` it reports), above
@@ -100,29 +101,78 @@ CHARS_PER_TOKEN = 4.0
 
 
 class Budget:
-    """The bound on affinity from calibration: a unit clears ``rate x ttft_s`` prompt
-    tokens of prefill within the tolerated TTFT; ``rate`` is given
-    (``prefix_prefill_tokens_per_s``) or the unit's own, measured by its engine
-    (named metric ``prefill_tokens_per_s``), and what waits for prefill there is its
-    named metric ``prefill_queue_tokens``."""
+    """The bound on affinity from calibration, above the bound over the mean load.
 
-    __slots__ = ("new_tokens", "rate", "ttft_s")
+    With a tolerated TTFT (``ttft_s`` > 0): a unit clears ``rate x ttft_s`` prompt
+    tokens of prefill within it; ``rate`` is given (``prefix_prefill_tokens_per_s``)
+    or the unit's own, measured by its engine (named metric ``prefill_tokens_per_s``),
+    and what waits for prefill there is its named metric ``prefill_queue_tokens``.
 
-    def __init__(self, ttft_s: float, rate: float):
+    Without one, with ``weigh`` (``prefix_weigh_prefill``): the holder against the
+    least loaded unit, the fallback. A holder takes the request while the prefill
+    before its first token there (its queue and the prompt's tokens it does not hold,
+    at its rate) is no longer than at the least loaded unit (its queue and the prompt's
+    tokens that one does not hold, at its own rate): the prefill affinity saves
+    against the queue it adds, in seconds on both sides. A long shared prefix keeps its
+    unit through a deep queue; a short one moves as soon as its holder's queue costs
+    more than prefilling it again elsewhere."""
+
+    __slots__ = ("least_s", "new_tokens", "rate", "sent", "ttft_s", "weigh")
+
+    def __init__(self, ttft_s: float, rate: float, weigh: bool = False):
         self.ttft_s = ttft_s
         self.rate = rate
+        self.weigh = weigh
         self.new_tokens = 0.0  # this request's prompt tokens not held at the unit
+        self.least_s = -1.0  # the prefill before its first token at the least loaded unit
+        # Per unit, the prompt tokens this gateway sent it since its last report (that
+        # it was not known to hold): queued there, and not in the report's queue yet.
+        self.sent: dict[str, float] = {}
 
-    def fits(self, unit: Unit) -> int:
-        """1: the unit's queued prefill and this request's fit in the tolerated TTFT;
-        0: they do not; -1: unknown (no TTFT set, no rate, or no queue reported)."""
-        if self.ttft_s <= 0:
-            return -1
+    def queued(self, unit: Unit) -> float:
+        """The prompt tokens queued for prefill at the unit: its last report's, and
+        this gateway's sent since; -1 where it reports none."""
         queued = unit.metric("prefill_queue_tokens")
+        return queued if queued < 0 else queued + self.sent.get(unit.id, 0.0)
+
+    def prefill_s(self, unit: Unit, new_tokens: float) -> float:
+        """The prefill before a request's first token at the unit: its queue and the
+        request's ``new_tokens``, at its rate, in s; -1 where it reports no queue or
+        no rate is known."""
+        queued = self.queued(unit)
         rate = self.rate if self.rate > 0 else unit.metric("prefill_tokens_per_s")
         if queued < 0 or rate <= 0:
+            return -1.0
+        return (queued + new_tokens) / rate
+
+    def chose(self, unit: Unit, new_tokens: float) -> None:
+        """A request went to the unit, ``new_tokens`` of its prompt not held there."""
+        self.sent[unit.id] = self.sent.get(unit.id, 0.0) + new_tokens
+
+    def reported(self, unit: Unit) -> None:
+        """The unit's report counts what was sent it before (its queue)."""
+        self.sent.pop(unit.id, None)
+
+    def against(self, least: Unit, new_tokens: float) -> None:
+        """Sets the least loaded unit's side of ``weigh`` for this request."""
+        self.least_s = self.prefill_s(least, new_tokens) if self.weigh else -1.0
+
+    def fits(self, unit: Unit) -> int:
+        """1: the unit's queued prefill and this request's fit in the tolerated TTFT
+        (or, weighed, start no later than at the least loaded unit); 0: they do not;
+        -1: unknown (neither set, no rate, or no queue reported)."""
+        if self.ttft_s > 0:
+            queued = self.queued(unit)
+            rate = self.rate if self.rate > 0 else unit.metric("prefill_tokens_per_s")
+            if queued < 0 or rate <= 0:
+                return -1
+            return 1 if queued + self.new_tokens <= rate * self.ttft_s else 0
+        if self.least_s < 0:
             return -1
-        return 1 if queued + self.new_tokens <= rate * self.ttft_s else 0
+        here = self.prefill_s(unit, self.new_tokens)
+        if here < 0:
+            return -1
+        return 1 if here <= self.least_s else 0
 
 
 class PrefixAffinity(Policy):
@@ -133,7 +183,7 @@ class PrefixAffinity(Policy):
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.feedback = EngineFeedback(self.index) if s.prefix_engine_feedback else None
         self.engine = engine_blocks(s.prefix_chunk_chars)  # what units report they hold
-        self.budget = Budget(s.prefix_ttft_s, s.prefix_prefill_tokens_per_s)
+        self.budget = Budget(s.prefix_ttft_s, s.prefix_prefill_tokens_per_s, s.prefix_weigh_prefill)
         # The least loaded bounds a choice, and the fleet's mean load bounds that.
         self.heap = LeastLoaded(shared.rng, shared.view, sums=True)
 
@@ -162,7 +212,8 @@ class PrefixAffinity(Policy):
             unit = by_id.get(unit_id)
             return unit is not None and c.can_take(unit) and unit.serves(want.model)
 
-        held = merged(self.engine.matches(want.blocks), self.index.matches(want.blocks, c.now))
+        engine, guess = self.engine.matches(want.blocks), self.index.matches(want.blocks, c.now)
+        held = list(merged(engine, guess))
         budget, chunk = self.budget, s.prefix_chunk_chars
 
         def holders() -> Iterator[list[Unit]]:
@@ -170,7 +221,17 @@ class PrefixAffinity(Policy):
                 budget.new_tokens = max(0, want.chars - depth * chunk) / CHARS_PER_TOKEN
                 yield [by_id[i] for i in ids if can_take(i)]
 
-        fits = budget.fits if s.prefix_ttft_s > 0 else None
+        def new_tokens(unit: Unit) -> float:
+            """The prompt's tokens the unit is not known to hold."""
+            depth = next((d for d, ids in held if unit.id in ids), 0)
+            return max(0, want.chars - depth * chunk) / CHARS_PER_TOKEN
+
+        fits = None
+        if s.prefix_ttft_s > 0:
+            fits = budget.fits
+        elif budget.weigh:
+            budget.against(least, new_tokens(least))
+            fits = budget.fits
         unit = prefix_affinity(
             least,
             holders(),
@@ -181,12 +242,15 @@ class PrefixAffinity(Policy):
             fits,
             s.prefix_free_slots,
         )
+        if fits is not None:
+            budget.chose(unit, new_tokens(unit))
         if self.feedback is not None:
             self.feedback.sent(unit.id, want.blocks, want.chars)
         self.index.record(unit.id, want.blocks, c.now)
         return unit
 
     def reported(self, unit: Unit, report: LoadReport) -> None:
+        self.budget.reported(unit)
         if _cache_lost(unit.report, report):
             self.index.forget(unit.id)
             self.engine.forget(unit.id)
