@@ -329,6 +329,33 @@ async def test_the_router_weighs_the_prefill_a_holder_saves_against_its_queue() 
         assert chosen.id == goes_to, (weigh, queued)
 
 
+def test_weighed_a_full_holder_gives_way_to_a_least_loaded_unit_with_a_free_slot() -> None:
+    # prefill alone says the holder (2,400 + 100 tokens against 500 + 2,100), but its 16
+    # engine slots are taken: there the request would wait for a running one to end
+    view = CORRECTED
+    budget = Budget(ttft_s=0.0, rate=0.0, weigh=True, view=view)
+    budget.new_tokens = 100
+
+    def shaped(id: str, outstanding: int, queued: float, slots: float) -> Unit:
+        u = Unit(id, f"http://{id}:1", f"{id}:2")
+        named = {"prefill_queue_tokens": queued, "prefill_tokens_per_s": 4000.0,
+                 "engine_slots": slots}  # fmt: skip
+        u.apply(LoadReport(id, UnitState.SERVING, outstanding, 64, seq=1, named_metrics=named), 0.0)
+        return u
+
+    full = shaped("a", 16, queued=2400, slots=16)
+    roomy = shaped("b", 15, queued=2400, slots=16)
+    budget.against(shaped("c", 3, queued=500, slots=16), 2100)
+    assert budget.least_free == 1
+    assert budget.fits(full) == 0 and budget.fits(roomy) == 1
+    # the least loaded unit full too: both wait for a slot, the prefill decides
+    budget.against(shaped("d", 16, queued=500, slots=16), 2100)
+    assert budget.least_free == 0 and budget.fits(full) == 1
+    # no slots reported: the prefill decides
+    budget.against(shaped("e", 3, queued=500, slots=0), 2100)
+    assert budget.least_free == -1 and budget.fits(full) == 1
+
+
 async def test_weighed_the_prompts_sent_since_a_units_report_count_in_its_queue() -> None:
     text = system(3) + "a question"  # as above: u0 lacks 98.5 of its 482.5 tokens
     r = fleet(2, policy="prefix")
@@ -340,7 +367,9 @@ async def test_weighed_the_prompts_sent_since_a_units_report_count_in_its_queue(
         r.apply_report("u0", LoadReport("u0", UnitState.SERVING, 40, 64, seq=seq,
                                         named_metrics=metrics, prefix_blocks=held))  # fmt: skip
         idle = {"prefill_queue_tokens": 200.0, "prefill_tokens_per_s": 20_000.0}
-        r.apply_report("u1", LoadReport("u1", UnitState.SERVING, 0, 64, seq=seq, named_metrics=idle))
+        r.apply_report(
+            "u1", LoadReport("u1", UnitState.SERVING, 0, 64, seq=seq, named_metrics=idle)
+        )
 
     async def choose() -> str:
         return (await r.acquire(want=Want(None, blocks, len(text)))).id

@@ -115,16 +115,23 @@ class Budget:
     tokens that one does not hold, at its own rate): the prefill affinity saves
     against the queue it adds, in seconds on both sides. A long shared prefix keeps its
     unit through a deep queue; a short one moves as soon as its holder's queue costs
-    more than prefilling it again elsewhere."""
+    more than prefilling it again elsewhere. Not while the holder has no engine slot
+    free for the request and the least loaded unit has one: there it would wait for a
+    running request to end, which its prefill queue does not show. A unit's queue is
+    its last report's and the prompt tokens this gateway sent it since (``sent``)."""
 
-    __slots__ = ("least_s", "new_tokens", "rate", "sent", "ttft_s", "weigh")
+    __slots__ = ("least_free", "least_s", "new_tokens", "rate", "sent", "ttft_s", "view", "weigh")
 
-    def __init__(self, ttft_s: float, rate: float, weigh: bool = False):
+    def __init__(
+        self, ttft_s: float, rate: float, weigh: bool = False, view: LoadView | None = None
+    ):
         self.ttft_s = ttft_s
         self.rate = rate
         self.weigh = weigh
+        self.view = view  # the units' estimated outstanding, for their free engine slots
         self.new_tokens = 0.0  # this request's prompt tokens not held at the unit
         self.least_s = -1.0  # the prefill before its first token at the least loaded unit
+        self.least_free = -1  # whether the least loaded unit has an engine slot free for it
         # Per unit, the prompt tokens this gateway sent it since its last report (that
         # it was not known to hold): queued there, and not in the report's queue yet.
         self.sent: dict[str, float] = {}
@@ -153,9 +160,19 @@ class Budget:
         """The unit's report counts what was sent it before (its queue)."""
         self.sent.pop(unit.id, None)
 
+    def free_slot(self, unit: Unit) -> int:
+        """1: the unit has an engine slot free for one more request (its estimated
+        outstanding, that one counted, at most the ``engine_slots`` it reports); 0: it
+        has not; -1: unknown (no slots reported)."""
+        slots = unit.metric(ENGINE_SLOTS, 0.0)
+        if slots <= 0 or self.view is None:
+            return -1
+        return 1 if self.view.estimate(unit) + 1 <= slots else 0
+
     def against(self, least: Unit, new_tokens: float) -> None:
         """Sets the least loaded unit's side of ``weigh`` for this request."""
         self.least_s = self.prefill_s(least, new_tokens) if self.weigh else -1.0
+        self.least_free = self.free_slot(least) if self.weigh else -1
 
     def fits(self, unit: Unit) -> int:
         """1: the unit's queued prefill and this request's fit in the tolerated TTFT
@@ -172,6 +189,10 @@ class Budget:
         here = self.prefill_s(unit, self.new_tokens)
         if here < 0:
             return -1
+        if self.least_free == 1 and self.free_slot(unit) == 0:
+            # it would wait there for a running request to end, not for prefill alone,
+            # where the least loaded unit starts it at once
+            return 0
         return 1 if here <= self.least_s else 0
 
 
@@ -183,7 +204,9 @@ class PrefixAffinity(Policy):
         self.index = PrefixIndex(s.prefix_chunk_chars, s.prefix_max_blocks, s.prefix_ttl_s)
         self.feedback = EngineFeedback(self.index) if s.prefix_engine_feedback else None
         self.engine = engine_blocks(s.prefix_chunk_chars)  # what units report they hold
-        self.budget = Budget(s.prefix_ttft_s, s.prefix_prefill_tokens_per_s, s.prefix_weigh_prefill)
+        self.budget = Budget(
+            s.prefix_ttft_s, s.prefix_prefill_tokens_per_s, s.prefix_weigh_prefill, shared.view
+        )
         # The least loaded bounds a choice, and the fleet's mean load bounds that.
         self.heap = LeastLoaded(shared.rng, shared.view, sums=True)
 
