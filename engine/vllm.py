@@ -54,6 +54,7 @@ from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, Toke
 from engine.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
 from engine.frontend import OpenAIFrontend
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
+from engine.prefill import PrefillMeter, text_tokens
 from engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -429,6 +430,7 @@ class VllmEngine(Engine):
         self._dead: str | None = "engine not started"
         self._view = SchedulerView.empty()
         self._in_flight: set[str] = set()
+        self._prefill = PrefillMeter()  # vLLM reports no prefill queue or rate of its own
         self._ids = itertools.count()
         # One thread renders chat templates: off the loop, and never two at once on
         # one tokenizer (HF fast tokenizers are not safe to share between threads).
@@ -733,14 +735,19 @@ class VllmEngine(Engine):
             return EngineStats(kv_cache_usage=-1.0)
         in_flight = len(self._in_flight)
         prefix = self._view.prefix_cache()
+        prefill = self._prefill.metrics()
         if in_flight == 0:
-            return EngineStats(kv_cache_usage=0.0, **prefix)
+            return EngineStats(kv_cache_usage=0.0, named_metrics=prefill, **prefix)
         running, _, kv = self._view.totals()
         # The scheduler's last report can be older than an abort or a finish; ours
         # cannot, and every request of ours not running is waiting somewhere in vLLM.
         running = min(running, in_flight)
         return EngineStats(
-            running=running, waiting=in_flight - running, kv_cache_usage=kv, **prefix
+            running=running,
+            waiting=in_flight - running,
+            kv_cache_usage=kv,
+            named_metrics=prefill,
+            **prefix,
         )
 
     # -- requests ---------------------------------------------------------------------
@@ -757,6 +764,7 @@ class VllmEngine(Engine):
         # vLLM refuses a request id already in flight; client ids may repeat.
         request_id = f"{request.request_id}-{next(self._ids)}"
         self._in_flight.add(request_id)
+        self._prefill.submitted(request_id, _prompt_tokens(prompt))
         progress, final = _Progress(), None
         try:
             # The request's class (lower first, as vLLM's own priority) where the operator
@@ -771,6 +779,8 @@ class VllmEngine(Engine):
             async with aclosing(generating) as outputs:
                 async for output in outputs:
                     delta = progress.delta(output)
+                    cached = getattr(output, "num_cached_tokens", None) or 0
+                    self._prefill.started(request_id, progress.prompt_tokens, cached)
                     if output.finished:
                         # Yielded after vLLM's generator ended by itself: closing it
                         # earlier would make it abort a finished request.
@@ -784,6 +794,7 @@ class VllmEngine(Engine):
             # as it is closed above; an explicit abort also covers a request that
             # failed half-way. Aborting an unknown or finished id is a no-op.
             self._in_flight.discard(request_id)
+            self._prefill.ended(request_id)
             if final is None:
                 await self._abort(built, request_id)
         if final is None:
@@ -832,6 +843,12 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise InvalidRequest(f"messages: the chat template failed: {one_line(exc)}") from exc
         return {"prompt_token_ids": ids}
+
+
+def _prompt_tokens(prompt: dict[str, Any]) -> float:
+    """The tokens of a prompt as handed to vLLM: its ids, or estimated from its text."""
+    ids = prompt.get("prompt_token_ids")
+    return float(len(ids)) if ids is not None else text_tokens(str(prompt.get("prompt", "")))
 
 
 async def _shutdown(built: _Vllm) -> None:

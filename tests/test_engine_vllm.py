@@ -318,6 +318,20 @@ async def test_the_load_report_carries_vllms_prefix_cache_counters(sidecar: Side
 
 
 @with_vllm
+async def test_the_load_report_carries_the_prefill_queue_and_rate_measured_around_vllm(
+    sidecar: Sidecar,
+) -> None:
+    # vLLM reports neither: the engine measures them (engine.prefill), for the gateways'
+    # policy prefix to weigh a unit's queue by
+    async with client(sidecar) as oa:
+        assert await stream_tokens(oa, "A prompt of a few tokens to prefill, " * 8, 2) == 2
+    await until_idle(sidecar)
+    named = sidecar.core.report().named_metrics
+    assert named["prefill_queue_tokens"] == 0.0, "idle: nothing waits for its first token"
+    assert named["prefill_tokens_per_s"] > 0.0
+
+
+@with_vllm
 async def test_a_device_the_build_does_not_run_on_is_refused(
     tiny_model: Path, vllm_env: None
 ) -> None:
