@@ -13,8 +13,10 @@ engine's rate is not diluted.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 PREFILL_QUEUE_TOKENS = "prefill_queue_tokens"
 PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
@@ -82,3 +84,23 @@ class PrefillMeter:
 def text_tokens(text: str) -> float:
     """A prompt's tokens from its text, before the engine has counted them."""
     return len(text) / CHARS_PER_TOKEN
+
+
+def prompt_size(prompt: Any) -> float:
+    """The tokens of a prompt as handed to vLLM's ``generate``: a dict or object with
+    its ``prompt_token_ids``, or with its ``prompt`` text (estimated), or a string; 0
+    where none of these is found (the engine's own count then stands, at its first
+    output)."""
+    if isinstance(prompt, str):
+        return text_tokens(prompt)
+    fields: dict[str, Any] = (
+        prompt
+        if isinstance(prompt, dict)
+        else {name: getattr(prompt, name, None) for name in ("prompt_token_ids", "prompt")}
+    )
+    ids = fields.get("prompt_token_ids")
+    if ids is not None:
+        with contextlib.suppress(TypeError):
+            return float(len(ids))
+    text = fields.get("prompt")
+    return text_tokens(text) if isinstance(text, str) else 0.0

@@ -54,7 +54,7 @@ from engine.base import Engine, EngineRequest, EngineStats, SamplingParams, Toke
 from engine.errors import EngineDeadError, EngineError, InvalidRequest, Overloaded
 from engine.frontend import OpenAIFrontend
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
-from engine.prefill import PrefillMeter, text_tokens
+from engine.prefill import PrefillMeter, prompt_size
 from engine.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -608,7 +608,7 @@ class VllmEngine(Engine):
             return None
         from engine.vllm_frontend import CountingClient, FrontendUnavailable, VllmFrontend
 
-        client = CountingClient(built.engine, self._in_flight)
+        client = CountingClient(built.engine, self._in_flight, self._prefill)
         try:
             frontend = await VllmFrontend.build(
                 client, built.engine, self._serve_argv, request_error, self._view
@@ -764,7 +764,7 @@ class VllmEngine(Engine):
         # vLLM refuses a request id already in flight; client ids may repeat.
         request_id = f"{request.request_id}-{next(self._ids)}"
         self._in_flight.add(request_id)
-        self._prefill.submitted(request_id, _prompt_tokens(prompt))
+        self._prefill.submitted(request_id, prompt_size(prompt))
         progress, final = _Progress(), None
         try:
             # The request's class (lower first, as vLLM's own priority) where the operator
@@ -843,12 +843,6 @@ class VllmEngine(Engine):
         except Exception as exc:
             raise InvalidRequest(f"messages: the chat template failed: {one_line(exc)}") from exc
         return {"prompt_token_ids": ids}
-
-
-def _prompt_tokens(prompt: dict[str, Any]) -> float:
-    """The tokens of a prompt as handed to vLLM: its ids, or estimated from its text."""
-    ids = prompt.get("prompt_token_ids")
-    return float(len(ids)) if ids is not None else text_tokens(str(prompt.get("prompt", "")))
 
 
 async def _shutdown(built: _Vllm) -> None:

@@ -53,6 +53,7 @@ from engine.frontend import (
     OpenAIFrontend,
     Tokens,
 )
+from engine.prefill import PrefillMeter, prompt_size
 
 logger = logging.getLogger(__name__)
 
@@ -211,9 +212,12 @@ _CURRENT: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
 class CountingClient:
     """The AsyncLLM, with ``generate`` counting tokens and requests in flight."""
 
-    def __init__(self, engine: Any, in_flight: set[str]) -> None:
+    def __init__(
+        self, engine: Any, in_flight: set[str], prefill: PrefillMeter | None = None
+    ) -> None:
         self._engine = engine
         self._in_flight = in_flight
+        self._prefill = prefill  # the prefill queue and rate measured around vLLM
         self._seq = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -239,10 +243,17 @@ class CountingClient:
         self._seq += 1
         key = f"{request_id}#{self._seq}"
         self._in_flight.add(key)
+        prefill = self._prefill
+        if prefill is not None:
+            prefill.submitted(key, prompt_size(args[0] if args else kwargs.get("prompt")))
         if request is not None:
             request.started.append(request_id)
         try:
             async for output in call(*args, **kwargs):
+                if prefill is not None:
+                    ids = getattr(output, "prompt_token_ids", None)
+                    cached = getattr(output, "num_cached_tokens", None) or 0
+                    prefill.started(key, len(ids) if ids is not None else 0, cached)
                 if request is not None:
                     request.tokens.completion_tokens += sum(
                         len(getattr(o, "token_ids", ())) for o in _outputs(output)
@@ -252,6 +263,8 @@ class CountingClient:
                 yield output
         finally:
             self._in_flight.discard(key)
+            if prefill is not None:
+                prefill.ended(key)
 
 
 def _outputs(output: Any) -> list[Any]:

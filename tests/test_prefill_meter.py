@@ -3,9 +3,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from engine.prefill import PREFILL_QUEUE_TOKENS, PREFILL_TOKENS_PER_S, PrefillMeter, text_tokens
+from engine.prefill import (
+    PREFILL_QUEUE_TOKENS,
+    PREFILL_TOKENS_PER_S,
+    PrefillMeter,
+    prompt_size,
+    text_tokens,
+)
 
 
 class Clock:
@@ -65,3 +73,11 @@ def test_a_resubmitted_id_replaces_its_estimate_and_text_prompts_are_estimated()
     meter.ended("unknown")
     assert meter.metrics()[PREFILL_QUEUE_TOKENS] == 0
     assert text_tokens("x" * 400) == 100
+
+
+def test_a_prompt_as_vllm_is_handed_it_is_sized_by_its_ids_or_its_text() -> None:
+    assert prompt_size({"prompt_token_ids": [1, 2, 3]}) == 3
+    assert prompt_size({"prompt": "x" * 40}) == 10
+    assert prompt_size("x" * 8) == 2
+    assert prompt_size(SimpleNamespace(prompt_token_ids=[7] * 5)) == 5
+    assert prompt_size(object()) == 0, "unknown: the engine's own count stands"
