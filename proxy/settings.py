@@ -451,7 +451,7 @@ class GatewaySettings(_Section):
     )
     prefix_weigh_prefill: bool = Field(
         True,
-        description="Policy prefix, with prefix_ttft_s 0: a unit holding the prefix that is above the bound over the mean load still takes the request while the prefill before its first token there (the prompt tokens queued for prefill, named metric prefill_queue_tokens, and this request's tokens it does not hold, at its prefill rate) is no longer than at the least loaded unit (its queue and the prompt's tokens it does not hold, at its rate), unless it has no engine slot free for the request where the least loaded unit has one: the prefill affinity saves weighed against the queue it adds. prefix_slack decides instead where either unit reports no queue or rate. false: prefix_slack alone. Default true.",
+        description="Policy prefix, with prefix_ttft_s 0: a unit holding the prefix that is above the bound over the mean load still takes the request while the prefill before its first token there (the prompt tokens queued for prefill, named metric prefill_queue_tokens, and this request's tokens it does not hold, at its prefill rate) is no longer than at the least loaded unit (its queue and the prompt's tokens it does not hold, at its rate), unless it has no engine slot free for the request where the least loaded unit has one; a holder with nothing queued and a slot free keeps it whatever the rates: the prefill affinity saves weighed against the queue it adds. prefix_slack decides instead where either unit reports no queue or rate. false: prefix_slack alone. Default true.",
     )
     prefix_prefill_tokens_per_s: float = Field(
         0.0,

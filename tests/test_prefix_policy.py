@@ -288,6 +288,9 @@ def test_weighed_a_holder_above_the_bound_keeps_the_request_while_it_starts_it_n
     assert prefix_affinity(least, [[near]], CORRECTED, 0.25, 0.1, 1, budget.fits) is near
     # the rates count: the holder prefills twice as fast
     assert budget.fits(calibrated("f", 30, queued=4800, rate=8000)) == 1
+    # nothing queued at the holder: it starts at once there, whatever its measured rate
+    slow = calibrated("h", 30, queued=0, rate=10)
+    assert budget.prefill_s(slow, 100) > budget.least_s and budget.fits(slow) == 1
     # either side unknown: -1, and the slack decides
     assert budget.fits(unit("d", 30)) == -1
     budget.against(unit("g", 0), 2100)

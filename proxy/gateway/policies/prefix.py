@@ -117,8 +117,10 @@ class Budget:
     unit through a deep queue; a short one moves as soon as its holder's queue costs
     more than prefilling it again elsewhere. Not while the holder has no engine slot
     free for the request and the least loaded unit has one: there it would wait for a
-    running request to end, which its prefill queue does not show. A unit's queue is
-    its last report's and the prompt tokens this gateway sent it since (``sent``)."""
+    running request to end, which its prefill queue does not show. A holder with
+    nothing queued and a slot free (or slots unknown) keeps it whatever the rates. A
+    unit's queue is its last report's and the prompt tokens this gateway sent it since
+    (``sent``)."""
 
     __slots__ = ("least_free", "least_s", "new_tokens", "rate", "sent", "ttft_s", "view", "weigh")
 
@@ -189,10 +191,16 @@ class Budget:
         here = self.prefill_s(unit, self.new_tokens)
         if here < 0:
             return -1
-        if self.least_free == 1 and self.free_slot(unit) == 0:
+        free = self.free_slot(unit)
+        if self.least_free == 1 and free == 0:
             # it would wait there for a running request to end, not for prefill alone,
             # where the least loaded unit starts it at once
             return 0
+        if free != 0 and self.queued(unit) <= 0:
+            # nothing waits there: it starts at once, and prefills only what it lacks
+            # (measured rates, which differ by unit and are rough while few prompts were
+            # prefilled, are not weighed against that)
+            return 1
         return 1 if here <= self.least_s else 0
 
 
