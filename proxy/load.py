@@ -6,7 +6,6 @@ here and nowhere else.
 
 from __future__ import annotations
 
-import binascii
 import json
 import math
 import sys
@@ -14,7 +13,9 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
+
+from librt.base64 import b64decode, b64encode
 
 from proxy.pb.unitproxy.v1 import load_pb2
 
@@ -99,20 +100,102 @@ MAX_REPORT_BLOCKS = 65_536
 MAX_DELTA_BLOCKS = 1024  # changes in one report; the rest follow in the next
 
 
-@dataclass(frozen=True, slots=True)
 class PrefixBlocks:
     """What the unit's engine holds in its prefix cache, named as gateways name blocks
     of a prompt's text (``proxy.prefix_chunks``): the changes numbered (from_seq, seq],
     or with ``full`` the whole set as of ``seq``. ``epoch`` is random per sidecar
-    process. See docs/architecture.md, Prefix affinity from what the engines hold."""
+    process. See docs/architecture.md, Prefix affinity from what the engines hold.
 
-    epoch: int
-    from_seq: int
-    seq: int
-    full: bool
-    added: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()
-    chunk_chars: int = 0
+    The block numbers are kept as they came: a sidecar builds them as numbers, a reader
+    gets them packed (``pack_blocks``) off the wire, and each form is made from the
+    other only when asked for (``added`` / ``added_packed``). The compiled gateway's
+    map reads the packed form without a Python int a block (a report carries up to a
+    thousand). Immutable (``Final``); a plain class rather than a frozen dataclass,
+    whose ``__init__`` is interpreted even in the compiled build."""
+
+    __slots__ = ("_added", "_added_packed", "_removed", "_removed_packed", "chunk_chars",
+                 "epoch", "from_seq", "full", "seq")  # fmt: skip
+
+    def __init__(
+        self,
+        epoch: int,
+        from_seq: int,
+        seq: int,
+        full: bool,
+        added: tuple[int, ...] = (),
+        removed: tuple[int, ...] = (),
+        chunk_chars: int = 0,
+    ) -> None:
+        self.epoch: Final = epoch
+        self.from_seq: Final = from_seq
+        self.seq: Final = seq
+        self.full: Final = full
+        self.chunk_chars: Final = chunk_chars
+        self._added: tuple[int, ...] | None = added
+        self._removed: tuple[int, ...] | None = removed
+        self._added_packed: bytes | None = None
+        self._removed_packed: bytes | None = None
+
+    @classmethod
+    def packed(
+        cls,
+        epoch: int,
+        from_seq: int,
+        seq: int,
+        full: bool,
+        added: bytes,
+        removed: bytes,
+        chunk_chars: int,
+    ) -> PrefixBlocks:
+        """Blocks as read off the wire: ``added`` and ``removed`` packed, at most
+        MAX_REPORT_BLOCKS of each kept (TypeError: not a whole number of 8 bytes)."""
+        blocks = cls(epoch, from_seq, seq, full, (), (), chunk_chars)
+        blocks._added, blocks._added_packed = None, _checked(added)
+        blocks._removed, blocks._removed_packed = None, _checked(removed)
+        return blocks
+
+    @property
+    def added(self) -> tuple[int, ...]:
+        if self._added is None:
+            self._added = unpack_blocks(self.added_packed)
+        return self._added
+
+    @property
+    def removed(self) -> tuple[int, ...]:
+        if self._removed is None:
+            self._removed = unpack_blocks(self.removed_packed)
+        return self._removed
+
+    @property
+    def added_packed(self) -> bytes:
+        if self._added_packed is None:
+            self._added_packed = pack_blocks(self.added)
+        return self._added_packed
+
+    @property
+    def removed_packed(self) -> bytes:
+        if self._removed_packed is None:
+            self._removed_packed = pack_blocks(self.removed)
+        return self._removed_packed
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.epoch, self.from_seq, self.seq, self.full, self.added, self.removed,
+                self.chunk_chars)  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PrefixBlocks):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixBlocks(epoch={self.epoch}, from_seq={self.from_seq}, seq={self.seq}, "
+            f"full={self.full}, added={self.added}, removed={self.removed}, "
+            f"chunk_chars={self.chunk_chars})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         # The block numbers packed (``pack_blocks``) in base64: a JSON array of a
@@ -122,8 +205,8 @@ class PrefixBlocks:
             "from_seq": self.from_seq,
             "seq": self.seq,
             "full": self.full,
-            "added": binascii.b2a_base64(pack_blocks(self.added), newline=False).decode(),
-            "removed": binascii.b2a_base64(pack_blocks(self.removed), newline=False).decode(),
+            "added": b64encode(self.added_packed).decode(),
+            "removed": b64encode(self.removed_packed).decode(),
             "chunk_chars": self.chunk_chars,
         }
 
@@ -133,25 +216,30 @@ class PrefixBlocks:
             from_seq=self.from_seq,
             seq=self.seq,
             full=self.full,
-            added_packed=pack_blocks(self.added),
-            removed_packed=pack_blocks(self.removed),
+            added_packed=self.added_packed,
+            removed_packed=self.removed_packed,
             chunk_chars=self.chunk_chars,
         )
 
     @classmethod
     def from_pb(cls, msg: load_pb2.PrefixBlocks) -> PrefixBlocks:
-        # A sidecar of before the packed fields sent the repeated ones.
-        return cls(
+        if msg.added or msg.removed:  # a sidecar of before the packed fields
+            return cls(
+                msg.epoch,
+                msg.from_seq,
+                msg.seq,
+                msg.full,
+                tuple(msg.added[:MAX_REPORT_BLOCKS]),
+                tuple(msg.removed[:MAX_REPORT_BLOCKS]),
+                msg.chunk_chars,
+            )
+        return cls.packed(
             msg.epoch,
             msg.from_seq,
             msg.seq,
             msg.full,
-            tuple(msg.added[:MAX_REPORT_BLOCKS]) if msg.added else unpack_blocks(msg.added_packed),
-            (
-                tuple(msg.removed[:MAX_REPORT_BLOCKS])
-                if msg.removed
-                else unpack_blocks(msg.removed_packed)
-            ),
+            msg.added_packed,
+            msg.removed_packed,
             msg.chunk_chars,
         )
 
@@ -159,15 +247,14 @@ class PrefixBlocks:
     def from_dict(cls, data: Any) -> PrefixBlocks:
         if not isinstance(data, dict):
             raise TypeError("prefix_blocks: not an object")
-        return cls(
-            _whole(data["epoch"]),
-            _whole(data["from_seq"]),
-            _whole(data["seq"]),
-            data["full"] is True,
-            _blocks(data.get("added", "")),
-            _blocks(data.get("removed", "")),
-            _whole(data.get("chunk_chars", 0)),
-        )
+        epoch, from_seq, seq = _whole(data["epoch"]), _whole(data["from_seq"]), _whole(data["seq"])
+        full, chunk_chars = data["full"] is True, _whole(data.get("chunk_chars", 0))
+        added, removed = data.get("added", ""), data.get("removed", "")
+        if isinstance(added, str) and isinstance(removed, str):
+            return cls.packed(epoch, from_seq, seq, full, _base64(added), _base64(removed),
+                              chunk_chars)  # fmt: skip
+        # a sidecar of before the packed form: arrays of numbers
+        return cls(epoch, from_seq, seq, full, _blocks(added), _blocks(removed), chunk_chars)
 
 
 _LITTLE = sys.byteorder == "little"
@@ -184,23 +271,38 @@ def pack_blocks(blocks: Sequence[int]) -> bytes:
 
 def unpack_blocks(data: bytes) -> tuple[int, ...]:
     """``pack_blocks``' numbers back, at most MAX_REPORT_BLOCKS of them."""
-    if len(data) % 8:
-        raise TypeError("prefix_blocks: packed blocks are not a whole number of 8 bytes")
     packed = array("Q")
-    packed.frombytes(data[: 8 * MAX_REPORT_BLOCKS])
+    packed.frombytes(_checked(data))
     if not _LITTLE:
         packed.byteswap()
     return tuple(packed.tolist())
+
+
+def _checked(data: bytes) -> bytes:
+    """Packed block numbers, at most MAX_REPORT_BLOCKS of them."""
+    if len(data) % 8:
+        raise TypeError("prefix_blocks: packed blocks are not a whole number of 8 bytes")
+    return data if len(data) <= 8 * MAX_REPORT_BLOCKS else data[: 8 * MAX_REPORT_BLOCKS]
+
+
+def _base64(value: str) -> bytes:
+    """Base64 text as bytes, by librt's decoder (about 25 times binascii's on a report's
+    blocks), held to binascii's strict mode by length: it skips what is not base64."""
+    try:
+        data = b64decode(value)
+    except ValueError as exc:
+        raise TypeError(f"prefix_blocks: packed blocks are not base64: {exc}") from None
+    pad = 2 if value.endswith("==") else 1 if value.endswith("=") else 0
+    if len(value) % 4 or len(data) != len(value) // 4 * 3 - pad:
+        raise TypeError("prefix_blocks: packed blocks are not base64")
+    return data
 
 
 def _blocks(value: Any) -> tuple[int, ...]:
     """A JSON report's ``added`` or ``removed``: packed in base64, or (a sidecar of
     before the packed form) an array of numbers."""
     if isinstance(value, str):
-        try:
-            return unpack_blocks(binascii.a2b_base64(value, strict_mode=True))
-        except binascii.Error as exc:
-            raise TypeError(f"prefix_blocks: packed blocks are not base64: {exc}") from None
+        return unpack_blocks(_base64(value))
     if not isinstance(value, list):
         raise TypeError("prefix_blocks: added and removed must be base64 text or lists")
     return _wholes(value[:MAX_REPORT_BLOCKS])
@@ -288,7 +390,21 @@ class LoadReport:
 
     @classmethod
     def from_pb(cls, msg: load_pb2.LoadReport) -> LoadReport:
-        return cls(
+        return cls._from_pb(msg, True)[0]
+
+    @classmethod
+    def read_pb(cls, msg: load_pb2.LoadReport) -> tuple[LoadReport, PrefixBlocks | None]:
+        """The report without its prefix blocks, and the blocks apart: what a gateway
+        keeps of a unit's report, and what its map of blocks takes (one report built,
+        not a second one without the blocks)."""
+        return cls._from_pb(msg, False)
+
+    @classmethod
+    def _from_pb(
+        cls, msg: load_pb2.LoadReport, with_blocks: bool
+    ) -> tuple[LoadReport, PrefixBlocks | None]:
+        blocks = PrefixBlocks.from_pb(msg.prefix_blocks) if msg.HasField("prefix_blocks") else None
+        report = cls(
             unit_id=msg.unit_id,
             state=_state(load_pb2.UnitState.Name(msg.state)),
             outstanding=msg.outstanding,
@@ -310,16 +426,26 @@ class LoadReport:
             prefix_cache_hits=msg.prefix_cache_hits,
             prefix_cache_resets=msg.prefix_cache_resets,
             named_metrics=named_metrics(msg.named_metrics) if msg.named_metrics else {},
-            prefix_blocks=(
-                PrefixBlocks.from_pb(msg.prefix_blocks) if msg.HasField("prefix_blocks") else None
-            ),
+            prefix_blocks=blocks if with_blocks else None,
             watcher_outstanding=(
                 msg.watcher_outstanding if msg.HasField("watcher_outstanding") else -1
             ),
         )
+        return report, blocks
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoadReport:
+        return cls._from_dict(data, True)[0]
+
+    @classmethod
+    def read_dict(cls, data: dict[str, Any]) -> tuple[LoadReport, PrefixBlocks | None]:
+        """``read_pb`` of a JSON report."""
+        return cls._from_dict(data, False)
+
+    @classmethod
+    def _from_dict(
+        cls, data: dict[str, Any], with_blocks: bool
+    ) -> tuple[LoadReport, PrefixBlocks | None]:
         values = dict(data)
         values["state"] = _state(values["state"])
         values["nodes"] = tuple(NodeStatus(**n) for n in values.get("nodes", ()))
@@ -328,15 +454,20 @@ class LoadReport:
         if not isinstance(given, dict):
             raise TypeError("named_metrics: not an object")
         values["named_metrics"] = named_metrics(given)
-        blocks = values.get("prefix_blocks")
-        values["prefix_blocks"] = None if blocks is None else PrefixBlocks.from_dict(blocks)
+        given_blocks = values.get("prefix_blocks")
+        blocks = None if given_blocks is None else PrefixBlocks.from_dict(given_blocks)
+        values["prefix_blocks"] = blocks if with_blocks else None
         known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in values.items() if k in known})  # a newer peer's extras
+        report = cls(**{k: v for k, v in values.items() if k in known})  # a newer peer's extras
+        return report, blocks
 
 
-def _state(name: str) -> UnitState:
-    # A state this build does not know (a newer peer) is treated as not serving.
-    try:
-        return UnitState(name)
-    except ValueError:
+_STATES: dict[str, UnitState] = {str(state): state for state in UnitState}
+
+
+def _state(name: object) -> UnitState:
+    # A state this build does not know (a newer peer) is treated as not serving. A dict,
+    # not UnitState(name): an Enum's call is interpreted Python, on every report.
+    if not isinstance(name, str):
         return UnitState.NOT_SERVING
+    return _STATES.get(name, UnitState.NOT_SERVING)

@@ -201,7 +201,8 @@ def test_a_block_three_units_hold_loses_them_one_by_one_each_way(kind: type[Bloc
 def test_the_packed_map_answers_as_the_dict_map_under_random_reports() -> None:
     """Whole sets, changes (blocks named twice, removed ones never held), units that
     share blocks, forgotten units, numbers at both ends of 64 bits, and tables that
-    grow: every answer of the packed map is the dict map's."""
+    grow, built as a sidecar builds them or read off the wire: every answer of the
+    packed map is the dict map's."""
     rng = random.Random(5)
     want, got = EngineBlocks(512), CompactBlocks(512)
     pool = [rng.getrandbits(64) for _ in range(2000)] + [
@@ -230,6 +231,13 @@ def test_the_packed_map_answers_as_the_dict_map_under_random_reports() -> None:
             removed = tuple(rng.choices(pool, k=rng.randrange(0, 300)))
             from_seq = seq if roll < 0.95 else seq + 1  # now and then a gap
             blocks = PrefixBlocks(1, from_seq, seq + 1, False, added, removed, 512)
+        if step % 3:  # as a gateway reads them: packed, off JSON or protobuf
+            blocks = (
+                PrefixBlocks.from_dict(json.loads(json.dumps(blocks.to_dict())))
+                if step % 3 == 1
+                else PrefixBlocks.from_pb(load_pb2.PrefixBlocks.FromString(
+                    blocks.to_pb().SerializeToString()))
+            )  # fmt: skip
         assert want.apply(unit, blocks) == got.apply(unit, blocks)
         if want.at(unit) is not None:
             seqs[unit] = want.at(unit)[1]  # type: ignore[index]
@@ -394,6 +402,9 @@ def test_block_numbers_travel_packed_and_come_back_the_same() -> None:
         and PrefixBlocks.from_dict(data["prefix_blocks"]) == empty
     )
     assert PrefixBlocks.from_pb(empty.to_pb()) == empty
+    data["prefix_blocks"]["added"] = base64.b64encode(b"\0" * 7).decode()
+    with pytest.raises(TypeError, match="not a whole number of 8 bytes"):
+        LoadReport.from_dict(data)  # refused as it is read, not when first used
 
 
 def test_reports_of_a_sidecar_from_before_the_packed_form_are_still_read() -> None:
@@ -409,10 +420,24 @@ def test_reports_of_a_sidecar_from_before_the_packed_form_are_still_read() -> No
     )
 
 
+def test_packed_blocks_of_every_length_travel_in_base64_and_back() -> None:
+    rng = random.Random(3)
+    for n in range(0, 40):
+        blocks = tuple(rng.getrandbits(64) for _ in range(n))
+        side = PrefixBlocks(1, 0, 2, False, blocks, blocks[::-1], 512).to_dict()
+        assert base64.b64decode(side["added"]) == pack_blocks(blocks)
+        back = PrefixBlocks.from_dict(json.loads(json.dumps(side)))
+        assert back.added == blocks and back.removed == blocks[::-1]
+
+
 @pytest.mark.parametrize(
     ("added", "why"),
     [
         ("!!!!", "not base64"),
+        ("AAAAAAAAAAA!", "not base64"),  # 8 bytes, one character not base64
+        ("AAAAAAAAAAA", "not base64"),  # padding left out
+        (" AAAAAAAAAAA=", "not base64"),
+        ("AAAAAAAAAAA=AAAAAAAAAAA=", "not base64"),  # padding inside
         ("AAAA", "8 bytes"),
         (base64.b64encode(b"x" * 12).decode(), "8 bytes"),
         (7, "base64 text or lists"),

@@ -7,7 +7,9 @@ the table, a set entry in the unit's set, a Python int for the number); a fleet 
 open-addressing table (linear probing, deletion by backward shift) of native 64-bit
 keys and 32-bit unit indexes, at most 70 % full (17-34 bytes a block), and each unit's
 own set of its blocks, a table of keys alone in the same way (11-23 bytes a block; a
-report's changes probe it, small and in cache, before the big table). A block two
+report's changes probe it, small and in cache, before the big table). A report's
+blocks are read as it packed them (``PrefixBlocks.added_packed``), 8 bytes a key, with
+no Python int made for one. A block two
 units or more hold has a set of unit ids beside the table (few: prefixes units share).
 
 The tables are ``librt.vecs`` vectors, which mypyc compiles to plain C arrays; in
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Final
 
+from librt.strings import read_i64_le
 from librt.vecs import append, vec
 from mypy_extensions import i32, i64
 
@@ -27,14 +30,21 @@ from proxy.load import PrefixBlocks
 
 EMPTY: Final[i32] = -1  # a free slot of the map
 SHARED: Final[i32] = -2  # two units or more: their ids in _shared
-NO_KEY: Final[i64] = -(1 << 63)  # a free slot of a unit's set (that key: KeySet.low)
+# A free slot of a unit's set (that key itself: KeySet.zero). A small literal: one that
+# is not (-2**63, say) is a boxed int in the compiled code, converted at every compare.
+NO_KEY: Final[i64] = 0
 FIRST_SIZE: Final[i64] = 1024
 _TOP: Final = 1 << 63
 _WRAP: Final = 1 << 64
 
 
+_SHORT: Final = 0x3FFFFFFFFFFFFFFF  # the largest int mypyc keeps unboxed (tagged)
+
+
 def _key(block: int) -> i64:
     """A block number (unsigned 64 bits) as the tables' signed key."""
+    if 0 <= block <= _SHORT:  # every chunk name of 60 bits: no boxed int compared
+        return block
     return block if block < _TOP else block - _WRAP
 
 
@@ -83,24 +93,24 @@ class KeySet:
         size = _size_for(count)
         self.keys = _filled64(size, NO_KEY)
         self.mask = size - 1
-        self.used: i64 = 0  # keys in the table (not counting low)
-        self.low = False  # NO_KEY is held
+        self.used: i64 = 0  # keys in the table (not counting zero)
+        self.zero = False  # NO_KEY is held
 
     def size(self) -> i64:
-        return self.used + 1 if self.low else self.used
+        return self.used + 1 if self.zero else self.used
 
     def members(self) -> vec[i64]:
         out = vec[i64](capacity=self.size())
         for key in self.keys:
             if key != NO_KEY:
                 out = append(out, key)
-        if self.low:
+        if self.zero:
             out = append(out, NO_KEY)
         return out
 
     def contains(self, key: i64) -> bool:
         if key == NO_KEY:
-            return self.low
+            return self.zero
         keys = self.keys
         mask = self.mask
         slot = _home(key, mask)
@@ -115,8 +125,8 @@ class KeySet:
     def add(self, key: i64) -> bool:
         """False when key is in already."""
         if key == NO_KEY:
-            had = self.low
-            self.low = True
+            had = self.zero
+            self.zero = True
             return not had
         if (self.used + 1) * 10 > (self.mask + 1) * 7:
             self._resize(_size_for(self.used + 1))
@@ -136,8 +146,8 @@ class KeySet:
     def discard(self, key: i64) -> bool:
         """False when key was not in."""
         if key == NO_KEY:
-            had = self.low
-            self.low = False
+            had = self.zero
+            self.zero = False
             return had
         keys = self.keys
         mask = self.mask
@@ -216,9 +226,10 @@ class CompactBlocks:
                 return True  # an older whole set (a re-read that crossed newer changes)
             unit = self._unit(unit_id)
             old = self._sets[unit]
-            new = KeySet(len(blocks.added))
-            for block in blocks.added:
-                key = _key(block)
+            added = blocks.added_packed
+            new = KeySet(len(added) // 8)
+            for i in range(0, len(added), 8):
+                key = read_i64_le(added, i)
                 if new.add(key) and not old.contains(key):
                     self._insert(unit, key)
             if old.size():  # the whole set again: let go of what it lacks
@@ -234,12 +245,14 @@ class CompactBlocks:
                 return True  # changes already applied (a late duplicate)
             unit = self._index[unit_id]
             held = self._sets[unit]
-            for block in blocks.removed:
-                key = _key(block)
+            removed = blocks.removed_packed
+            for i in range(0, len(removed), 8):
+                key = read_i64_le(removed, i)
                 if held.discard(key):
                     self._release(unit, key)
-            for block in blocks.added:
-                key = _key(block)
+            added = blocks.added_packed
+            for i in range(0, len(added), 8):
+                key = read_i64_le(added, i)
                 if held.add(key):
                     self._insert(unit, key)
             held.fit()

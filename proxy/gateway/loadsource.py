@@ -34,7 +34,7 @@ from proxy.gateway.http1.pool import Pool, UpstreamError
 from proxy.gateway.rates import report_rates, scaled
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
-from proxy.load import LoadReport
+from proxy.load import LoadReport, PrefixBlocks
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
 from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, connect
 from proxy.settings import RedisSettings, UnitTarget
@@ -55,12 +55,12 @@ class LoadSource:
         # How often to ask each unit for reports (proxy.gateway.rates).
         self._rates = report_rates(router.settings, len(router.units))
 
-    def _deliver(self, unit: Unit, report: LoadReport) -> None:
+    def _deliver(self, unit: Unit, report: LoadReport, blocks: PrefixBlocks | None = None) -> None:
         if self._delay_s > 0:
             loop = asyncio.get_running_loop()
-            loop.call_later(self._delay_s, self._router.apply_report, unit.id, report)
+            loop.call_later(self._delay_s, self._router.apply_report, unit.id, report, blocks)
         else:
-            self._router.apply_report(unit.id, report)
+            self._router.apply_report(unit.id, report, blocks)
 
     async def _backoff(self, attempt: int) -> None:
         first, most = BACKOFF_S
@@ -107,7 +107,7 @@ class WatchSource(LoadSource):
         try:
             async for msg in call:
                 received = True
-                self._deliver(unit, LoadReport.from_pb(msg))
+                self._deliver(unit, *LoadReport.read_pb(msg))
         finally:
             call.cancel()
         return received
@@ -190,7 +190,7 @@ class _Events:
     def __init__(
         self,
         unit: Unit,
-        deliver: Callable[[Unit, LoadReport], None],
+        deliver: Callable[[Unit, LoadReport, PrefixBlocks | None], None],
         received: _Received,
         close: Callable[[], None],
     ):
@@ -207,7 +207,7 @@ class _Events:
             if not event.startswith(b"data: "):
                 continue
             try:
-                report = LoadReport.from_dict(json.loads(event[6:]))
+                report, blocks = LoadReport.read_dict(json.loads(event[6:]))
             except (ValueError, TypeError, KeyError) as exc:
                 log.warning(
                     "unit %s sent a load report that cannot be read: %s", self._unit.id, exc
@@ -215,7 +215,7 @@ class _Events:
                 self._close()
                 return
             self._received.any = True
-            self._deliver(self._unit, report)
+            self._deliver(self._unit, report, blocks)
         if len(self._buf) > MAX_REPORT_BYTES:
             log.warning("unit %s sent a load report over %d bytes", self._unit.id, MAX_REPORT_BYTES)
             self._close()
@@ -266,11 +266,10 @@ class PollSource(LoadSource):
                 conn.done()
         if conn.status != 200:
             raise ValueError(f"GET /load answered {conn.status}")
-        report = LoadReport.from_dict(json.loads(body))
-        blocks = report.prefix_blocks
+        report, blocks = LoadReport.read_dict(json.loads(body))
         if blocks is not None:
             self._blocks[unit.id] = blocks.epoch, blocks.seq
-        self._deliver(unit, report)
+        self._deliver(unit, report, blocks)
 
 
 class RedisSource(LoadSource):
@@ -398,7 +397,7 @@ class RedisSource(LoadSource):
 
     def _receive(self, data: str) -> None:
         try:
-            report = LoadReport.from_dict(json.loads(data))
+            report, blocks = LoadReport.read_dict(json.loads(data))
         except (ValueError, TypeError, KeyError) as exc:
             level = logging.DEBUG if self._unreadable else logging.WARNING
             self._unreadable += 1
@@ -406,16 +405,14 @@ class RedisSource(LoadSource):
             return
         unit = self._router.units.get(report.unit_id) or self._new_unit(report)
         if unit is not None:
-            self._follow_blocks(report)
-            self._deliver(unit, report)
+            self._follow_blocks(report.unit_id, blocks)
+            self._deliver(unit, report, blocks)
 
-    def _follow_blocks(self, report: LoadReport) -> None:
+    def _follow_blocks(self, unit_id: str, blocks: PrefixBlocks | None) -> None:
         """A message whose prefix blocks do not follow on the last one read (one was
         missed): re-read the unit's key, which holds the whole set."""
-        blocks = report.prefix_blocks
         if blocks is None:
             return
-        unit_id = report.unit_id
         at = self._blocks.get(unit_id)
         if blocks.full or at == (blocks.epoch, blocks.from_seq):
             self._blocks[unit_id] = blocks.epoch, blocks.seq

@@ -31,7 +31,7 @@ from proxy.gateway.latency import Sent, Timed
 from proxy.gateway.policies.base import Candidates, Policy, Shared, create
 from proxy.gateway.request import NO_WANT, Want
 from proxy.gateway.units import AS_REPORTED, CORRECTED, LoadView, Unit, reason
-from proxy.load import LoadReport, UnitState
+from proxy.load import LoadReport, PrefixBlocks, UnitState
 from proxy.metrics import GatewayMetrics, UnitView
 from proxy.settings import GatewaySettings, UnitTarget
 from proxy.tenants import PRIORITIES, RANK
@@ -495,7 +495,11 @@ class Router:
                         s.max_ejection_percent)  # fmt: skip
         return False
 
-    def apply_report(self, unit_id: str, report: LoadReport) -> None:
+    def apply_report(
+        self, unit_id: str, report: LoadReport, blocks: PrefixBlocks | None = None
+    ) -> None:
+        """A unit's report. Its prefix blocks go to the policy and are not kept: apart
+        in ``blocks`` (``LoadReport.read_pb``, ``read_dict``), or in the report."""
         unit = self.units.get(unit_id)
         if unit is None:
             return
@@ -509,9 +513,10 @@ class Router:
         if unit.lost is not None:
             log.info("unit %s: load reports again (was %s)", unit_id, unit.lost)
             unit.lost = None
-        self.policy.reported(unit, report)
-        if report.prefix_blocks is not None:  # the policy has them; kept, they would
-            report = replace(report, prefix_blocks=None)  # hold a thousand numbers a unit
+        if report.prefix_blocks is not None:  # kept, they would hold a thousand numbers a unit
+            blocks = report.prefix_blocks
+            report = replace(report, prefix_blocks=None)
+        self.policy.reported(unit, report, blocks)
         self._count_models(unit.report, -1)
         self._count_models(report, +1)
         self._count_serving(unit.report, -1)

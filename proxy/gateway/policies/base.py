@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from proxy.gateway.latency import Sent, Timed
 from proxy.gateway.request import Want
 from proxy.gateway.units import LoadView, Unit
-from proxy.load import LoadReport
+from proxy.load import LoadReport, PrefixBlocks
 from proxy.registry import POLICIES
 from proxy.settings import GatewaySettings
 
@@ -124,8 +124,9 @@ class Policy:
     def added(self, unit: Unit) -> None:
         """A unit joined the fleet (it takes requests once it reports)."""
 
-    def reported(self, unit: Unit, report: LoadReport) -> None:
-        """A report about to apply (``unit.report`` is still the one before it)."""
+    def reported(self, unit: Unit, report: LoadReport, blocks: PrefixBlocks | None) -> None:
+        """A report about to apply (``unit.report`` is still the one before it), and the
+        prefix blocks it carried (they are not kept in ``unit.report``)."""
 
     def moved(self, unit: Unit) -> None:
         """The unit's estimated load changed: a request started or finished there, or a

@@ -65,7 +65,7 @@ from proxy.gateway.policies.lor import least_outstanding
 from proxy.gateway.prefix import PrefixIndex
 from proxy.gateway.request import Want
 from proxy.gateway.units import Unit
-from proxy.load import LoadReport
+from proxy.load import LoadReport, PrefixBlocks
 from proxy.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -278,7 +278,7 @@ class LeastPredictedTtft(Policy):
             unit.id, s.slo_ttft_s, s.slo_tpot_s, unit.capacity, slots, turnover
         )
 
-    def reported(self, unit: Unit, report: LoadReport) -> None:
+    def reported(self, unit: Unit, report: LoadReport, blocks: PrefixBlocks | None) -> None:
         slots = report.named_metrics.get(ENGINE_SLOTS, 0.0)  # as the unit says
         if slots >= 1.0:
             self.slots[unit.id] = int(slots)

@@ -26,7 +26,7 @@ from proxy.gateway.policies.lor import least_outstanding
 from proxy.gateway.prefix import EngineFeedback, PrefixIndex
 from proxy.gateway.request import Want
 from proxy.gateway.units import LoadView, Unit
-from proxy.load import LoadReport, UnitState
+from proxy.load import LoadReport, PrefixBlocks, UnitState
 
 if TYPE_CHECKING:
     from proxy.metrics import GatewayMetrics
@@ -280,14 +280,15 @@ class PrefixAffinity(Policy):
         self.index.record(unit.id, want.blocks, c.now)
         return unit
 
-    def reported(self, unit: Unit, report: LoadReport) -> None:
+    def reported(self, unit: Unit, report: LoadReport, blocks: PrefixBlocks | None) -> None:
         self.budget.reported(unit)
         if _cache_lost(unit.report, report):
             self.index.forget(unit.id)
             self.engine.forget(unit.id)
             if self.feedback is not None:
                 self.feedback.forget(unit.id)
-        blocks = report.prefix_blocks if self.shared.settings.prefix_engine_blocks else None
+        if not self.shared.settings.prefix_engine_blocks:
+            blocks = None
         if blocks is not None and self.engine.apply(unit.id, blocks):
             self.index.drop_before(unit.id, self.shared.clock() - GUESS_KEEP_S)
         if self.feedback is not None:
