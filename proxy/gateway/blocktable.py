@@ -7,10 +7,10 @@ the table, a set entry in the unit's set, a Python int for the number); a fleet 
 open-addressing table (linear probing, deletion by backward shift) of native 64-bit
 keys and 32-bit unit indexes, at most 70 % full (17-34 bytes a block), and each unit's
 own set of its blocks, a table of keys alone in the same way (11-23 bytes a block; a
-report's changes probe it, small and in cache, before the big table). A report's
-blocks are read as it packed them (``PrefixBlocks.added_packed``), 8 bytes a key, with
-no Python int made for one. A block two
-units or more hold has a set of unit ids beside the table (few: prefixes units share).
+report's changes probe it before the big table). A block two units or more hold has a
+set of unit ids beside the table (few: prefixes units share). A report's blocks are
+read as it packed them (``PrefixBlocks.added_packed``), 8 bytes a key, with no Python
+int made for one.
 
 The tables are ``librt.vecs`` vectors, which mypyc compiles to plain C arrays; in
 pure Python each access is a method call, many times slower than the dict map, so the
