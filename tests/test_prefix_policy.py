@@ -326,8 +326,9 @@ async def test_the_router_weighs_the_prefill_a_holder_saves_against_its_queue() 
         report = LoadReport("u0", UnitState.SERVING, 40, 64, seq=11, named_metrics=metrics,
                             prefix_blocks=held)  # fmt: skip
         r.apply_report("u0", report)
+        # (one request outstanding there, whose 200 tokens wait)
         idle = {"prefill_queue_tokens": 200.0, "prefill_tokens_per_s": 20_000.0}
-        r.apply_report("u1", LoadReport("u1", UnitState.SERVING, 0, 64, seq=11, named_metrics=idle))
+        r.apply_report("u1", LoadReport("u1", UnitState.SERVING, 1, 64, seq=11, named_metrics=idle))
         chosen = await r.acquire(want=Want(None, blocks, len(text)))
         assert chosen.id == goes_to, (weigh, queued)
 
@@ -371,7 +372,7 @@ async def test_weighed_the_prompts_sent_since_a_units_report_count_in_its_queue(
                                         named_metrics=metrics, prefix_blocks=held))  # fmt: skip
         idle = {"prefill_queue_tokens": 200.0, "prefill_tokens_per_s": 20_000.0}
         r.apply_report(
-            "u1", LoadReport("u1", UnitState.SERVING, 0, 64, seq=seq, named_metrics=idle)
+            "u1", LoadReport("u1", UnitState.SERVING, 1, 64, seq=seq, named_metrics=idle)
         )
 
     async def choose() -> str:
@@ -385,6 +386,49 @@ async def test_weighed_the_prompts_sent_since_a_units_report_count_in_its_queue(
     assert r.policy.budget.sent == pytest.approx({"u0": 197, "u1": 482.5})
     report(12)  # each unit's next report counts what it was sent (as its queue)
     assert r.policy.budget.sent == {}
+
+
+async def test_weighed_what_a_holder_was_sent_stops_counting_once_it_holds_no_request() -> None:
+    # u0 holds the prompt's prefix and prefills 20 times slower than u1 (rates measured
+    # on few prompts are rough): it keeps the prefix only while nothing waits there
+    text = system(3) + "a question"  # u0 lacks 98.5 of its 482.5 tokens
+    r = fleet(2, policy="prefix")
+    assert isinstance(r.policy, PrefixAffinity)
+    blocks = index(r).hashes(text)
+    held = PrefixBlocks(1, 0, 1, True, tuple(blocks), (), 512)
+
+    def report(unit_id: str, seq: int, outstanding: int, queued: float, rate: float) -> None:
+        metrics = {"prefill_queue_tokens": queued, "prefill_tokens_per_s": rate}
+        r.apply_report(unit_id, LoadReport(
+            unit_id, UnitState.SERVING, outstanding, 64, seq=seq, named_metrics=metrics,
+            prefix_blocks=held if unit_id == "u0" else None,
+            watcher_outstanding=outstanding,  # every request there is this gateway's
+        ))  # fmt: skip
+
+    want = Want(None, blocks, len(text))
+    report("u0", 11, 0, 0.0, 1_000.0)
+    report("u1", 11, 0, 0.0, 20_000.0)
+    # one request after another, each ended before the units' next report: what was
+    # sent u0 is not queued there once it ended (it would be 98.5 + 98.5 tokens at
+    # 1,000/s against 482.5 at 20,000/s at u1)
+    for _ in range(3):
+        chosen = await r.acquire(want=want)
+        assert chosen.id == "u0"
+        assert r.policy.budget.sent == {"u0": pytest.approx(98.5)}, "queued there meanwhile"
+        r.release(chosen, Outcome.OK)
+        assert r.policy.budget.sent == {}
+    # a report taken while this gateway's request waited there, read after it ended:
+    # the unit holds no request, so nothing waits
+    chosen = await r.acquire(want=want)
+    report("u0", 12, 1, 98.5, 1_000.0)
+    r.release(chosen, Outcome.OK)
+    assert r.policy.budget.queued(chosen) == 0
+    assert (await r.acquire(want=want)).id == "u0"
+    # while it holds one, its queue and what was sent it since count, and u1 starts
+    # the request sooner
+    report("u0", 13, 1, 98.5, 1_000.0)
+    assert r.policy.budget.queued(chosen) == pytest.approx(98.5)
+    assert (await r.acquire(want=want)).id == "u1"
 
 
 def slotted(id: str, outstanding: int, slots: float, capacity: int = 64) -> Unit:

@@ -120,7 +120,8 @@ class Budget:
     running request to end, which its prefill queue does not show. A holder with
     nothing queued and a slot free (or slots unknown) keeps it whatever the rates. A
     unit's queue is its last report's and the prompt tokens this gateway sent it since
-    (``sent``)."""
+    (``sent``), and none while it is estimated to hold no request (this gateway's all
+    ended since)."""
 
     __slots__ = ("least_free", "least_s", "new_tokens", "rate", "sent", "ttft_s", "view", "weigh")
 
@@ -140,9 +141,15 @@ class Budget:
 
     def queued(self, unit: Unit) -> float:
         """The prompt tokens queued for prefill at the unit: its last report's, and
-        this gateway's sent since; -1 where it reports none."""
+        this gateway's sent since; -1 where it reports none. 0 where the unit is
+        estimated to hold no request: a report taken while a request of this gateway
+        waited there, read after it ended, no longer says what waits."""
         queued = unit.metric("prefill_queue_tokens")
-        return queued if queued < 0 else queued + self.sent.get(unit.id, 0.0)
+        if queued < 0:
+            return queued
+        if self.view is not None and self.view.estimate(unit) <= 0:
+            return 0.0
+        return queued + self.sent.get(unit.id, 0.0)
 
     def prefill_s(self, unit: Unit, new_tokens: float) -> float:
         """The prefill before a request's first token at the unit: its queue and the
@@ -161,6 +168,12 @@ class Budget:
     def reported(self, unit: Unit) -> None:
         """The unit's report counts what was sent it before (its queue)."""
         self.sent.pop(unit.id, None)
+
+    def moved(self, unit: Unit) -> None:
+        """Once none of this gateway's requests is in flight at the unit, none of what
+        it sent there waits for prefill."""
+        if unit.inflight <= 0 and self.sent:
+            self.sent.pop(unit.id, None)
 
     def free_slot(self, unit: Unit) -> int:
         """1: the unit has an engine slot free for one more request (its estimated
@@ -302,6 +315,7 @@ class PrefixAffinity(Policy):
 
     def moved(self, unit: Unit) -> None:
         self.heap.update(unit)
+        self.budget.moved(unit)
 
     def count_to(self, metrics: GatewayMetrics) -> None:
         if self.feedback is not None:
