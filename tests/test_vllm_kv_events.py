@@ -189,6 +189,14 @@ async def test_a_second_gateway_replica_sends_a_shared_prefix_to_the_unit_that_h
                     f"replica B's view of {unit}",
                 )
             assert len(set(served.values())) == 2, "both units hold some prefix"
+            # and B has heard that A's requests ended: a report taken while one of them
+            # waited for prefill says its unit has a queue, and B weighs that (rightly)
+            # against prefilling the prefix again at the idle unit
+            await wait_until(
+                lambda: all(b.router.view.estimate(u) == 0 for u in b.router.units.values()),
+                10,
+                "replica B's reports of both units idle",
+            )
             for i in range(4):
                 body = {
                     "model": MODEL_NAME,
