@@ -34,6 +34,10 @@ SHARED: Final[i32] = -2  # two units or more: their ids in _shared
 # is not (-2**63, say) is a boxed int in the compiled code, converted at every compare.
 NO_KEY: Final[i64] = 0
 FIRST_SIZE: Final[i64] = 1024
+# A report's keys are applied this many bytes (256 keys) at a time, each batch's slots
+# read ahead first (CompactBlocks._touch): what they pull into the cache stays there
+# until the batch is applied.
+BATCH: Final[i64] = 2048
 _TOP: Final = 1 << 63
 _WRAP: Final = 1 << 64
 
@@ -202,6 +206,7 @@ class CompactBlocks:
         self._used: i64 = 0
         self._keys: vec[i64] = _filled64(FIRST_SIZE, 0)
         self._units: vec[i32] = _filled(FIRST_SIZE, EMPTY)
+        self._seen: i64 = 0  # what _touch read (unused)
 
     def knows(self, unit_id: str) -> bool:
         return unit_id in self._at
@@ -228,10 +233,13 @@ class CompactBlocks:
             old = self._sets[unit]
             added = blocks.added_packed
             new = KeySet(len(added) // 8)
-            for i in range(0, len(added), 8):
-                key = read_i64_le(added, i)
-                if new.add(key) and not old.contains(key):
-                    self._insert(unit, key)
+            for start in range(0, len(added), BATCH):
+                end = min(start + BATCH, len(added))
+                self._touch(added, start, end, old)
+                for i in range(start, end, 8):
+                    key = read_i64_le(added, i)
+                    if new.add(key) and not old.contains(key):
+                        self._insert(unit, key)
             if old.size():  # the whole set again: let go of what it lacks
                 for key in old.members():
                     if not new.contains(key):
@@ -246,15 +254,21 @@ class CompactBlocks:
             unit = self._index[unit_id]
             held = self._sets[unit]
             removed = blocks.removed_packed
-            for i in range(0, len(removed), 8):
-                key = read_i64_le(removed, i)
-                if held.discard(key):
-                    self._release(unit, key)
+            for start in range(0, len(removed), BATCH):
+                end = min(start + BATCH, len(removed))
+                self._touch(removed, start, end, held)
+                for i in range(start, end, 8):
+                    key = read_i64_le(removed, i)
+                    if held.discard(key):
+                        self._release(unit, key)
             added = blocks.added_packed
-            for i in range(0, len(added), 8):
-                key = read_i64_le(added, i)
-                if held.add(key):
-                    self._insert(unit, key)
+            for start in range(0, len(added), BATCH):
+                end = min(start + BATCH, len(added))
+                self._touch(added, start, end, held)
+                for i in range(start, end, 8):
+                    key = read_i64_le(added, i)
+                    if held.add(key):
+                        self._insert(unit, key)
             held.fit()
         self._at[unit_id] = (blocks.epoch, blocks.seq)
         return True
@@ -297,6 +311,21 @@ class CompactBlocks:
                 seen.update(fresh)
                 yield depth, fresh
             depth -= 1
+
+    def _touch(self, packed: bytes, start: i64, end: i64, held: KeySet) -> None:
+        """Read the home slots of the keys packed in ``packed[start:end]``, in the map
+        and in the unit's set, ahead of the probes. The probes take their cache misses
+        one after another (each waits on its compare before the next); these loads
+        depend on nothing read, so the CPU has many of them in flight at once. A hint
+        only: what is read is not used (but kept, so the loads are not left out)."""
+        keys, units, mask = self._keys, self._units, self._mask
+        own, own_mask = held.keys, held.mask
+        seen: i64 = 0
+        for i in range(start, end, 8):
+            key = read_i64_le(packed, i)
+            home = _home(key, mask)
+            seen ^= keys[home] ^ i64(units[home]) ^ own[_home(key, own_mask)]
+        self._seen = seen
 
     def _unit(self, unit_id: str) -> i64:
         unit = self._index.get(unit_id, -1)
