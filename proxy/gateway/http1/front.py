@@ -203,7 +203,10 @@ def _status_line(status: int) -> bytes:
 
 def _head_bytes(status: int, headers: dict[str, str], framing: bytes, close: bool) -> bytes:
     parts = [_status_line(status)]
-    parts += [f"{name}: {value}\r\n".encode() for name, value in headers.items()]
+    if headers:  # one text, encoded once (not a bytes object a header)
+        lines = [f"{name}: {value}" for name, value in headers.items()]
+        parts.append("\r\n".join(lines).encode())
+        parts.append(b"\r\n")
     if close:
         parts.append(b"Connection: close\r\n")
     parts.append(framing)
