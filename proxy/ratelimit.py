@@ -565,12 +565,16 @@ class _Allot:
 
     def low(self) -> bool:
         """Below half of a block of some limit: time to ask for more."""
-        return bool(
-            (self.want_r and self.r * 2 < self.want_r)
-            or (self.want_t and self.t * 2 < self.want_t)
-            or (self.want_d and self.d * 2 < self.want_d)
-            or (self.want_s and len(self.free) * 2 < self.want_s)
-        )
+        # Each test on its own (``x and y < z`` is an int or a bool, which compiled code
+        # boxes), and x * 2 < w as x < w - w // 2 (a product of two large ints is
+        # not a native one in compiled code).
+        if self.want_r > 0 and self.r < self.want_r - (self.want_r >> 1):
+            return True
+        if self.want_t > 0 and self.t < self.want_t - (self.want_t >> 1):
+            return True
+        if self.want_d > 0 and self.d < self.want_d - (self.want_d >> 1):
+            return True
+        return self.want_s > 0 and len(self.free) < self.want_s - (self.want_s >> 1)
 
 
 def _credit(left: int, want: int, difference: int) -> tuple[int, int]:

@@ -210,6 +210,30 @@ async def test_a_stream_is_charged_the_units_usage_which_its_client_never_sees(
         assert raw.count(b"data:") == direct.count(b"data:")
 
 
+async def test_a_whole_answer_carries_its_usage_in_a_header_for_the_gateway_alone(
+    start_sidecar: SidecarFactory,
+    start_gateway: GatewayFactory,
+    tenants_file: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    """A unit asked for its usage puts a whole answer's in ``x-unitproxy-usage``, which
+    the gateway settles to and keeps from its client; the answer's body is the same."""
+    sidecar, gw = await start(start_sidecar, start_gateway, tenants_file)
+    body = {**CHAT, "model": "unitproxy-sim", "max_tokens": 5, "add_generation_prompt": False}
+    url = f"{sidecar.http_url}/v1/chat/completions"
+    async with http.post(url, json=body, headers={"x-unitproxy-usage": "1"}) as resp:
+        told, usage = resp.headers.get("x-unitproxy-usage"), (await resp.json())["usage"]
+    assert told == f"{usage['prompt_tokens']} {usage['completion_tokens']}"
+    async with http.post(url, json=body) as resp:
+        assert "x-unitproxy-usage" not in resp.headers  # not asked: not sent
+    async with http.post(f"{gw.http_url}/v1/chat/completions", json=body,
+                         headers={"Authorization": "Bearer sk-beta"}) as resp:  # fmt: skip
+        assert resp.status == 200 and "x-unitproxy-usage" not in resp.headers
+        assert (await resp.json())["usage"] == usage
+    await wait_until(lambda: in_flight(gw, "beta") == 0)
+    assert tpm(gw, "beta") == usage["total_tokens"]  # the unit's count, not the estimate
+
+
 async def _usage_stream(sidecar: Sidecar, body: dict[str, Any]) -> bytes:
     """A stream of ``sidecar``'s as a gateway that counts usage gets it."""
     url = f"{sidecar.http_url}/v1/chat/completions"

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from engine import tokens
 from proxy.errors import InvalidRequest
 from proxy.gateway.request import body_want, json_want
-from proxy.gateway.tenancy import TenantGate, Usage, parse_json
+from proxy.gateway.tenancy import PromptCounts, TenantGate, Usage, parse_json
 from proxy.metrics import TenantMetrics
 from proxy.ratelimit import Limiter
 from proxy.tenants import TenantSource
@@ -68,6 +69,38 @@ def test_a_usage_is_read_from_the_end_of_an_answer() -> None:
     assert not broken.reported
 
 
+USAGE_VALUES = (
+    st.integers(min_value=-5, max_value=10**12) | st.none() | st.booleans()
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=3)
+    | st.dictionaries(st.sampled_from(["cached_tokens", "}"]), st.integers(0, 9), max_size=2)
+)  # fmt: skip
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["prompt_tokens", "completion_tokens", "total_tokens",
+                         "prompt_tokens_details", "x"]),
+        USAGE_VALUES,
+    ),
+    st.sampled_from([(",", ":"), (", ", ": "), (" ,", " : ")]),
+    st.sampled_from(["", ', "id": "x"', ', "more": {"prompt_tokens": 1, "completion_tokens": 1}']),
+)  # fmt: skip
+@settings(max_examples=300, deadline=None)
+def test_a_usage_read_from_an_answer_is_what_its_json_says(
+    usage: dict[str, Any], separators: tuple[str, str], after: str
+) -> None:
+    """Read without parsing the answer where the counts are plain digits, parsed where
+    they are not: either way the counts the usage object holds, and none where it holds
+    none."""
+    body = ('{"choices": [], "usage": ' + json.dumps(usage, separators=separators) + after
+            + "}").encode()  # fmt: skip
+    read, expected = Usage(), Usage()
+    read.read_body(body)
+    expected.read_usage(json.loads(body)["usage"])
+    assert (read.prompt, read.completion, read.reported) == (
+        expected.prompt, expected.completion, expected.reported)  # fmt: skip
+
+
 def test_the_want_is_built_from_what_admission_parsed(tmp_path: Path) -> None:
     async def main() -> None:
         tenants = tmp_path / "tenants.toml"
@@ -90,3 +123,69 @@ def test_the_want_is_built_from_what_admission_parsed(tmp_path: Path) -> None:
         admission.finish("200")
 
     asyncio.run(main())
+
+
+EVENT = b'data: {"choices": [{"text": " usage: \\": usage \\""}]}\n\n'
+COMMENT = b': usage {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    ("events", "left"),
+    [
+        (EVENT * 3 + COMMENT + DONE, EVENT * 3 + DONE),  # as a unit ends its stream
+        (EVENT + COMMENT, EVENT),  # [DONE] comes in the next read
+        (COMMENT + DONE, DONE),
+        (COMMENT, b""),
+        (EVENT + COMMENT.replace(b"}", b', "prompt_tokens_details": {"cached_tokens": 1}}')
+         + DONE, EVENT + DONE),  # a usage object the counts are not first in: parsed
+    ],
+)  # fmt: skip
+def test_the_usage_comment_is_read_and_taken_out_of_a_stream(events: bytes, left: bytes) -> None:
+    usage = Usage()
+    assert usage.take_comment(events) == left
+    assert (usage.prompt, usage.completion, usage.reported) == (5, 2, True)
+
+
+@pytest.mark.parametrize(
+    "events",
+    [EVENT * 2, EVENT + DONE, COMMENT + EVENT + DONE, EVENT + COMMENT + EVENT * 2,
+     b": usage not json\n\n" + DONE],
+)  # fmt: skip
+def test_events_without_a_usage_comment_at_their_end_go_on_as_they_are(events: bytes) -> None:
+    """Only a stream's last event, or the one before [DONE], is the unit's comment: one
+    anywhere else is the client's to get (and nothing is counted from it)."""
+    usage = Usage()
+    taken = usage.take_comment(events)
+    assert not usage.reported
+    if events.startswith(b": usage not json"):
+        assert taken == DONE  # a comment of the unit's, unreadable: out, counting nothing
+    else:
+        assert taken == events
+
+
+@given(st.lists(st.text(max_size=40), max_size=60))
+@settings(max_examples=100, deadline=None)
+def test_prompts_counted_with_texts_kept_count_as_the_simulator(texts: list[str]) -> None:
+    """The count kept for a text is the simulator's; at most ``max_chars`` characters and
+    ``max_texts`` texts are kept, and a text larger than all is counted, not kept."""
+    counts = PromptCounts(max_chars=100, max_texts=8)
+    for text in [*texts, *texts, "word " * 30]:
+        assert counts(text) == tokens.count(text)
+        assert len(counts) <= 8
+        assert counts._chars <= 100
+    assert "word " * 30 not in counts._counts
+    assert counts._chars == sum(map(len, counts._counts))
+    counts("a system prompt")
+    assert counts._counts["a system prompt"] == tokens.count("a system prompt")  # kept
+
+
+@pytest.mark.parametrize(
+    ("value", "counts"),
+    [("3 8", (3, 8, True)), ("0 0", (0, 0, True)), ("3", (0, 0, False)), ("3 x", (0, 0, False)),
+     ("-1 2", (0, 0, False)), ("3  8", (0, 0, False)), ("\u0663 8", (0, 0, False))],
+)  # fmt: skip
+def test_a_usage_header_is_two_counts_or_nothing(value: str, counts: tuple[int, int, bool]) -> None:
+    usage = Usage()
+    assert usage.read_header(value) == counts[2]
+    assert (usage.prompt, usage.completion, usage.reported) == counts

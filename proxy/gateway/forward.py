@@ -50,7 +50,7 @@ from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitC
 from proxy.gateway.request import Context, Want, unit_fields
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
-from proxy.gateway.tenancy import Usage
+from proxy.gateway.tenancy import COMMENT_TAIL, Usage
 from proxy.gateway.traces import body_model, finish_reasons
 from proxy.gateway.units import Unit
 from proxy.httputil import (
@@ -352,7 +352,9 @@ class HttpJob:
             return Tried(Next.DONE, health, error=unit_error(status, data, unit))
         usage = self.usage
         if usage is not None:
-            usage.read_body(data)
+            told = conn.headers.get(openai_api.USAGE_HEADER)
+            if told is None or not usage.read_header(told):
+                usage.read_body(data)  # a unit that sends no header: from its answer
             usage.first_byte = time.monotonic()
         if self.reasons is not None:
             finish_reasons(data, self.reasons)
@@ -417,8 +419,9 @@ class HttpJob:
         headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit.id)
         headers[REQUEST_ID_HEADER] = self._ctx.request_id
         admission = self._ctx.admission
-        if admission is not None:
-            headers.update(admission.header_pairs())  # x-ratelimit-* of a limited tenant
+        if admission is not None:  # x-ratelimit-* of a limited tenant
+            for name, value in admission.header_pairs():  # (compiled: no update's iterators)
+                headers[name] = value
         return headers
 
     # -- streams ---------------------------------------------------------------------------
@@ -481,9 +484,8 @@ class HttpJob:
         if at >= 0:
             data, self._unit_error = data[:at], data[at:]
         usage = self.usage
-        # the unit's usage comment, out of the client's stream (it comes once, at the end:
-        # the other events are not looked through twice)
-        if usage is not None and openai_api.USAGE_COMMENT in data:
+        # the unit's usage comment, out of the client's stream (it comes once, at the end)
+        if usage is not None and openai_api.USAGE_COMMENT in data[-COMMENT_TAIL:]:
             data = usage.take_comment(data)
         if self.reasons is not None:
             finish_reasons(data, self.reasons)

@@ -202,7 +202,9 @@ async def _serve(
     lease = core.admit(priority, request[TRACE], gateway_name(headers.get(GATEWAY_HEADER)))
     if parsed.stream:
         return await _stream(request, parsed, core, lease, deadline)
-    return await _complete(parsed, core, lease, deadline)
+    return await _complete(
+        parsed, core, lease, deadline, openai_api.USAGE_HEADER in request.headers
+    )
 
 
 def _deadline(request: web.Request) -> float | None:
@@ -211,7 +213,11 @@ def _deadline(request: web.Request) -> float | None:
 
 
 async def _complete(
-    parsed: openai_api.ParsedRequest, core: SidecarCore, lease: Any, deadline: float | None
+    parsed: openai_api.ParsedRequest,
+    core: SidecarCore,
+    lease: Any,
+    deadline: float | None,
+    usage: bool = False,  # a gateway asked for the usage in a header (``USAGE_HEADER``)
 ) -> web.Response:
     parts: list[str] = []
 
@@ -222,11 +228,10 @@ async def _complete(
         lease, parsed.engine_request, parsed.route, collect, deadline, parsed.delivered_tokens or 0
     )
     body = openai_api.response_body(parsed, "".join(parts), last, openai_api.created_of(parsed))
-    return web.Response(
-        body=body,
-        content_type="application/json",
-        headers=_headers(core, parsed.engine_request.request_id),
-    )
+    headers = _headers(core, parsed.engine_request.request_id)
+    if usage:
+        headers[openai_api.USAGE_HEADER] = openai_api.usage_header(last)
+    return web.Response(body=body, content_type="application/json", headers=headers)
 
 
 async def _stream(
