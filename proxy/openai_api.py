@@ -454,7 +454,6 @@ def usage_header(last: TokenDelta) -> str:
     return f"{last.prompt_tokens} {last.completion_tokens}"
 
 
-
 class StreamEncoder:
     """SSE chunks of one stream; per-request parts are built once."""
 

@@ -330,22 +330,28 @@ async def test_grpc_authorization_metadata_names_the_tenant(
         stub = inference_pb2_grpc.InferenceStub(channel)
         call = stub.Generate(request, metadata=(("authorization", "Bearer sk-alpha"),))
         chunks = [c async for c in call]
-        initial = dict(await call.initial_metadata())
-        assert initial["x-ratelimit-limit-requests"] == "3"
+        trailing = dict(await call.trailing_metadata())  # with the status, as a load report
+        assert trailing["x-ratelimit-limit-requests"] == "3"
+        assert "x-ratelimit-limit-requests" not in dict(await call.initial_metadata())
         assert chunks[-1].usage.completion_tokens == 4
         assert tpm(gw, "alpha") == chunks[-1].usage.total_tokens
+        # a call that fails after admission carries them with its error status
+        unknown = inference_pb2.GenerateRequest(model="no-such-model", prompt="hi")
+        failed = stub.Generate(unknown, metadata=(("authorization", "Bearer sk-alpha"),))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            _ = [c async for c in failed]
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        limits = dict(error.value.trailing_metadata() or ())
+        assert limits["x-ratelimit-remaining-requests"] == "1"  # the third of 3 a minute
 
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await stub.Generate(request, metadata=(("authorization", "Bearer x"),)).read()
         assert bad.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-        for _ in range(2):
-            _ = [
-                c
-                async for c in stub.Generate(
-                    request, metadata=(("authorization", "Bearer sk-alpha"),)
-                )
-            ]
+        _ = [  # the third
+            c
+            async for c in stub.Generate(request, metadata=(("authorization", "Bearer sk-alpha"),))
+        ]
         with pytest.raises(grpc.aio.AioRpcError) as limited:
             await stub.Generate(request, metadata=(("authorization", "Bearer sk-alpha"),)).read()
         assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

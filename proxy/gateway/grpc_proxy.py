@@ -176,7 +176,9 @@ class GenerateProxy:
             self.metrics.requests.labels(ROUTE, exc.grpc_code.name).inc()
             if ctx.admission is not None:
                 ctx.admission.finish(exc.grpc_code.name)
-            await context.abort(exc.grpc_code, exc.message, refusal_metadata(exc, ctx.request_id))
+            await context.abort(
+                exc.grpc_code, exc.message, refusal_metadata(exc, ctx.request_id, ctx.admission)
+            )
         admission = ctx.admission
         tracer = self.tracer
         if tracer is not None:
@@ -220,7 +222,10 @@ class GenerateProxy:
             # After a stall the status waits behind the messages the client has yet to
             # read: it gets them, then the status, if it ever reads again.
             own = ((REQUEST_ID_HEADER, ctx.request_id), (UNIT_HEADER, job.unit_id))
-            await context.abort(error.grpc_code, error.message, ((GRPC_CODE_KEY, error.code), *own))
+            limits = () if admission is None else tuple(admission.header_pairs())
+            await context.abort(
+                error.grpc_code, error.message, ((GRPC_CODE_KEY, error.code), *own, *limits)
+            )
 
 
 class GrpcJob:
@@ -691,21 +696,28 @@ async def admit(
     tenancy: TenantGate, request: bytes, ctx: Context, context: grpc.aio.ServicerContext
 ) -> Admission:
     """The tenant's admission of a call; a limited tenant's x-ratelimit-* go out as
-    initial metadata."""
+    trailing metadata, with the call's status (as a load report does, ORCA's: initial
+    metadata would be a batch of its own, ahead of the first message, which grpc.aio
+    sends with empty metadata; that batch was a sixth of a call's CPU)."""
     admission = await tenancy.admit_grpc(request, ctx.authorization, ctx.priority)
     pairs = admission.header_pairs()
     if pairs:
-        await context.send_initial_metadata(tuple(pairs))
+        context.set_trailing_metadata(tuple(pairs))
     return admission
 
 
-def refusal_metadata(exc: UnitProxyError, request_id: str) -> tuple[tuple[str, str], ...]:
+def refusal_metadata(
+    exc: UnitProxyError, request_id: str, admission: Admission | None = None
+) -> tuple[tuple[str, str], ...]:
     """Trailing metadata of a call refused before a unit was chosen: the request id and
-    no unit, and a rate limit's headers and retry-after."""
+    no unit, and a rate limit's headers and retry-after (or the x-ratelimit-* of the
+    tenant it was admitted for)."""
     own = ((REQUEST_ID_HEADER, request_id), (UNIT_HEADER, NO_UNIT))
     if isinstance(exc, RateLimited):
         return ((GRPC_CODE_KEY, exc.code), ("retry-after", str(exc.retry_after_s)),
                 *exc.headers.items(), *own)  # fmt: skip
+    if admission is not None:
+        return (*own, *admission.header_pairs())
     return own
 
 
