@@ -190,9 +190,11 @@ class Usage:
         try:
             usage, _ = _SCAN(events[at + len(USAGE_COMMENT) : end].decode(), 0)
         except (ValueError, StopIteration):  # UnicodeDecodeError too
-            return events[:at] + rest
+            usage = None
         self.read_usage(usage)
-        return events[:at] + rest
+        # One copy of the events before the comment (a slice then + would make two: a
+        # stream's last read may hold all of it)
+        return b"".join((memoryview(events)[:at], rest))
 
     def count_output(self, text: str) -> None:
         """Output delivered as text, where the unit reported no usage."""
