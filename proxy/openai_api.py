@@ -445,12 +445,11 @@ DONE = b"data: [DONE]\n\n"
 # of stream_options.include_usage instead would change the chunks the client gets.)
 USAGE_HEADER = "x-unitproxy-usage"
 USAGE_COMMENT = b": usage "
-# A whole (not streamed) answer carries it in the header of the same name instead, as
-# "PROMPT_TOKENS COMPLETION_TOKENS": read without the answer's JSON.
 
 
 def usage_header(last: TokenDelta) -> str:
-    """The value of ``USAGE_HEADER`` on a whole answer."""
+    """The value of ``USAGE_HEADER`` on a whole (not streamed) answer: its usage as
+    "PROMPT_TOKENS COMPLETION_TOKENS", which a gateway reads without the answer's JSON."""
     return f"{last.prompt_tokens} {last.completion_tokens}"
 
 
