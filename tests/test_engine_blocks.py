@@ -261,6 +261,44 @@ def test_the_packed_map_answers_as_the_dict_map_under_random_reports() -> None:
     )
 
 
+def test_whole_sets_again_and_forgotten_units_do_not_grow_the_packed_map() -> None:
+    """A whole set that replaces a unit's (a sidecar whose log a reader overran sends
+    one a report) retires the unit's index: its old entries are swept over the next
+    reports, before they fill the map, and every answer stays the dict map's."""
+    rng = random.Random(7)
+    want, got = EngineBlocks(512), CompactBlocks(512)
+    units = [f"u{i}" for i in range(40)]
+    shared = [rng.getrandbits(60) for _ in range(50)]  # held by many units at once
+    seqs = dict.fromkeys(units, 0)
+    sizes = set()
+    for step in range(600):
+        unit = units[step % len(units)]
+        seqs[unit] += 1
+        added = (*(rng.getrandbits(60) for _ in range(400)), *rng.sample(shared, 10))
+        blocks = PrefixBlocks(1, 0, seqs[unit], True, added, (), 512)
+        assert want.apply(unit, blocks) and got.apply(unit, blocks)
+        slots, entries, dead = got.table()
+        if step >= len(units):  # every unit's first set in
+            sizes.add(slots)
+        assert dead * 4 < entries, "the retired entries are swept as they come"
+        if step % 97 == 0:
+            chain = [*rng.sample(added, 3), *rng.sample(shared, 5), rng.getrandbits(60)]
+            assert _sorted(got.matches(chain)) == _sorted(want.matches(chain))
+            assert got.held(unit) == want.held(unit)
+    live = len(set().union(*(want.held(u) for u in units)))
+    assert sizes == {32768}, "40 units of 410 blocks fit 32,768 slots at 70 %, and stay"
+    assert live <= got.table()[1] < live * 1.3
+    for unit in units:
+        want.forget(unit)
+        got.forget(unit)
+    assert list(got.matches(shared)) == [], "a forgotten unit's entries are passed over"
+    assert got.apply("again", PrefixBlocks(2, 0, 1, True, tuple(shared), (), 512))
+    for seq in range(1, 40):  # what is left is swept over the next reports
+        assert got.apply("again", PrefixBlocks(2, seq, seq + 1, False, (), (), 512))
+    assert _sorted(got.matches(shared)) == [(50, ["again"])]
+    assert got.table() == (32768, 50, 0)
+
+
 def _sorted(matches: Iterator[tuple[int, list[str]]]) -> list[tuple[int, list[str]]]:
     return [(depth, sorted(units)) for depth, units in matches]
 
