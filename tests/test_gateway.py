@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 from collections import Counter
@@ -559,3 +560,49 @@ async def test_watch_reads_a_fleet_above_watch_grpc_max_units_over_http(
     for resp in held:
         resp.close()
     assert not gw._channels, "no gRPC channel was opened for reports"
+
+
+async def test_a_watch_stream_that_goes_quiet_is_closed_and_opened_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A unit whose /load/watch sends one report and then nothing, not even heartbeats,
+    # while its connection stays open: after stale_after_s the gateway closes it, stops
+    # routing there ("timed out"), and opens the stream again, each time.
+    from proxy.load import LoadReport
+    from proxy.settings import load
+
+    opened: list[float] = []
+    writers: list[asyncio.StreamWriter] = []
+    report = LoadReport("a", UnitState.SERVING, outstanding=0, capacity=4).to_json()
+
+    async def quiet_unit(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        opened.append(asyncio.get_running_loop().time())
+        event = f"data: {report}\n\n".encode()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n"
+                     + b"%x\r\n%s\r\n" % (len(event), event))  # fmt: skip
+        await reader.read()  # until the gateway closes it
+
+    server = await asyncio.start_server(quiet_unit, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = load({
+        "server": {"host": "127.0.0.1", "http_port": 0, "grpc_port": 0},
+        "gateway": {"units": [f"a=http://127.0.0.1:{port},127.0.0.1:1"],
+                    "load_source": "watch-http", "stale_after_s": 0.4},
+    })  # fmt: skip
+    try:
+        async with Gateway(settings):
+            await wait_until(lambda: len(opened) >= 3, timeout_s=8, what="three streams")
+            lost = [r for r in caplog.records if "no report for 0.4 s" in r.getMessage()]
+            assert len(lost) >= 2 and "(timed out: " in lost[0].getMessage()
+            gaps = [b - a for a, b in itertools.pairwise(opened)]
+            # quiet for 0.4-0.45 s, then a backoff of at most 0.1 s (the stream had a
+            # report) and the connect
+            assert all(0.4 <= gap < 1.0 for gap in gaps), gaps
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await server.wait_closed()

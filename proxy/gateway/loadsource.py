@@ -127,6 +127,7 @@ class HttpWatchSource(LoadSource):
         super().__init__(router, rng)
         self._pool_for = pool_for
         self._quiet_s = quiet_s  # no report (heartbeats included) for this long: reconnect
+        self._quiet = _Quiet(quiet_s)
         rates = self._rates
         self._path = f"/load/watch?watcher={router.name}" + (
             f"&min_interval_ms={rates.min_interval_ms}&heartbeat_ms={rates.heartbeat_ms}"
@@ -159,16 +160,16 @@ class HttpWatchSource(LoadSource):
             if conn.status != 200:
                 raise ValueError(f"GET /load/watch answered {conn.status}")
             events = _Events(unit, self._deliver, received, conn.close)
-            splice = asyncio.ensure_future(conn.splice(events.feed))
+            self._quiet.add(received, conn.close)
             try:
-                while not splice.done():
-                    left = received.at + self._quiet_s - loop_time()
-                    if left <= 0:
-                        raise TimeoutError(f"no report for {self._quiet_s:g} s")
-                    await asyncio.wait([splice], timeout=left)
-                splice.result()
+                await conn.splice(events.feed)
+            except UpstreamError:
+                if not received.quiet:
+                    raise
             finally:
-                splice.cancel()
+                self._quiet.remove(received)
+            if received.quiet:
+                raise TimeoutError(f"no report for {self._quiet_s:g} s")
         finally:
             conn.close()  # never reused
 
@@ -181,6 +182,42 @@ class _Received:
     def __init__(self) -> None:
         self.any = False
         self.at = loop_time()
+        self.quiet = False  # closed for sending nothing for too long
+
+
+class _Quiet:
+    """Closes a watch stream whose unit sent nothing, heartbeats included, for quiet_s:
+    one timer looks over every held stream an eighth of that apart (a stream is closed
+    quiet_s to 1.125 quiet_s after its last report), rather than a timer and a waiting
+    task a stream (thousands of units)."""
+
+    def __init__(self, quiet_s: float) -> None:
+        self._quiet_s = quiet_s
+        self._held: dict[_Received, Callable[[], None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, received: _Received, close: Callable[[], None]) -> None:
+        self._held[received] = close
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._quiet_s / 8, self._look)
+
+    def remove(self, received: _Received) -> None:
+        self._held.pop(received, None)
+        if not self._held and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _look(self) -> None:
+        since = loop_time() - self._quiet_s
+        quiet = [received for received in self._held if received.at <= since]
+        for received in quiet:
+            received.quiet = True
+            self._held.pop(received)()
+        self._timer = (
+            asyncio.get_running_loop().call_later(self._quiet_s / 8, self._look)
+            if self._held
+            else None
+        )
 
 
 class _Events:
