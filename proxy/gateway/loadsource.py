@@ -210,14 +210,15 @@ class _Quiet:
     def _look(self) -> None:
         since = loop_time() - self._quiet_s
         quiet = [received for received in self._held if received.at <= since]
-        for received in quiet:
-            received.quiet = True
-            self._held.pop(received)()
-        self._timer = (
+        closes = [self._held.pop(received) for received in quiet]
+        self._timer = (  # first: a close that raised would leave the others unwatched
             asyncio.get_running_loop().call_later(self._quiet_s / 8, self._look)
             if self._held
             else None
         )
+        for received, close in zip(quiet, closes, strict=True):
+            received.quiet = True
+            close()
 
 
 class _Events:
