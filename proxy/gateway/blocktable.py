@@ -41,8 +41,9 @@ FIRST_SIZE: Final[i64] = 1024
 # until the batch is applied.
 BATCH: Final[i64] = 2048
 # The sweep of a retired index's entries visits this many slots a dead entry (at the
-# next reports, SWEEP_LEAST to SWEEP_MOST slots a report): a pass over the map comes before
-# the dead are a sixth of it at 60 % full, well short of what would make it grow.
+# next reports, SWEEP_LEAST to SWEEP_MOST slots a report): a pass over the whole map is
+# owed once the dead are 1/24 of its slots (1/14 of its entries at 60 % full), well
+# short of what would make it grow.
 SWEEP_PER_DEAD: Final[i64] = 24
 SWEEP_MOST: Final[i64] = 1 << 15
 SWEEP_LEAST: Final[i64] = 1 << 10
