@@ -81,6 +81,7 @@ log = logging.getLogger(__name__)
 
 MINUTE_S = 60.0
 DAY_S = 86_400.0
+MINUTES_A_DAY = 1_440
 LEASE_S = 300.0  # a request in flight holds its concurrency slot this long unless renewed
 RENEW_S = 60.0  # how often leases and this replica's presence are renewed
 PRESENCE_S = 3 * RENEW_S  # a replica not heard from for this long no longer counts
@@ -243,6 +244,40 @@ def header_pairs(
         found.append(("x-ratelimit-remaining-tokens", str(left) if left > 0 else "0"))
         found.append(("x-ratelimit-reset-tokens", _reset(tp, cur, frac)))
     return found
+
+
+def header_block(
+    tenant: Tenant,
+    rp: float,
+    rc: float,
+    tp: float,
+    tc: float,
+    need: int,
+    frac: float,
+) -> str:
+    """``header_pairs`` of an admitted request at its whole limits (share 1), as the
+    lines of a response head: ``name: value\r\n`` each, in the same order. One text
+    from two formats, where the pairs are six tuples a head then writes one by one."""
+    block = ""
+    full = tenant.requests_per_minute
+    if full:
+        cur = rc + 1.0
+        left = math.floor(full - (rp * (1.0 - frac) + cur))
+        block = (
+            f"x-ratelimit-limit-requests: {full}\r\n"
+            f"x-ratelimit-remaining-requests: {left if left > 0 else 0}\r\n"
+            f"x-ratelimit-reset-requests: {_reset(rp, cur, frac)}\r\n"
+        )
+    full = tenant.tokens_per_minute
+    if full:
+        cur = tc + (need if need < full else full)
+        left = math.floor(full - (tp * (1.0 - frac) + cur))
+        block += (
+            f"x-ratelimit-limit-tokens: {full}\r\n"
+            f"x-ratelimit-remaining-tokens: {left if left > 0 else 0}\r\n"
+            f"x-ratelimit-reset-tokens: {_reset(tp, cur, frac)}\r\n"
+        )
+    return block
 
 
 def _reset(prev: float, cur: float, frac: float) -> str:
@@ -446,10 +481,11 @@ WHAT = {
 
 class Reservation:
     """A request's hold on its tenant's limits: settle it once, when the request ends.
-    Its x-ratelimit-* headers are built when first asked for (``pairs``), from the
-    counts it was admitted on."""
+    Its x-ratelimit-* headers are built when first asked for (``pairs``, ``block``),
+    from the counts it was admitted on."""
 
     __slots__ = (
+        "_block",
         "_frac",
         "_limiter",
         "_local",
@@ -496,7 +532,21 @@ class Reservation:
         # The headers, or (None) the per-minute counts before the request to build
         # them from (with ``frac`` of the minute gone) when they are asked for.
         self._pairs = pairs
+        self._block: str | None = None  # the head's lines, once built
         self._rp, self._rc, self._tp, self._tc, self._frac = rp, rc, tp, tc, frac
+
+    def block(self) -> str:
+        """The x-ratelimit-* headers as the lines of a response head (``header_block``)."""
+        found = self._block
+        if found is None:
+            pairs = self._pairs
+            if pairs is None:  # from the counts: no pairs built on the way
+                found = header_block(self.tenant, self._rp, self._rc, self._tp, self._tc,
+                                     self.tokens, self._frac)  # fmt: skip
+            else:
+                found = "".join([f"{name}: {value}\r\n" for name, value in pairs])
+            self._block = found
+        return found
 
     def pairs(self) -> list[tuple[str, str]]:
         """The x-ratelimit-* headers, as (name, value) pairs in the order written."""
@@ -827,8 +877,11 @@ class Limiter:
         a = self._allots.get(tenant.name)
         if a is None:
             return None
+        # One float division: a day's windows end where a minute's do, and ``now`` less
+        # its minute's start is exact (so this is ``now % MINUTE_S``, which divides too).
         minute = int(now // MINUTE_S)
-        day = int(now // DAY_S)
+        day = minute // MINUTES_A_DAY
+        frac = (now - minute * MINUTE_S) / MINUTE_S
         if minute != a.minute or day != a.day:
             self._roll(tenant.name, a, minute, day)
         least = need if need > 0 else 1
@@ -855,11 +908,16 @@ class Limiter:
         # The headers are built from these counts when a response is written.
         reservation = Reservation(
             self, tenant, need, minute, day, member, True, None if rpm or tpm else [],
-            a.rp, a.rc, a.tp, a.tc, (now % MINUTE_S) / MINUTE_S, local,
+            a.rp, a.rc, a.tp, a.tc, frac, local,
         )  # fmt: skip
         a.rc += 1
         a.tc += need
-        self._count(local, need, now)
+        if minute != local.minute:
+            local.roll(now)
+        local.rpm.cur += 1
+        local.tpm.cur += need
+        local.tpd.cur += need
+        local.concurrent += 1
         if not a.asking and a.low():
             self._ask(tenant, a, need, now, minute, day)
         self._live.add(reservation)

@@ -121,8 +121,14 @@ async def test_the_key_names_the_tenant_and_its_limit_answers_429(
     assert raw.headers["x-ratelimit-remaining-requests"] == "2"
     assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
     assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
-    for _ in range(2):
-        await alpha.completions.create(model="unitproxy-sim", prompt="hello", max_tokens=2)
+    await alpha.completions.create(model="unitproxy-sim", prompt="hello", max_tokens=2)
+    streamed = await alpha.completions.with_raw_response.create(
+        model="unitproxy-sim", prompt="hello", max_tokens=2, stream=True
+    )  # a stream's head carries them too
+    assert [c async for c in streamed.parse()]
+    assert streamed.headers["x-ratelimit-remaining-requests"] == "0"
+    assert streamed.headers["x-ratelimit-limit-tokens"] == "100000"
+    assert streamed.headers["content-type"].startswith("text/event-stream")
     with pytest.raises(openai.RateLimitError) as limited:
         await alpha.completions.create(model="unitproxy-sim", prompt="hello", max_tokens=2)
     error = limited.value

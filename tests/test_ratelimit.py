@@ -10,6 +10,8 @@ import logging
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge
 
 from proxy.ratelimit import (
@@ -18,6 +20,8 @@ from proxy.ratelimit import (
     Limiter,
     RateLimited,
     duration,
+    header_block,
+    header_pairs,
     sliding,
     wait_s,
 )
@@ -57,6 +61,27 @@ def test_the_sliding_window_estimate_and_its_wait() -> None:
     assert wait_s(6, 0, 1, 3, 0.5, 60) == pytest.approx(10)  # 6 x (1 - f) <= 2 at f = 2/3
     assert wait_s(0, 0, 3, 3, 0.7, 60) == 0
     assert [duration(s) for s in (0.02, 1, 61, 3725.2)] == ["20ms", "1s", "1m1s", "1h2m6s"]
+
+
+counts = st.floats(min_value=0, max_value=1e13, allow_nan=False)
+
+
+@given(
+    rpm=st.sampled_from([0, 1, 7, 600, 10**12]),
+    tpm=st.sampled_from([0, 1, 5_000, 10**12]),
+    rp=counts, rc=counts, tp=counts, tc=counts,
+    need=st.integers(min_value=0, max_value=10**7),
+    frac=st.floats(min_value=0, max_value=0.999999),
+)  # fmt: skip
+def test_the_head_lines_are_the_header_pairs_written_out(
+    rpm: int, tpm: int, rp: float, rc: float, tp: float, tc: float, need: int, frac: float
+) -> None:
+    """What an HTTP response's head carries (one text) is what the pairs say, in order."""
+    t = tenant(requests_per_minute=rpm, tokens_per_minute=tpm)
+    pairs = header_pairs(t, rp, rc, tp, tc, need, frac, 1.0, True)
+    written = "".join(f"{name}: {value}\r\n" for name, value in pairs)
+    assert header_block(t, rp, rc, tp, tc, need, frac) == written
+    assert len(pairs) == 3 * (bool(rpm) + bool(tpm))
 
 
 async def test_requests_per_minute_429_with_headers_and_retry_after() -> None:

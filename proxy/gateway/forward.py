@@ -89,10 +89,11 @@ class Downstream(Protocol):
     def started(self) -> bool:
         """Some of a streamed response went out: it can only be continued, not replaced."""
 
-    def respond(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        """The whole response at once."""
+    def respond(self, status: int, headers: dict[str, str], body: bytes, lines: str = "") -> None:
+        """The whole response at once. ``lines``: more of its head, as written
+        (``name: value\r\n`` each: a limited tenant's x-ratelimit-*)."""
 
-    async def start(self, status: int, headers: dict[str, str]) -> None:
+    async def start(self, status: int, headers: dict[str, str], lines: str = "") -> None:
         """A streamed response: its head goes out with the first ``write``."""
 
     async def write(self, data: bytes) -> None:
@@ -359,12 +360,12 @@ class HttpJob:
         if self.reasons is not None:
             finish_reasons(data, self.reasons)
         self._first_s = self._loop.time() - self._asked_at
-        self._down.respond(status, self._headers(conn, unit), data)
+        self._down.respond(status, self._headers(conn, unit), data, self._limit_lines())
         return Tried(Next.DONE, health)
 
     def _refused(self, unit: Unit, conn: UnitConnection, status: int, data: bytes) -> Tried:
         code = error_code(data)
-        reply = (status, self._headers(conn, unit), data)
+        reply = (status, self._headers(conn, unit), data, self._limit_lines())
         error = unit_error(status, data, unit)
         if status == 429 or code in NOT_TAKING_WORK:
             return Tried(Next.RETRY, Outcome.REFUSED, str(status), error, reply)
@@ -418,11 +419,13 @@ class HttpJob:
         headers = {name: conn.headers[key] for key, name in PASSED_HEADERS if key in conn.headers}
         headers[UNIT_HEADER] = conn.headers.get(UNIT_HEADER, unit.id)
         headers[REQUEST_ID_HEADER] = self._ctx.request_id
-        admission = self._ctx.admission
-        if admission is not None:  # x-ratelimit-* of a limited tenant
-            for name, value in admission.header_pairs():  # (compiled: no update's iterators)
-                headers[name] = value
         return headers
+
+    def _limit_lines(self) -> str:
+        """A limited tenant's x-ratelimit-* as head lines ("" for none): one text, not
+        six headers to add and write one by one."""
+        admission = self._ctx.admission
+        return "" if admission is None else admission.header_block()
 
     # -- streams ---------------------------------------------------------------------------
 
@@ -431,7 +434,7 @@ class HttpJob:
         if not down.started:
             headers = self._headers(conn, unit)
             headers["Cache-Control"] = "no-cache"
-            await down.start(conn.status, headers)
+            await down.start(conn.status, headers, self._limit_lines())
             self._transcript = SseTranscript()
         self._reset_events()
         self._watch_idle(conn)

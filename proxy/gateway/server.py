@@ -624,13 +624,13 @@ class AiohttpResponse:
     def started(self) -> bool:
         return self.response is not None and self.response.prepared
 
-    def respond(self, status: int, headers: dict[str, str], body: bytes) -> None:
+    def respond(self, status: int, headers: dict[str, str], body: bytes, lines: str = "") -> None:
         self.status = status
-        self.response = web.Response(status=status, body=body, headers=headers)
+        self.response = web.Response(status=status, body=body, headers=_with(headers, lines))
 
-    async def start(self, status: int, headers: dict[str, str]) -> None:
+    async def start(self, status: int, headers: dict[str, str], lines: str = "") -> None:
         self.status = status
-        self.response = web.StreamResponse(status=status, headers=headers)
+        self.response = web.StreamResponse(status=status, headers=_with(headers, lines))
 
     async def write(self, data: bytes) -> None:
         response = self.response
@@ -654,6 +654,15 @@ class AiohttpResponse:
             await response.write_eof()
         except aiohttp.ClientConnectionResetError as exc:
             raise ClientGone(response) from exc
+
+
+def _with(headers: dict[str, str], lines: str) -> dict[str, str]:
+    """``headers`` and those of head ``lines`` (``name: value\r\n`` each)."""
+    for line in lines.split("\r\n"):
+        if line:
+            name, _, value = line.partition(": ")
+            headers[name] = value
+    return headers
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -123,10 +123,13 @@ def prompt_tokens_of(req: dict[str, Any]) -> int:
 
 
 def max_tokens_of(req: dict[str, Any]) -> int | None:
-    for field in ("max_completion_tokens", "max_tokens"):
-        value = req.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+    """The output the request asks for at most (``type is int``: not a bool)."""
+    value = req.get("max_completion_tokens")
+    if type(value) is int and value > 0:
+        return value
+    value = req.get("max_tokens")
+    if type(value) is int and value > 0:
+        return value
     return None
 
 
@@ -245,9 +248,14 @@ class Admission:
         return self.reservation.headers
 
     def header_pairs(self) -> list[tuple[str, str]]:
-        """``headers`` as (name, value) pairs, built once: what a response is written
-        with."""
+        """``headers`` as (name, value) pairs, built once: what gRPC's metadata is
+        written with."""
         return self.reservation.pairs()
+
+    def header_block(self) -> str:
+        """``headers`` as the lines of a response head (``name: value\r\n`` each; ""
+        where none): what an HTTP response is written with."""
+        return self.reservation.block()
 
     def take_request(self) -> Any:
         """The parsed request, once (None after, or where admission parsed none)."""

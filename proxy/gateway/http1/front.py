@@ -201,12 +201,16 @@ def _status_line(status: int) -> bytes:
     return line
 
 
-def _head_bytes(status: int, headers: dict[str, str], framing: bytes, close: bool) -> bytes:
+def _head_bytes(
+    status: int, headers: dict[str, str], framing: bytes, close: bool, more: str = ""
+) -> bytes:
     parts = [_status_line(status)]
     if headers:  # one text, encoded once (not a bytes object a header)
         lines = [f"{name}: {value}" for name, value in headers.items()]
+        lines.append(more)  # whole lines ("" ends the last header's)
         parts.append("\r\n".join(lines).encode())
-        parts.append(b"\r\n")
+    elif more:
+        parts.append(more.encode())
     if close:
         parts.append(b"Connection: close\r\n")
     parts.append(framing)
@@ -226,16 +230,16 @@ class Response:
         self.started = False
         self.ended = False
 
-    def respond(self, status: int, headers: dict[str, str], body: bytes) -> None:
+    def respond(self, status: int, headers: dict[str, str], body: bytes, lines: str = "") -> None:
         self.status = status
         self.ended = True
         framing = b"Content-Length: %d\r\n\r\n" % len(body)
-        self._conn.send(_head_bytes(status, headers, framing, self._close) + body)
+        self._conn.send(_head_bytes(status, headers, framing, self._close, lines) + body)
 
-    async def start(self, status: int, headers: dict[str, str]) -> None:
+    async def start(self, status: int, headers: dict[str, str], lines: str = "") -> None:
         self.status = status
         self._pending = _head_bytes(status, headers, b"Transfer-Encoding: chunked\r\n\r\n",
-                                    self._close)  # fmt: skip
+                                    self._close, lines)  # fmt: skip
 
     async def write(self, data: bytes) -> None:
         if not data:

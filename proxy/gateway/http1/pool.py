@@ -39,7 +39,7 @@ _NAMES = {
                  "Connection", "Cache-Control", "X-Request-Id", "X-Unitproxy-Unit",
                  "x-request-id", "x-unitproxy-unit", "content-type", "content-length", "date",
                  "server", "transfer-encoding", "connection", "cache-control", "Retry-After",
-                 "retry-after")
+                 "retry-after", "x-unitproxy-usage", "X-Unitproxy-Usage")
 }  # fmt: skip
 
 
