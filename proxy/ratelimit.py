@@ -225,7 +225,8 @@ def header_pairs(
     admitted: bool,
 ) -> list[tuple[str, str]]:
     """``headers`` as (name, value) pairs, from the per-minute counts (prev, cur) of
-    requests and tokens before the request: what a response's head is written from."""
+    requests and tokens before the request: what gRPC's trailing metadata and an error's
+    headers are written from (``header_block`` renders the same as an HTTP head's lines)."""
     found: list[tuple[str, str]] = []
     full = tenant.requests_per_minute
     if full:
