@@ -257,7 +257,7 @@ def header_block(
     frac: float,
 ) -> str:
     """``header_pairs`` of an admitted request at its whole limits (share 1), as the
-    lines of a response head: ``name: value\r\n`` each, in the same order. One text
+    lines of a response head: ``name: value\\r\\n`` each, in the same order. One text
     from two formats, where the pairs are six tuples a head then writes one by one."""
     block = ""
     full = tenant.requests_per_minute

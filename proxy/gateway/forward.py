@@ -91,7 +91,7 @@ class Downstream(Protocol):
 
     def respond(self, status: int, headers: dict[str, str], body: bytes, lines: str = "") -> None:
         """The whole response at once. ``lines``: more of its head, as written
-        (``name: value\r\n`` each: a limited tenant's x-ratelimit-*)."""
+        (``name: value\\r\\n`` each: a limited tenant's x-ratelimit-*)."""
 
     async def start(self, status: int, headers: dict[str, str], lines: str = "") -> None:
         """A streamed response: its head goes out with the first ``write``."""

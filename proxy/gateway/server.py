@@ -657,7 +657,7 @@ class AiohttpResponse:
 
 
 def _with(headers: dict[str, str], lines: str) -> dict[str, str]:
-    """``headers`` and those of head ``lines`` (``name: value\r\n`` each)."""
+    """``headers`` and those of head ``lines`` (``name: value\\r\\n`` each)."""
     for line in lines.split("\r\n"):
         if line:
             name, _, value = line.partition(": ")

@@ -253,7 +253,7 @@ class Admission:
         return self.reservation.pairs()
 
     def header_block(self) -> str:
-        """``headers`` as the lines of a response head (``name: value\r\n`` each; ""
+        """``headers`` as the lines of a response head (``name: value\\r\\n`` each; ""
         where none): what an HTTP response is written with."""
         return self.reservation.block()
 
