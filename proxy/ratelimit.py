@@ -856,7 +856,7 @@ class Limiter:
                 check.headers,
                 check.refused,
             )
-        self._count(local, need, now)
+        self._count(local, need, now, int(now // MINUTE_S))
         reservation = Reservation(
             self, tenant, need, int(now // MINUTE_S), int(now // DAY_S), member, shared,
             list(check.headers.items()), local=local,
@@ -865,8 +865,10 @@ class Limiter:
         return reservation
 
     @staticmethod
-    def _count(local: _Local, need: int, now: float) -> None:
-        local.roll(now)
+    def _count(local: _Local, need: int, now: float, minute: int) -> None:
+        """One admitted request counted on this replica (``minute``: ``now``'s)."""
+        if minute != local.minute:
+            local.roll(now)
         local.rpm.cur += 1
         local.tpm.cur += need
         local.tpd.cur += need
@@ -913,12 +915,7 @@ class Limiter:
         )  # fmt: skip
         a.rc += 1
         a.tc += need
-        if minute != local.minute:
-            local.roll(now)
-        local.rpm.cur += 1
-        local.tpm.cur += need
-        local.tpd.cur += need
-        local.concurrent += 1
+        self._count(local, need, now, minute)
         if not a.asking and a.low():
             self._ask(tenant, a, need, now, minute, day)
         self._live.add(reservation)
