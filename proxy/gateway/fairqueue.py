@@ -83,6 +83,16 @@ class Waiter:
         return waiter
 
 
+class _Served:
+    """A tenant's virtual token counter: tokens served, decayed to ``at``."""
+
+    __slots__ = ("at", "value")
+
+    def __init__(self, value: float, at: float):
+        self.value = value
+        self.at = at
+
+
 class FairQueue:
     def __init__(
         self,
@@ -101,8 +111,7 @@ class FairQueue:
         self._classes: list[dict[str, deque[Waiter]]] = [{} for _ in PRIORITIES]
         self._counts = [0 for _ in PRIORITIES]
         self.total = 0  # waiters in every class
-        self._served: dict[str, float] = {}  # tenant -> decayed tokens served
-        self._served_at: dict[str, float] = {}  # when its counter was last decayed
+        self._served: dict[str, _Served] = {}  # tenant -> its counter, while above 0
         self._seq = 0
 
     def __len__(self) -> int:
@@ -121,33 +130,35 @@ class FairQueue:
 
     def served(self, tenant: str) -> float:
         """Tokens served to ``tenant`` recently (decayed to now)."""
-        value = self._served.get(tenant, 0.0)
-        if not value:
+        counter = self._served.get(tenant)
+        if counter is None:
             return 0.0
         now = self._clock()
-        age = now - self._served_at.get(tenant, now)
+        age = now - counter.at
         if age:
-            value *= 0.5 ** (age / self._half_life_s)
-            self._served[tenant] = value
-            self._served_at[tenant] = now
-        return value
+            counter.value *= 0.5 ** (age / self._half_life_s)
+            counter.at = now
+        return counter.value
 
     def charge(self, tenant: str, tokens: float) -> None:
         """Count ``tokens`` (negative: a correction) as served to ``tenant``. (Twice a
-        request with tenants: ``served`` inline, one clock reading.)"""
+        request with tenants: ``served`` inline, one clock reading, one lookup.)"""
         now = self._clock()
-        value = self._served.get(tenant, 0.0)
-        if value:
-            age = now - self._served_at.get(tenant, now)
-            if age:
-                value *= 0.5 ** (age / self._half_life_s)
-        value = max(0.0, value + tokens)
-        if value < 1e-3:  # forgotten: a tenant served long ago costs nothing to keep
-            self._served.pop(tenant, None)
-            self._served_at.pop(tenant, None)
+        counter = self._served.get(tenant)
+        if counter is None:
+            if tokens >= 1e-3:
+                self._served[tenant] = _Served(tokens, now)
             return
-        self._served[tenant] = value
-        self._served_at[tenant] = now
+        value = counter.value
+        age = now - counter.at
+        if age:
+            value *= 0.5 ** (age / self._half_life_s)
+        value += tokens
+        if value < 1e-3:  # forgotten: a tenant served long ago costs nothing to keep
+            del self._served[tenant]
+            return
+        counter.value = value
+        counter.at = now
 
     # -- waiting -----------------------------------------------------------------------
 
@@ -197,8 +208,7 @@ class FairQueue:
     def _lift(self, tenant: str, waiters: dict[str, deque[Waiter]]) -> None:
         floor = min(self.served(t) for t in waiters)
         if self.served(tenant) < floor:
-            self._served[tenant] = floor
-            self._served_at[tenant] = self._clock()
+            self._served[tenant] = _Served(floor, self._clock())
 
     def _last_batch(self) -> Waiter | None:
         last: Waiter | None = None
