@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge
 
+from proxy.errors import InvalidRequest
+from proxy.gateway.tenancy import TenantGate
+from proxy.metrics import TenantMetrics
 from proxy.ratelimit import (
     IDLE_S,
     LEASE_S,
@@ -27,7 +32,7 @@ from proxy.ratelimit import (
 )
 from proxy.redis_reports import connect
 from proxy.settings import RedisSettings
-from proxy.tenants import Tenant
+from proxy.tenants import Tenant, TenantSource
 from tests.procs import free_ports
 from tests.redisenv import REDIS_URL
 
@@ -499,6 +504,41 @@ async def test_an_allotment_running_low_is_topped_up_in_the_background(cluster: 
         left = a.allotment("acme")[0]
         assert 0 < left <= 10
         assert (await redis_counts(a))[0] == 40 + left
+    finally:
+        await a._redis.aclose()  # type: ignore[union-attr]
+
+
+async def test_the_gate_decides_here_what_the_allotment_covers(
+    cluster: str, tmp_path: Path
+) -> None:
+    """``TenantGate.try_admit_http`` admits with no await once the replica holds an
+    allotment, answers None (``await admit_http``) while Redis has to say, and refuses
+    an unknown priority class before anything is counted."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "acme"\nkeys = ["sk-a"]\nrequests_per_minute = 160\n')
+    source = TenantSource(tenants)
+    await source.load()
+    clock = Clock()
+    a = shared_limiter(cluster, clock)
+    gate = TenantGate(source, a, TenantMetrics(CollectorRegistry()), 16, clock=clock)
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 5}).encode()
+    sent = counting_calls(a)
+    try:
+        assert gate.try_admit_http(body, "Bearer sk-a", None) is None  # no allotment yet
+        assert len(sent) == 0
+        first = await gate.admit_http(body, "Bearer sk-a", None)  # Redis checks, grants
+        assert len(sent) == 1 and a.allotment("acme")[0] == 10
+        with pytest.raises(InvalidRequest):
+            gate.try_admit_http(body, "Bearer sk-a", "urgent")
+        assert a.allotment("acme")[0] == 10  # nothing counted for it
+        admitted = gate.try_admit_http(body, "Bearer sk-a", "batch")
+        assert admitted is not None and len(sent) == 1
+        assert (admitted.priority, admitted.cost) == ("batch", admitted.prompt + 5)
+        assert admitted.take_request() == json.loads(body)
+        assert "x-ratelimit-remaining-requests: 158\r\n" in admitted.header_block()
+        assert a.allotment("acme")[0] == 9
+        for admission in (first, admitted):
+            admission.finish("200")
     finally:
         await a._redis.aclose()  # type: ignore[union-attr]
 

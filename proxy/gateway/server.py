@@ -464,8 +464,11 @@ class Gateway(Service):
                     ctx.admission = await tenancy.admit_form(model, key, priority)
                 elif ctx.stored is not None:  # a GET has no body to read a model from
                     ctx.admission = await tenancy.admit_stored(key, priority)
-                else:
-                    ctx.admission = await tenancy.admit_http(body, key, priority)
+                else:  # decided here, unless Redis has to say
+                    admission = tenancy.try_admit_http(body, key, priority)
+                    if admission is None:
+                        admission = await tenancy.admit_http(body, key, priority)
+                    ctx.admission = admission
             if ctx.invalid is not None:
                 raise ctx.invalid
             want = self.core.form_want(ctx, model) if form else None

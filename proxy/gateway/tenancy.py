@@ -308,21 +308,27 @@ class TenantGate:
         """From the request's head alone: raises Unauthenticated for an unknown key."""
         self.source.current.identify(authorization)
 
+    def try_admit_http(
+        self, body: bytes, authorization: str | None, priority: str | None
+    ) -> Admission | None:
+        """``admit_http`` where it is decided here, with no await (the tenant's
+        allotment or this replica's own counts cover it, as nearly every request's
+        do); None: Redis has to say, ``await admit_http``. Raises as it does."""
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        req, model, prompt, max_tokens = _http_request(body)
+        admission = self._try(tenant, model, priority, prompt, max_tokens, started)
+        if admission is not None:
+            admission.request = req
+        return admission
+
     async def admit_http(
         self, body: bytes, authorization: str | None, priority: str | None
     ) -> Admission:
         started = self._clock()
         tenant = self.source.current.identify(authorization)
-        try:
-            req = parse_json(body)
-        except ValueError:
-            req = None
-        if not isinstance(req, dict):
-            raise InvalidRequest("the request body must be a JSON object")
-        model = req.get("model")
-        model = model if isinstance(model, str) else ""
-        prompt = prompt_tokens_of(req)
-        admission = await self._admit(tenant, model, priority, prompt, max_tokens_of(req), started)
+        req, model, prompt, max_tokens = _http_request(body)
+        admission = await self._admit(tenant, model, priority, prompt, max_tokens, started)
         admission.request = req
         return admission
 
@@ -342,28 +348,51 @@ class TenantGate:
         tenant = self.source.current.identify(authorization)
         return await self._admit(tenant, "", priority, 0, None, started, check=False)
 
+    def try_admit_grpc(
+        self, request: bytes, authorization: str | None, priority: str | None
+    ) -> Admission | None:
+        """``admit_grpc`` where it is decided here, as ``try_admit_http``."""
+        started = self._clock()
+        tenant = self.source.current.identify(authorization)
+        req, prompt, max_tokens = _grpc_request(request)
+        admission = self._try(tenant, req.model, priority, prompt, max_tokens, started)
+        if admission is not None:
+            admission.request = req
+        return admission
+
     async def admit_grpc(
         self, request: bytes, authorization: str | None, priority: str | None
     ) -> Admission:
         started = self._clock()
         tenant = self.source.current.identify(authorization)
-        try:
-            req = GenerateRequest.FromString(request)
-        except Exception as exc:  # protobuf's DecodeError
-            raise InvalidRequest("the request is not a GenerateRequest") from exc
-        which = req.WhichOneof("input")
-        if which == "chat":
-            prompt = sum(prompt_count(m.content) + MESSAGE_TOKENS for m in req.chat.messages)
-            prompt += ASSISTANT_TOKENS
-        elif which == "prompt_token_ids":
-            prompt = len(req.prompt_token_ids.ids)
-        else:
-            prompt = max(1, prompt_count(req.prompt))
-        has_max = req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 0
-        max_tokens = req.sampling.max_tokens if has_max else None
+        req, prompt, max_tokens = _grpc_request(request)
         admission = await self._admit(tenant, req.model, priority, prompt, max_tokens, started)
         admission.request = req
         return admission
+
+    def _try(
+        self,
+        tenant: Tenant,
+        model: str,
+        asked: str | None,
+        prompt: int,
+        max_tokens: int | None,
+        started: float,
+        check: bool = True,  # the model against the tenant's allow list
+    ) -> Admission | None:
+        """The admission where it is decided here (no await); None: Redis has to say."""
+        if check:
+            tenant.check_model(model)
+        priority = tenant.priority_for(asked)  # (an unknown class is refused before counting)
+        estimate = prompt + (max_tokens or self.estimate_max_tokens)
+        try:
+            reservation = self.limiter.try_admit(tenant, estimate)
+        except RateLimited as limited:
+            self._refused(tenant, model, limited)
+            raise
+        if reservation is None:
+            return None
+        return Admission(self, tenant, model, priority, prompt, estimate, reservation, started)
 
     async def _admit(
         self,
@@ -373,26 +402,25 @@ class TenantGate:
         prompt: int,
         max_tokens: int | None,
         started: float,
-        check: bool = True,  # the model against the tenant's allow list
+        check: bool = True,
     ) -> Admission:
-        if check:
-            tenant.check_model(model)
-        priority = tenant.priority_for(asked)
+        admission = self._try(tenant, model, asked, prompt, max_tokens, started, check)
+        if admission is not None:
+            return admission
         estimate = prompt + (max_tokens or self.estimate_max_tokens)
-        limiter = self.limiter
         try:
-            # Decided here (no await) unless Redis has to say.
-            reservation = limiter.try_admit(tenant, estimate)
-            if reservation is None:
-                reservation = await limiter.admit(tenant, estimate)
+            reservation = await self.limiter.admit(tenant, estimate)
         except RateLimited as limited:
-            self.metrics.limited.labels(self.metrics.tenant(tenant.name),
-                                        limited.limit).inc()  # fmt: skip
-            access_log.info("tenant=%s model=%s unit=- status=429 prompt_tokens=0 "
-                            "completion_tokens=0 ttft_s=- duration_s=0 limit=%s",
-                            tenant.name, _field(model), limited.limit)  # fmt: skip
+            self._refused(tenant, model, limited)
             raise
+        priority = tenant.priority_for(asked)
         return Admission(self, tenant, model, priority, prompt, estimate, reservation, started)
+
+    def _refused(self, tenant: Tenant, model: str, limited: RateLimited) -> None:
+        self.metrics.limited.labels(self.metrics.tenant(tenant.name), limited.limit).inc()
+        access_log.info("tenant=%s model=%s unit=- status=429 prompt_tokens=0 "
+                        "completion_tokens=0 ttft_s=- duration_s=0 limit=%s",
+                        tenant.name, _field(model), limited.limit)  # fmt: skip
 
     def account(self, a: Admission, status: str) -> None:
         m, u = self.metrics, a.usage
@@ -414,6 +442,37 @@ class TenantGate:
             a.tenant.name, _field(a.model), u.unit or "-", status, u.prompt, u.completion,
             ttft, now - a.started, a.priority,
         )  # fmt: skip
+
+
+def _http_request(body: bytes) -> tuple[dict[str, Any], str, int, int | None]:
+    """An HTTP request's body: the object, its model, its prompt's estimated tokens and
+    its max_tokens (None where it sets none)."""
+    try:
+        req = parse_json(body)
+    except ValueError:
+        req = None
+    if not isinstance(req, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = req.get("model")
+    return req, model if isinstance(model, str) else "", prompt_tokens_of(req), max_tokens_of(req)
+
+
+def _grpc_request(request: bytes) -> tuple[GenerateRequest, int, int | None]:
+    """A gRPC call's GenerateRequest, its prompt's estimated tokens and its max_tokens."""
+    try:
+        req = GenerateRequest.FromString(request)
+    except Exception as exc:  # protobuf's DecodeError
+        raise InvalidRequest("the request is not a GenerateRequest") from exc
+    which = req.WhichOneof("input")
+    if which == "chat":
+        prompt = sum(prompt_count(m.content) + MESSAGE_TOKENS for m in req.chat.messages)
+        prompt += ASSISTANT_TOKENS
+    elif which == "prompt_token_ids":
+        prompt = len(req.prompt_token_ids.ids)
+    else:
+        prompt = max(1, prompt_count(req.prompt))
+    has_max = req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 0
+    return req, prompt, req.sampling.max_tokens if has_max else None
 
 
 def _field(value: str) -> str:
