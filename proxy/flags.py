@@ -142,6 +142,7 @@ GATEWAY = (
     Flag("--prefix-engine-blocks", "gateway.prefix_engine_blocks", choices=("true", "false")),
     Flag("--prefix-ttft", "gateway.prefix_ttft_s", "SECONDS"),
     Flag("--prefix-free-slots", "gateway.prefix_free_slots", choices=("true", "false")),
+    Flag("--prefix-saturated-balance", "gateway.prefix_saturated_balance", "FRACTION"),
     Flag("--prefix-weigh-prefill", "gateway.prefix_weigh_prefill", choices=("true", "false")),
     Flag("--prefix-prefill-rate", "gateway.prefix_prefill_tokens_per_s", "TOKENS_PER_S"),
     Flag("--load-source", "gateway.load_source"),

@@ -192,6 +192,9 @@ def test_prefix_bound_policies_name_their_gateway_flags() -> None:
         "--prefix-free-slots", "true",
     ]  # fmt: skip
     assert s.gateway_args("prefix-slots") == ["--policy", "prefix", "--prefix-free-slots", "true"]
+    assert s.gateway_args("prefix-sat0.5") == [
+        "--policy", "prefix", "--prefix-saturated-balance", "0.5",
+    ]  # fmt: skip
     with pytest.raises(SystemExit):
         run.parse_settings(["--policies", "prefix-bhigh"])
 

@@ -479,3 +479,27 @@ async def test_the_router_keeps_a_prefix_on_its_holder_while_it_has_a_free_slot(
         r.apply_report("u0", report)
         chosen = await r.acquire(want=Want(None, blocks, len(text)))
         assert chosen.id == goes_to, (free_slots, slots)
+
+
+async def test_a_saturated_fleet_keeps_a_prefix_on_its_holder_within_the_looser_bound() -> None:
+    text = system(4) + "a question"
+    # u0 holds the prefix with 20 outstanding of 16 slots; u1 has 14 outstanding. Mean
+    # (20 + 14 + 1) / 128: the bound over it 1.1 x that x 64 + 1 = 20.25 requests, under
+    # u0's 21; with prefix_saturated_balance 0.5, 1.5 x that x 64 + 1 = 27.25.
+    cases = [  # (saturated balance, u1's slots, where the request goes)
+        (0.0, 8.0, "u1"),  # off: the bound over the mean
+        (0.5, 8.0, "u0"),  # u1 has no slot free either: the fleet is saturated
+        (0.5, 16.0, "u1"),  # u1 starts it at once: not saturated, the usual bound
+        (0.05, 8.0, "u1"),  # not above prefix_balance: the usual bound
+    ]
+    for saturated, slots, goes_to in cases:
+        r = fleet(2, policy="prefix", prefix_saturated_balance=saturated)
+        blocks = index(r).hashes(text)
+        held = PrefixBlocks(1, 0, 1, True, tuple(blocks), (), 512)
+        r.apply_report("u0", LoadReport("u0", UnitState.SERVING, 20, 64, seq=11,
+                                        named_metrics={"engine_slots": 16.0},
+                                        prefix_blocks=held))  # fmt: skip
+        r.apply_report("u1", LoadReport("u1", UnitState.SERVING, 14, 64, seq=11,
+                                        named_metrics={"engine_slots": slots}))  # fmt: skip
+        chosen = await r.acquire(want=Want(None, blocks, len(text)))
+        assert chosen.id == goes_to, (saturated, slots)

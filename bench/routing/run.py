@@ -98,10 +98,17 @@ ALL_POLICIES = (*OWN_POLICIES, *peers.PEER_POLICIES)
 PREFIX_BOUND = re.compile(
     r"prefix-b([0-9]*\.?[0-9]+)(?:-s([0-9]+))?(?:-t([0-9]*\.?[0-9]+))?(-slots)?"
 )
+# policy prefix with a bound of its own while the fleet is saturated: prefix-sat0.5
+# (--prefix-saturated-balance 0.5)
+PREFIX_SATURATED = re.compile(r"prefix-sat([0-9]*\.?[0-9]+)")
 
 
 def own_policy(name: str) -> bool:
-    return name in OWN_POLICIES or PREFIX_BOUND.fullmatch(name) is not None
+    return (
+        name in OWN_POLICIES
+        or PREFIX_BOUND.fullmatch(name) is not None
+        or PREFIX_SATURATED.fullmatch(name) is not None
+    )
 
 
 SATURATION_INFLIGHT_PER_SLOT = 2  # closed-loop requests per batch slot of the fleet
@@ -158,6 +165,8 @@ class BenchSettings:
             free = ["--prefix-free-slots", "true"] if bound.group(4) else []
             flags = ["--prefix-balance", balance, "--prefix-slack", slack, *ttft, *free]
             return ["--policy", "prefix", *flags]
+        if saturated := PREFIX_SATURATED.fullmatch(policy):
+            return ["--policy", "prefix", "--prefix-saturated-balance", saturated.group(1)]
         return {
             "lor-delayed": ["--policy", "lor", *delay, "--correct-load", "false"],
             "lor-delayed-corrected": ["--policy", "lor", *delay, "--correct-load", "true"],
@@ -663,7 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME[,NAME...]",
         help=f"of {', '.join(ALL_POLICIES)}, or prefix-bB[-sS][-tT][-slots] (policy "
         "prefix with --prefix-balance B and --prefix-slack S, default 1; -tT: and "
-        "--prefix-ttft T; -slots: and --prefix-free-slots true). Default all; a peer router's "
+        "--prefix-ttft T; -slots: and --prefix-free-slots true), or prefix-satB (policy prefix "
+        "with --prefix-saturated-balance B). Default all; a peer router's "
         "policies are skipped, and reported, when it is not installed.",
     )
     add("--units", type=int, default=8, help="simulated units in the fleet. Default 8.")

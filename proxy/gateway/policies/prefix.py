@@ -270,6 +270,9 @@ class PrefixAffinity(Policy):
             depth = next((d for d, ids in held if unit.id in ids), 0)
             return max(0, want.chars - depth * chunk) / CHARS_PER_TOKEN
 
+        balance = s.prefix_balance
+        if s.prefix_saturated_balance > balance and budget.free_slot(least) == 0:
+            balance = s.prefix_saturated_balance  # saturated: every unit's request waits
         fits = None
         if s.prefix_ttft_s > 0:
             fits = budget.fits
@@ -281,7 +284,7 @@ class PrefixAffinity(Policy):
             holders(),
             self.shared.view,
             mean,
-            s.prefix_balance,
+            balance,
             s.prefix_slack,
             fits,
             s.prefix_free_slots,
