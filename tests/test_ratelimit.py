@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge
 
 from proxy.errors import InvalidRequest
-from proxy.gateway.tenancy import TenantGate
+from proxy.gateway.tenancy import Admission, Pending, TenantGate
 from proxy.metrics import TenantMetrics
 from proxy.ratelimit import (
     IDLE_S,
@@ -512,8 +512,8 @@ async def test_the_gate_decides_here_what_the_allotment_covers(
     cluster: str, tmp_path: Path
 ) -> None:
     """``TenantGate.try_admit_http`` admits with no await once the replica holds an
-    allotment, answers None (``await admit_http``) while Redis has to say, and refuses
-    an unknown priority class before anything is counted."""
+    allotment, answers a Pending while Redis has to say (whose wait reads nothing
+    again), and refuses an unknown priority class before anything is counted."""
     tenants = tmp_path / "tenants.toml"
     tenants.write_text('[[tenant]]\nname = "acme"\nkeys = ["sk-a"]\nrequests_per_minute = 160\n')
     source = TenantSource(tenants)
@@ -524,15 +524,16 @@ async def test_the_gate_decides_here_what_the_allotment_covers(
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 5}).encode()
     sent = counting_calls(a)
     try:
-        assert gate.try_admit_http(body, "Bearer sk-a", None) is None  # no allotment yet
-        assert len(sent) == 0
-        first = await gate.admit_http(body, "Bearer sk-a", None)  # Redis checks, grants
+        pending = gate.try_admit_http(body, "Bearer sk-a", None)  # no allotment yet
+        assert isinstance(pending, Pending) and len(sent) == 0
+        first = await pending.admitted()  # Redis checks, grants
         assert len(sent) == 1 and a.allotment("acme")[0] == 10
+        assert first.take_request() == json.loads(body)  # what the plain call parsed
         with pytest.raises(InvalidRequest):
             gate.try_admit_http(body, "Bearer sk-a", "urgent")
         assert a.allotment("acme")[0] == 10  # nothing counted for it
         admitted = gate.try_admit_http(body, "Bearer sk-a", "batch")
-        assert admitted is not None and len(sent) == 1
+        assert isinstance(admitted, Admission) and len(sent) == 1
         assert (admitted.priority, admitted.cost) == ("batch", admitted.prompt + 5)
         assert admitted.take_request() == json.loads(body)
         assert "x-ratelimit-remaining-requests: 158\r\n" in admitted.header_block()

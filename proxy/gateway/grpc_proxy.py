@@ -699,9 +699,8 @@ async def admit(
     trailing metadata, with the call's status (as ORCA's per-call load reports do):
     initial metadata would be a batch of its own ahead of the first message, which
     grpc.aio sends with empty metadata (about 60,000 instructions and a write a call)."""
-    admission = tenancy.try_admit_grpc(request, ctx.authorization, ctx.priority)
-    if admission is None:  # Redis has to say
-        admission = await tenancy.admit_grpc(request, ctx.authorization, ctx.priority)
+    got = tenancy.try_admit_grpc(request, ctx.authorization, ctx.priority)
+    admission = got if isinstance(got, Admission) else await got.admitted()  # Redis says
     pairs = admission.header_pairs()
     if pairs:
         context.set_trailing_metadata(tuple(pairs))

@@ -33,7 +33,7 @@ from proxy.gateway.models import ModelCards
 from proxy.gateway.rates import scaled
 from proxy.gateway.request import Context, end_to_end, http_context
 from proxy.gateway.router import Router
-from proxy.gateway.tenancy import TenantGate, error_headers
+from proxy.gateway.tenancy import Admission, TenantGate, error_headers
 from proxy.gateway.traces import RequestTrace, span_name
 from proxy.gateway.units import Unit
 from proxy.httputil import (
@@ -465,10 +465,8 @@ class Gateway(Service):
                 elif ctx.stored is not None:  # a GET has no body to read a model from
                     ctx.admission = await tenancy.admit_stored(key, priority)
                 else:  # decided here, unless Redis has to say
-                    admission = tenancy.try_admit_http(body, key, priority)
-                    if admission is None:
-                        admission = await tenancy.admit_http(body, key, priority)
-                    ctx.admission = admission
+                    got = tenancy.try_admit_http(body, key, priority)
+                    ctx.admission = got if isinstance(got, Admission) else await got.admitted()
             if ctx.invalid is not None:
                 raise ctx.invalid
             want = self.core.form_want(ctx, model) if form else None

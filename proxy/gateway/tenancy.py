@@ -283,6 +283,47 @@ class Admission:
         self._gate.account(self, status)
 
 
+class Pending:
+    """An admission only Redis can decide (the replica's allotment does not cover it):
+    what ``try_admit_*`` read of the request, kept for ``await admitted()`` so that
+    nothing is read or checked twice."""
+
+    __slots__ = ("_gate", "estimate", "model", "priority", "prompt", "request", "started",
+                 "tenant")  # fmt: skip
+
+    def __init__(
+        self,
+        gate: TenantGate,
+        tenant: Tenant,
+        model: str,
+        priority: str,
+        prompt: int,
+        estimate: int,
+        started: float,
+    ):
+        self._gate = gate
+        self.tenant = tenant
+        self.model = model
+        self.priority = priority
+        self.prompt = prompt
+        self.estimate = estimate
+        self.started = started
+        self.request: Any = None
+
+    async def admitted(self) -> Admission:
+        """Redis's answer: the admission, or RateLimited."""
+        gate = self._gate
+        try:
+            reservation = await gate.limiter.admit(self.tenant, self.estimate)
+        except RateLimited as limited:
+            gate.refused(self.tenant, self.model, limited)
+            raise
+        admission = Admission(gate, self.tenant, self.model, self.priority, self.prompt,
+                              self.estimate, reservation, self.started)  # fmt: skip
+        admission.request = self.request
+        return admission
+
+
 class TenantGate:
     """Admission by tenant for both wires."""
 
@@ -310,27 +351,23 @@ class TenantGate:
 
     def try_admit_http(
         self, body: bytes, authorization: str | None, priority: str | None
-    ) -> Admission | None:
+    ) -> Admission | Pending:
         """``admit_http`` where it is decided here, with no await (the tenant's
         allotment or this replica's own counts cover it, as nearly every request's
-        do); None: Redis has to say, ``await admit_http``. Raises as it does."""
+        do); a Pending where Redis has to say (``await pending.admitted()``). Raises
+        as it does."""
         started = self._clock()
         tenant = self.source.current.identify(authorization)
         req, model, prompt, max_tokens = _http_request(body)
-        admission = self._try(tenant, model, priority, prompt, max_tokens, started)
-        if admission is not None:
-            admission.request = req
-        return admission
+        got = self._try(tenant, model, priority, prompt, max_tokens, started)
+        got.request = req
+        return got
 
     async def admit_http(
         self, body: bytes, authorization: str | None, priority: str | None
     ) -> Admission:
-        started = self._clock()
-        tenant = self.source.current.identify(authorization)
-        req, model, prompt, max_tokens = _http_request(body)
-        admission = await self._admit(tenant, model, priority, prompt, max_tokens, started)
-        admission.request = req
-        return admission
+        got = self.try_admit_http(body, authorization, priority)
+        return got if isinstance(got, Admission) else await got.admitted()
 
     async def admit_form(
         self, model: str | None, authorization: str | None, priority: str | None
@@ -339,36 +376,33 @@ class TenantGate:
         tenant's default estimate (its prompt is audio)."""
         started = self._clock()
         tenant = self.source.current.identify(authorization)
-        return await self._admit(tenant, model or "", priority, 0, None, started)
+        got = self._try(tenant, model or "", priority, 0, None, started)
+        return got if isinstance(got, Admission) else await got.admitted()
 
     async def admit_stored(self, authorization: str | None, priority: str | None) -> Admission:
         """A request on a stored response named in the path (retrieve, cancel): no body
         and no model; the tenant's limits hold, its allow list held when it was made."""
         started = self._clock()
         tenant = self.source.current.identify(authorization)
-        return await self._admit(tenant, "", priority, 0, None, started, check=False)
+        got = self._try(tenant, "", priority, 0, None, started, check=False)
+        return got if isinstance(got, Admission) else await got.admitted()
 
     def try_admit_grpc(
         self, request: bytes, authorization: str | None, priority: str | None
-    ) -> Admission | None:
+    ) -> Admission | Pending:
         """``admit_grpc`` where it is decided here, as ``try_admit_http``."""
         started = self._clock()
         tenant = self.source.current.identify(authorization)
         req, prompt, max_tokens = _grpc_request(request)
-        admission = self._try(tenant, req.model, priority, prompt, max_tokens, started)
-        if admission is not None:
-            admission.request = req
-        return admission
+        got = self._try(tenant, req.model, priority, prompt, max_tokens, started)
+        got.request = req
+        return got
 
     async def admit_grpc(
         self, request: bytes, authorization: str | None, priority: str | None
     ) -> Admission:
-        started = self._clock()
-        tenant = self.source.current.identify(authorization)
-        req, prompt, max_tokens = _grpc_request(request)
-        admission = await self._admit(tenant, req.model, priority, prompt, max_tokens, started)
-        admission.request = req
-        return admission
+        got = self.try_admit_grpc(request, authorization, priority)
+        return got if isinstance(got, Admission) else await got.admitted()
 
     def _try(
         self,
@@ -379,8 +413,9 @@ class TenantGate:
         max_tokens: int | None,
         started: float,
         check: bool = True,  # the model against the tenant's allow list
-    ) -> Admission | None:
-        """The admission where it is decided here (no await); None: Redis has to say."""
+    ) -> Admission | Pending:
+        """The admission where it is decided here (no await); a Pending where Redis has
+        to say."""
         if check:
             tenant.check_model(model)
         priority = tenant.priority_for(asked)  # (an unknown class is refused before counting)
@@ -388,35 +423,14 @@ class TenantGate:
         try:
             reservation = self.limiter.try_admit(tenant, estimate)
         except RateLimited as limited:
-            self._refused(tenant, model, limited)
+            self.refused(tenant, model, limited)
             raise
         if reservation is None:
-            return None
+            return Pending(self, tenant, model, priority, prompt, estimate, started)
         return Admission(self, tenant, model, priority, prompt, estimate, reservation, started)
 
-    async def _admit(
-        self,
-        tenant: Tenant,
-        model: str,
-        asked: str | None,
-        prompt: int,
-        max_tokens: int | None,
-        started: float,
-        check: bool = True,
-    ) -> Admission:
-        admission = self._try(tenant, model, asked, prompt, max_tokens, started, check)
-        if admission is not None:
-            return admission
-        estimate = prompt + (max_tokens or self.estimate_max_tokens)
-        try:
-            reservation = await self.limiter.admit(tenant, estimate)
-        except RateLimited as limited:
-            self._refused(tenant, model, limited)
-            raise
-        priority = tenant.priority_for(asked)
-        return Admission(self, tenant, model, priority, prompt, estimate, reservation, started)
-
-    def _refused(self, tenant: Tenant, model: str, limited: RateLimited) -> None:
+    def refused(self, tenant: Tenant, model: str, limited: RateLimited) -> None:
+        """A request of ``tenant`` refused 429 ``rate_limited``: counted and logged."""
         self.metrics.limited.labels(self.metrics.tenant(tenant.name), limited.limit).inc()
         access_log.info("tenant=%s model=%s unit=- status=429 prompt_tokens=0 "
                         "completion_tokens=0 ttft_s=- duration_s=0 limit=%s",
