@@ -53,6 +53,7 @@ COMPILED = [
     "proxy/gate.py",
     "proxy/httputil.py",
     "proxy/ingress.py",
+    "proxy/jsonio.py",
     "proxy/load.py",
     "proxy/metrics.py",
     "proxy/prefix_chunks.py",

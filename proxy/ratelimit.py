@@ -258,25 +258,27 @@ def header_block(
 ) -> str:
     """``header_pairs`` of an admitted request at its whole limits (share 1), as the
     lines of a response head: ``name: value\\r\\n`` each, in the same order. One text
-    from two formats, where the pairs are six tuples a head then writes one by one."""
+    from the tenant's fixed parts (``Tenant.request_lines``, ``token_lines``) and the
+    counts, where the pairs are six tuples a head then writes one by one."""
+    # An admitted request counts in the current window, so each limit's estimate is
+    # back to nothing when the next window ends: one reset text for both.
+    reset = _DURATIONS.get(math.ceil((2.0 - frac) * MINUTE_S))
+    if reset is None:
+        reset = duration((2.0 - frac) * MINUTE_S)
     block = ""
     full = tenant.requests_per_minute
     if full:
-        cur = rc + 1.0
-        left = math.floor(full - (rp * (1.0 - frac) + cur))
-        block = (
-            f"x-ratelimit-limit-requests: {full}\r\n"
-            f"x-ratelimit-remaining-requests: {left if left > 0 else 0}\r\n"
-            f"x-ratelimit-reset-requests: {_reset(rp, cur, frac)}\r\n"
-        )
+        left = full - (rp * (1.0 - frac) + rc + 1.0)  # int(left): floor(left) where > 0
+        head, mid = tenant.request_lines
+        block = f"{head}{int(left) if left > 0 else 0}{mid}{reset}\r\n"
     full = tenant.tokens_per_minute
     if full:
         cur = tc + (need if need < full else full)
-        left = math.floor(full - (tp * (1.0 - frac) + cur))
-        block += (
-            f"x-ratelimit-limit-tokens: {full}\r\n"
-            f"x-ratelimit-remaining-tokens: {left if left > 0 else 0}\r\n"
-            f"x-ratelimit-reset-tokens: {_reset(tp, cur, frac)}\r\n"
+        left = full - (tp * (1.0 - frac) + cur)
+        head, mid = tenant.token_lines
+        block = (
+            f"{block}{head}{int(left) if left > 0 else 0}{mid}"
+            f"{reset if cur > 0 else _reset(tp, cur, frac)}\r\n"
         )
     return block
 

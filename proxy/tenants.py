@@ -63,7 +63,8 @@ def key_hash(key: str) -> str:
 # A tenant's fields (its __slots__: a compiled class has no such attribute to read).
 TENANT_FIELDS = (
     "counts_tokens", "key_hashes", "limited", "max_concurrent", "models", "name", "priority",
-    "requests_per_minute", "tokens_per_day", "tokens_per_minute",
+    "requests_per_minute", "request_lines", "token_lines", "tokens_per_day",
+    "tokens_per_minute",
 )  # fmt: skip
 
 
@@ -72,7 +73,8 @@ class Tenant:
 
     __slots__ = (
         "counts_tokens", "key_hashes", "limited", "max_concurrent", "models", "name", "priority",
-        "requests_per_minute", "tokens_per_day", "tokens_per_minute",
+        "request_lines", "requests_per_minute", "token_lines", "tokens_per_day",
+        "tokens_per_minute",
     )  # fmt: skip
 
     def __init__(
@@ -98,6 +100,18 @@ class Tenant:
         self.limited = bool(requests_per_minute or tokens_per_minute or max_concurrent
                             or tokens_per_day)  # fmt: skip
         self.counts_tokens = bool(tokens_per_minute or tokens_per_day)
+        # The fixed text of the x-ratelimit-* lines of its per-minute limits (before the
+        # remaining count, and between it and the reset time): every response of the
+        # tenant is written with them (proxy.ratelimit.header_block).
+        self.request_lines = (
+            f"x-ratelimit-limit-requests: {requests_per_minute}\r\n"
+            "x-ratelimit-remaining-requests: ",
+            "\r\nx-ratelimit-reset-requests: ",
+        )
+        self.token_lines = (
+            f"x-ratelimit-limit-tokens: {tokens_per_minute}\r\nx-ratelimit-remaining-tokens: ",
+            "\r\nx-ratelimit-reset-tokens: ",
+        )
 
     def check_model(self, model: str) -> None:
         """Raise Forbidden when the tenant's allow-list does not name ``model``."""

@@ -24,8 +24,9 @@ from proxy.tenants import TenantSource
 
 pytestmark = pytest.mark.timeout(20)
 
+INT64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)  # beyond: see the test below
 VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    st.none() | st.booleans() | INT64 | st.floats(allow_nan=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=12,
 )
@@ -57,6 +58,15 @@ def test_parse_json_decides_as_json_loads(value: Any, before: str, after: str) -
 )  # fmt: skip
 def test_parse_json_on_odd_bodies(data: bytes) -> None:
     _same(data)
+
+
+@pytest.mark.parametrize("n", [-(2**63) - 1, 2**64, 10**30, -(10**30)])
+def test_an_integer_beyond_64_bits_reads_as_the_nearest_float(n: int) -> None:
+    """The one value orjson reads otherwise than json.loads (proxy/jsonio.py): the body
+    still goes to the unit as it came."""
+    assert json.loads(f'{{"max_tokens": {n}}}') == {"max_tokens": n}
+    read = parse_json(f'{{"max_tokens": {n}}}'.encode())
+    assert type(read["max_tokens"]) is float and read["max_tokens"] == float(n)
 
 
 def test_a_usage_is_read_from_the_end_of_an_answer() -> None:

@@ -19,7 +19,6 @@ Each can delay each report on purpose (``report_delay_s``) for benchmarks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from proxy.gateway.http1.pool import Pool, UpstreamError
 from proxy.gateway.rates import report_rates, scaled
 from proxy.gateway.router import Router
 from proxy.gateway.units import Unit
+from proxy.jsonio import loads
 from proxy.load import LoadReport, PrefixBlocks
 from proxy.pb.unitproxy.v1 import load_pb2, load_pb2_grpc
 from proxy.redis_reports import REDIS_ERRORS, Keys, Outage, connect
@@ -245,7 +245,7 @@ class _Events:
             if not event.startswith(b"data: "):
                 continue
             try:
-                report, blocks = LoadReport.read_dict(json.loads(event[6:]))
+                report, blocks = LoadReport.read_dict(loads(event[6:]))
             except (ValueError, TypeError, KeyError) as exc:
                 log.warning(
                     "unit %s sent a load report that cannot be read: %s", self._unit.id, exc
@@ -304,7 +304,7 @@ class PollSource(LoadSource):
                 conn.done()
         if conn.status != 200:
             raise ValueError(f"GET /load answered {conn.status}")
-        report, blocks = LoadReport.read_dict(json.loads(body))
+        report, blocks = LoadReport.read_dict(loads(body))
         if blocks is not None:
             self._blocks[unit.id] = blocks.epoch, blocks.seq
         self._deliver(unit, report, blocks)
@@ -435,7 +435,7 @@ class RedisSource(LoadSource):
 
     def _receive(self, data: str) -> None:
         try:
-            report, blocks = LoadReport.read_dict(json.loads(data))
+            report, blocks = LoadReport.read_dict(loads(data))
         except (ValueError, TypeError, KeyError) as exc:
             level = logging.DEBUG if self._unreadable else logging.WARNING
             self._unreadable += 1

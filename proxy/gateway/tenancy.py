@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from engine import tokens
 from proxy.errors import InvalidRequest, UnitProxyError
+from proxy.jsonio import loads
 from proxy.metrics import TenantMetrics
 from proxy.openai_api import DONE, USAGE_COMMENT
 from proxy.pb.unitproxy.v1.inference_pb2 import GenerateRequest
@@ -84,17 +85,8 @@ _SCAN: Callable[[str, int], tuple[Any, int]] = make_scanner(_DECODER)  # type: i
 
 
 def parse_json(data: bytes) -> Any:
-    """``json.loads(data)``, faster where most bodies are: UTF-8 text that is one JSON
-    value with nothing around it. Anything else (whitespace around, a BOM, UTF-16,
-    an error) goes to ``json.loads``, which decides as it always did."""
-    try:
-        text = data.decode()
-        value, end = _SCAN(text, 0)
-        if end == len(text):
-            return value
-    except (ValueError, StopIteration):  # UnicodeDecodeError too; StopIteration: no value
-        pass
-    return json.loads(data)
+    """``json.loads(data)`` (``proxy.jsonio.loads``: orjson where it reads the body)."""
+    return loads(data)
 
 
 def _text(content: Any) -> str:
@@ -157,8 +149,7 @@ class Usage:
         """The unit's ``USAGE_HEADER`` on a whole answer ("PROMPT COMPLETION"); False
         where it is not that (``read_body`` then reads the answer)."""
         prompt, _, completion = value.partition(" ")
-        if not (prompt.isdigit() and completion.isdigit() and prompt.isascii()
-                and completion.isascii()):  # fmt: skip
+        if not (prompt.isdigit() and completion.isdigit() and value.isascii()):
             return False
         self.prompt, self.completion, self.reported = int(prompt), int(completion), True
         return True
