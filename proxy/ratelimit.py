@@ -66,7 +66,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client import Gauge
 from redis.asyncio import Redis
@@ -79,9 +79,10 @@ from proxy.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-MINUTE_S = 60.0
-DAY_S = 86_400.0
-MINUTES_A_DAY = 1_440
+# (Final: compiled code reads these as constants, not from the module's dict.)
+MINUTE_S: Final = 60.0
+DAY_S: Final = 86_400.0
+MINUTES_A_DAY: Final = 1_440
 LEASE_S = 300.0  # a request in flight holds its concurrency slot this long unless renewed
 RENEW_S = 60.0  # how often leases and this replica's presence are renewed
 PRESENCE_S = 3 * RENEW_S  # a replica not heard from for this long no longer counts
@@ -148,7 +149,7 @@ def duration(seconds: float) -> str:
 
 
 # Whole seconds' texts as found: a per-minute limit's reset is 1 to 120 seconds.
-_DURATIONS: dict[int, str] = {}
+_DURATIONS: Final[dict[int, str]] = {}
 MAX_DURATIONS = 4096
 
 
@@ -244,6 +245,37 @@ def header_pairs(
         found.append(("x-ratelimit-limit-tokens", str(int(limit))))
         found.append(("x-ratelimit-remaining-tokens", str(left) if left > 0 else "0"))
         found.append(("x-ratelimit-reset-tokens", _reset(tp, cur, frac)))
+    return found
+
+
+def admitted_pairs(
+    tenant: Tenant,
+    rp: float,
+    rc: float,
+    tp: float,
+    tc: float,
+    need: int,
+    frac: float,
+) -> list[tuple[str, str]]:
+    """``header_pairs`` of an admitted request at its whole limits (share 1), built as
+    ``header_block`` is: from the tenant's fixed texts and one reset text for both."""
+    reset = _DURATIONS.get(math.ceil((2.0 - frac) * MINUTE_S))
+    if reset is None:
+        reset = duration((2.0 - frac) * MINUTE_S)
+    found: list[tuple[str, str]] = []
+    full = tenant.requests_per_minute
+    if full:
+        left = full - (rp * (1.0 - frac) + rc + 1.0)  # int(left): floor(left) where > 0
+        found.append(("x-ratelimit-limit-requests", tenant.limit_texts[0]))
+        found.append(("x-ratelimit-remaining-requests", str(int(left)) if left > 0 else "0"))
+        found.append(("x-ratelimit-reset-requests", reset))
+    full = tenant.tokens_per_minute
+    if full:
+        cur = tc + (need if need < full else full)
+        left = full - (tp * (1.0 - frac) + cur)
+        found.append(("x-ratelimit-limit-tokens", tenant.limit_texts[1]))
+        found.append(("x-ratelimit-remaining-tokens", str(int(left)) if left > 0 else "0"))
+        found.append(("x-ratelimit-reset-tokens", reset if cur > 0 else _reset(tp, cur, frac)))
     return found
 
 
@@ -555,10 +587,9 @@ class Reservation:
         """The x-ratelimit-* headers, as (name, value) pairs in the order written."""
         found = self._pairs
         if found is None:
-            found = self._pairs = header_pairs(
-                self.tenant, self._rp, self._rc, self._tp, self._tc, self.tokens, self._frac,
-                1.0, True,
-            )  # fmt: skip
+            found = self._pairs = admitted_pairs(
+                self.tenant, self._rp, self._rc, self._tp, self._tc, self.tokens, self._frac
+            )
         return found
 
     @property

@@ -62,8 +62,8 @@ def key_hash(key: str) -> str:
 
 # A tenant's fields (its __slots__: a compiled class has no such attribute to read).
 TENANT_FIELDS = (
-    "counts_tokens", "key_hashes", "limited", "max_concurrent", "models", "name", "priority",
-    "requests_per_minute", "request_lines", "token_lines", "tokens_per_day",
+    "counts_tokens", "key_hashes", "limit_texts", "limited", "max_concurrent", "models", "name",
+    "priority", "requests_per_minute", "request_lines", "token_lines", "tokens_per_day",
     "tokens_per_minute",
 )  # fmt: skip
 
@@ -72,9 +72,9 @@ class Tenant:
     """One tenant. (A plain class: it is read on every request.)"""
 
     __slots__ = (
-        "counts_tokens", "key_hashes", "limited", "max_concurrent", "models", "name", "priority",
-        "request_lines", "requests_per_minute", "token_lines", "tokens_per_day",
-        "tokens_per_minute",
+        "counts_tokens", "key_hashes", "limit_texts", "limited", "max_concurrent", "models",
+        "name", "priority", "request_lines", "requests_per_minute", "token_lines",
+        "tokens_per_day", "tokens_per_minute",
     )  # fmt: skip
 
     def __init__(
@@ -112,6 +112,8 @@ class Tenant:
             f"x-ratelimit-limit-tokens: {tokens_per_minute}\r\nx-ratelimit-remaining-tokens: ",
             "\r\nx-ratelimit-reset-tokens: ",
         )
+        # The same limits' values as gRPC's metadata carries them (proxy.ratelimit.admitted_pairs)
+        self.limit_texts = (str(requests_per_minute), str(tokens_per_minute))
 
     def check_model(self, model: str) -> None:
         """Raise Forbidden when the tenant's allow-list does not name ``model``."""

@@ -24,6 +24,7 @@ from proxy.ratelimit import (
     LEASE_S,
     Limiter,
     RateLimited,
+    admitted_pairs,
     duration,
     header_block,
     header_pairs,
@@ -86,6 +87,7 @@ def test_the_head_lines_are_the_header_pairs_written_out(
     pairs = header_pairs(t, rp, rc, tp, tc, need, frac, 1.0, True)
     written = "".join(f"{name}: {value}\r\n" for name, value in pairs)
     assert header_block(t, rp, rc, tp, tc, need, frac) == written
+    assert admitted_pairs(t, rp, rc, tp, tc, need, frac) == pairs
     assert len(pairs) == 3 * (bool(rpm) + bool(tpm))
 
 

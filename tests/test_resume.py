@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import tracemalloc
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from proxy.gateway import resume
 from proxy.gateway.resume import GrpcTranscript, SseTranscript, resume_body, resume_generate
 from proxy.pb.unitproxy.v1 import inference_pb2
@@ -116,6 +119,51 @@ def test_a_grpc_transcripts_usage_is_its_last_chunks_read_alone() -> None:
     assert t.text() == " a b c"  # the chunks before it still read when asked
     t.add(grpc_chunks(" d")[0])  # a chunk after it without usage: the last that had one
     assert t.last_usage() == (5, 3)
+
+
+CHUNKS = st.builds(
+    inference_pb2.GenerateChunk,
+    request_id=st.text(max_size=40),
+    text=st.text(max_size=300),
+    token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    finish_reason=st.sampled_from(["", "stop", "length"]),
+    usage=st.none()
+    | st.builds(
+        inference_pb2.Usage,
+        prompt_tokens=st.integers(0, 2**32 - 1),
+        completion_tokens=st.integers(0, 2**32 - 1),
+        total_tokens=st.integers(0, 2**32 - 1),
+    ),
+    unit_id=st.text(max_size=20),
+)
+
+
+@given(st.lists(CHUNKS, min_size=1, max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_a_chunks_usage_read_from_the_wire_is_what_a_parse_says(
+    chunks: list[inference_pb2.GenerateChunk],
+) -> None:
+    """resume.chunk_usage (the compiled build's read of a finished stream's usage) says
+    what GenerateChunk.FromString does, of one chunk or of several concatenated (one
+    message to protobuf, its fields merged)."""
+    wire = b"".join(c.SerializeToString() for c in chunks)
+    parsed = inference_pb2.GenerateChunk.FromString(wire)
+    expected = (
+        (parsed.usage.prompt_tokens, parsed.usage.completion_tokens)
+        if parsed.HasField("usage")
+        else None
+    )
+    assert resume.chunk_usage(wire) == expected
+
+
+def test_a_chunk_the_wire_reader_cannot_step_through_is_none() -> None:
+    last = inference_pb2.GenerateChunk(text="x")
+    last.usage.prompt_tokens = 3
+    wire = last.SerializeToString()
+    assert resume.chunk_usage(wire) == (3, 0)
+    assert resume.chunk_usage(wire[:-1]) is None  # cut inside the usage
+    assert resume.chunk_usage(b"\x0b" + wire) is None  # a group's start: not stepped over
+    assert resume.chunk_usage(b"\x12\xff") is None  # a length past the end
 
 
 def test_grpc_requests_resume_by_their_input_kind() -> None:

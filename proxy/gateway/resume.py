@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 from array import array
-from typing import Any
+from types import FunctionType
+from typing import Any, Final
 
 from proxy.pb.unitproxy.v1.inference_pb2 import ChatMessage, GenerateChunk, GenerateRequest
 from proxy.resume import HintKey, ResumeHint
@@ -110,6 +111,99 @@ class SseTranscript:
             self._parts.append(text)
 
 
+# GenerateChunk.usage and, in Usage, prompt_tokens and completion_tokens (inference.proto)
+_USAGE_FIELD: Final = 5
+_PROMPT_FIELD: Final = 1
+_COMPLETION_FIELD: Final = 2
+_UINT32: Final = 0xFFFFFFFF
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """The varint at ``at`` and where it ends; (-1, -1) where it does not end in 10
+    bytes or in ``data``."""
+    value = 0
+    shift = 0
+    end = len(data)
+    while at < end and shift < 70:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    return -1, -1
+
+
+def _skip(data: bytes, at: int, wire: int) -> int:
+    """Where the field of wire type ``wire`` whose value starts at ``at`` ends (-1:
+    a wire type this reader does not step over, or past the end)."""
+    if wire == 0:
+        return _varint(data, at)[1]
+    if wire == 2:
+        n, at = _varint(data, at)
+        return -1 if at < 0 or at + n > len(data) else at + n
+    if wire == 1:
+        return at + 8 if at + 8 <= len(data) else -1
+    if wire == 5:
+        return at + 4 if at + 4 <= len(data) else -1
+    return -1  # groups (3, 4): not in these messages
+
+
+def chunk_usage(message: bytes) -> tuple[int, int] | None:
+    """A serialized GenerateChunk's usage (prompt, completion), read from its wire
+    format without the rest of it: of a well-formed message, what
+    ``GenerateChunk.FromString(message)`` says (``usage`` where ``HasField("usage")``,
+    its fields merged where it comes more than once), at a tenth of the cost when
+    compiled (a message object and its attributes are some thousands of instructions
+    each). None: no usage field, or a message this reader does not step through."""
+    prompt = completion = 0
+    seen = False
+    at = 0
+    end = len(message)
+    while at < end:
+        tag = message[at]  # a field number below 16: one byte
+        if tag < 0x80:
+            at += 1
+        else:
+            tag, at = _varint(message, at)
+            if at < 0:
+                return None
+        field, wire = tag >> 3, tag & 7
+        if field != _USAGE_FIELD or wire != 2:
+            at = _skip(message, at, wire)
+            if at < 0:
+                return None
+            continue
+        n, at = _varint(message, at)
+        if at < 0 or at + n > end:
+            return None
+        seen = True
+        stop = at + n
+        while at < stop:
+            tag, at = _varint(message, at)
+            if at < 0 or at > stop:
+                return None
+            field, wire = tag >> 3, tag & 7
+            if wire != 0 or field > _COMPLETION_FIELD:  # total_tokens, or a field unknown
+                at = _skip(message, at, wire)
+                if at < 0 or at > stop:
+                    return None
+                continue
+            value, at = _varint(message, at)
+            if at < 0 or at > stop:
+                return None
+            if field == _PROMPT_FIELD:
+                prompt = value & _UINT32
+            elif field == _COMPLETION_FIELD:
+                completion = value & _UINT32
+    return (prompt, completion) if seen else None
+
+
+# Compiled (mypyc: its functions are builtins, not Python functions), reading the wire
+# costs about a tenth of a parse of the chunk; interpreted, about four parses.
+_WIRE_READ = not isinstance(chunk_usage, FunctionType)
+
+
 class GrpcTranscript:
     """The GenerateChunks one client got (serialized), read on demand."""
 
@@ -144,11 +238,17 @@ class GrpcTranscript:
 
     def last_usage(self) -> tuple[int, int] | None:
         """The usage of the last chunk that carried one (prompt, completion); reads
-        only the last chunk when it has it (a finished stream's does)."""
+        only the last chunk's usage field when it has one (a finished stream's does)."""
         if self._raw:
-            last = GenerateChunk.FromString(self._raw[-1])
-            if last.HasField("usage"):
-                return last.usage.prompt_tokens, last.usage.completion_tokens
+            last = self._raw[-1]
+            if _WIRE_READ:
+                found = chunk_usage(last)
+                if found is not None:
+                    return found
+            else:
+                chunk = GenerateChunk.FromString(last)
+                if chunk.HasField("usage"):
+                    return chunk.usage.prompt_tokens, chunk.usage.completion_tokens
             self._fold()
         return self.usage
 

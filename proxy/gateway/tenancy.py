@@ -29,12 +29,12 @@ from proxy.ratelimit import Limiter, RateLimited, Reservation
 from proxy.tenants import Tenant, TenantSource
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("unitproxy.access")
+access_log: Final = logging.getLogger("unitproxy.access")
 
 # As the simulator counts a chat: each message's content plus its template tokens, and
 # the opened assistant turn.
-MESSAGE_TOKENS = 4
-ASSISTANT_TOKENS = 3
+MESSAGE_TOKENS: Final = 4
+ASSISTANT_TOKENS: Final = 3
 # The simulator's count, with each piece's count kept (about twice as fast on text).
 count_tokens = tokens.TokenCounter()
 
@@ -75,9 +75,9 @@ class PromptCounts:
 prompt_count: Final = PromptCounts()
 # A unit's usage comment and the [DONE] after it end its stream within this many bytes
 # (the comment is about 100): a read is looked through for it here only.
-COMMENT_TAIL = 512
+COMMENT_TAIL: Final = 512
 # A request that ended so (HTTP status, gRPC code) had a unit work on its prompt.
-WORKED = frozenset({"200", "499", "OK", "CANCELLED"})
+WORKED: Final = frozenset({"200", "499", "OK", "CANCELLED"})
 _DECODER = json.JSONDecoder()  # one, not one a call (json.loads builds none either)
 # Its scanner, called directly: what ``_DECODER.raw_decode`` calls, less that method's
 # interpreted frame (raw_decode turns the scanner's StopIteration into a ValueError).
@@ -476,8 +476,8 @@ def _grpc_request(request: bytes) -> tuple[GenerateRequest, int, int | None]:
         prompt = len(req.prompt_token_ids.ids)
     else:
         prompt = max(1, prompt_count(req.prompt))
-    has_max = req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 0
-    return req, prompt, req.sampling.max_tokens if has_max else None
+    max_tokens = req.sampling.max_tokens  # 0 where unset (HasField: False)
+    return req, prompt, max_tokens if max_tokens > 0 else None
 
 
 def _field(value: str) -> str:
