@@ -445,9 +445,9 @@ class GatewaySettings(_Section):
         description="Policy prefix: a unit holding the prompt's prefix also takes it above the bound over the mean load while it has an engine slot free for it (its estimated outstanding, this request counted, at most the engine_slots its reports name): the request starts there at once, and no other unit prefills the prefix again. A unit that reports no slots has none free. It keeps a shared-prefix workload at its ideal hit rate below saturation, and lets the holders run further above the mean (docs/BENCHMARKS.md, The b2b ramp with a holder's free engine slots). Default false.",
     )
     prefix_saturated_balance: float = Field(
-        0.0,
+        0.5,
         ge=0,
-        description="Policy prefix: the bound over the mean load (prefix_balance's) while the fleet is saturated, where it is larger: while the least loaded unit has no engine slot free for the request (its estimated outstanding, this request counted, above the engine_slots it reports), every unit's new request waits for a running one to end, so moving a request off a holder of its prefix saves it little of that wait and costs the fleet a prefill of the prefix again (docs/BENCHMARKS.md, A looser bound while the fleet is saturated). 0: off (prefix_balance always).",
+        description="Policy prefix: the bound over the mean load (prefix_balance's) while the fleet is saturated, where it is larger: while the least loaded unit has no engine slot free for the request (its estimated outstanding, this request counted, above the engine_slots it reports), every unit's new request waits for a running one to end, so moving a request off a holder of its prefix saves it little of that wait and costs the fleet a prefill of the prefix again (docs/BENCHMARKS.md, A looser bound while the fleet is saturated). 0: off (prefix_balance always). Default 0.5.",
     )
     prefix_ttft_s: float = Field(
         0.0,
