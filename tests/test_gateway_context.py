@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -40,6 +41,7 @@ class RecordingUnit:
 
     def __init__(self) -> None:
         self.heads: list[dict[str, str]] = []
+        self.raw_heads: list[list[tuple[str, str]]] = []  # each field as sent, repeats too
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -70,6 +72,7 @@ class RecordingUnit:
     async def _completion(self, request: web.Request) -> web.Response:
         await request.read()
         self.heads.append({k.lower(): v for k, v in request.headers.items()})
+        self.raw_heads.append([(k.decode().lower(), v.decode()) for k, v in request.raw_headers])
         return web.json_response({"id": "c", "object": "text_completion",
                                   "choices": [{"index": 0, "text": "ok",
                                                "finish_reason": "stop"}]})  # fmt: skip
@@ -215,6 +218,31 @@ async def test_the_unit_gets_the_clients_end_to_end_headers(start_gw: Start, pat
         for hop in ("x-hop", "keep-alive", "x-unitproxy-priority", "x-unitproxy-resume"):
             assert hop not in got, f"{hop} reached the unit: {got}"
         assert got.get("connection", "keep-alive").lower() == "keep-alive", got
+
+
+@pytest.mark.parametrize("path", ["lean", "aiohttp"])
+async def test_a_tenants_class_and_usage_ask_reach_the_unit_once_each(
+    start_gw: Start, path: str, tmp_path: Path
+) -> None:
+    # The gateway writes its own lines of the head apart from the client's fields: the
+    # class the request settled on (the client's lowering, not its header itself) and
+    # the ask for the unit's usage, each exactly once.
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "t"\nkeys = ["sk-t"]\nrequests_per_minute = 100\n')
+    async with RecordingUnit() as unit:
+        gw = await start_gw([f"rec={unit.url},{HOST}:9"], load_source="poll",
+                            poll_interval_s=0.05, tenants_file=str(tenants))  # fmt: skip
+        for lowered in ("batch", None):
+            extra = [f"x-unitproxy-priority: {lowered}"] if lowered else []
+            sent = post(BODY, "Authorization: Bearer sk-t", "x-unitproxy-usage: 0", *extra,
+                        chunked=path == "aiohttp")  # fmt: skip
+            status, headers = head_of(await exchange(gw.http_url, sent))
+            assert status == 200, headers
+            got = unit.raw_heads[-1]
+            own = [(n, v) for n, v in got if n in ("x-unitproxy-priority", "x-unitproxy-usage")]
+            assert sorted(own) == [("x-unitproxy-priority", lowered or "standard"),
+                                   ("x-unitproxy-usage", "1")], got  # fmt: skip
+            assert ("authorization", "Bearer sk-t") in got, got
 
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -47,7 +47,7 @@ from proxy.gateway.core import (
 )
 from proxy.gateway.http1.front import Producer
 from proxy.gateway.http1.pool import Broken, ConnectFailed, Dropped, Pool, UnitConnection
-from proxy.gateway.request import Context, Want, unit_fields
+from proxy.gateway.request import Context, Want, own_lines, unit_fields
 from proxy.gateway.resume import SseTranscript, resume_body, resume_hint
 from proxy.gateway.router import Outcome
 from proxy.gateway.tenancy import COMMENT_TAIL, Usage
@@ -172,16 +172,14 @@ class Forwarder:
                 trace.used(usage.prompt if reported else -1,
                            usage.completion if reported else -1, job.reasons)  # fmt: skip
 
-    def unit_headers(self, ctx: Context, usage: bool) -> dict[str, str]:
-        """The head of an attempt: ``request.unit_fields`` (the client's end-to-end
-        headers and the gateway's own), and a JSON content type where the client named
-        none. ``usage``: a stream's usage is asked for (the tenant's accounting, a
-        sampled request's span)."""
-        headers = unit_fields(ctx, self._unit_auth, self.resume_key, self.core.name)
+    def unit_headers(self, ctx: Context) -> dict[str, str]:
+        """The fields of an attempt's head: ``request.unit_fields`` (the client's
+        end-to-end headers and the gateway's own, less the class: ``own_lines``), and a
+        JSON content type where the client named none."""
+        headers = unit_fields(ctx, self._unit_auth, self.resume_key, self.core.name,
+                              class_field=False)  # fmt: skip
         if "content-type" not in headers:
             headers["content-type"] = "application/json"
-        if usage:
-            headers[openai_api.USAGE_HEADER] = "1"
         return headers
 
 
@@ -288,7 +286,10 @@ class HttpJob:
         usage = self.usage
         if usage is not None:
             usage.attempt(unit.id)
-        headers = self._fw.unit_headers(self._ctx, usage is not None)
+        headers = self._fw.unit_headers(self._ctx)
+        # with tenants the class, and the usage asked for (the tenant's accounting, a
+        # sampled request's span)
+        lines = own_lines(self._ctx, usage is not None)
         if hint is not None:
             headers[RESUME_HEADER] = hint
         now = self._begin()
@@ -307,7 +308,7 @@ class HttpJob:
                 self._scope = scope
                 try:
                     conn = await self._fw.pools[unit.id].request(
-                        self._ctx.method, self._ctx.path, headers, body
+                        self._ctx.method, self._ctx.path, headers, body, lines
                     )
                 except ConnectFailed as failed:
                     return self._unreachable(unit, failed)

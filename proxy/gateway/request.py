@@ -32,6 +32,7 @@ from proxy.httputil import (
     timeout_s,
 )
 from proxy.load import GATEWAY_HEADER
+from proxy.openai_api import USAGE_HEADER
 from proxy.pb.unitproxy.v1 import inference_pb2
 from proxy.resume import HintKey
 from proxy.tenants import PRIORITIES, PRIORITY_HEADER, PRIORITY_SIG_HEADER, RANK
@@ -276,6 +277,7 @@ def unit_fields(
     key: HintKey | None,
     gateway: str | None = None,
     grpc: bool = False,
+    class_field: bool = True,
 ) -> dict[str, str]:
     """What an attempt sends the unit, the same on both wires (HTTP headers; gRPC
     metadata, ``grpc``): the client's end-to-end fields as they came (``passed``), and
@@ -283,7 +285,9 @@ def unit_fields(
     else the client's), with tenants the class it settled on (interactive with the
     signature of ``key``: the unit grants interactive only to what a gateway signed),
     the gateway's name (``gateway``: the unit's reports to it count its requests
-    apart), and when it traces, its trace context naming the attempt's span."""
+    apart), and when it traces, its trace context naming the attempt's span.
+    ``class_field`` false: the class is left out (an HTTP attempt writes it as one of its
+    ``own_lines``)."""
     fields = passed(ctx.headers, ctx.trace is not None, grpc)
     fields[REQUEST_ID_HEADER] = ctx.request_id
     if gateway is not None:
@@ -292,12 +296,35 @@ def unit_fields(
     if authorization:
         fields["authorization"] = authorization
     if ctx.admission is not None:  # the unit passes the class to its engine
-        priority = fields[PRIORITY_HEADER] = ctx.admission.priority
+        priority = ctx.admission.priority
+        if class_field:
+            fields[PRIORITY_HEADER] = priority
         if priority == "interactive" and key is not None:
             fields[PRIORITY_SIG_HEADER] = key.sign_priority(ctx.request_id, priority)
     if ctx.trace is not None:
         fields.update(ctx.trace.headers())
     return fields
+
+
+# An HTTP attempt's own head lines that depend on the request's class alone (and on
+# whether its usage is asked for: ``openai_api.USAGE_HEADER``), written once here rather
+# than formatted as fields each request.
+_OWN_LINES: Final = {
+    (priority, usage): (
+        (f"{PRIORITY_HEADER}: {priority}\r\n" if priority else "")
+        + (f"{USAGE_HEADER}: 1\r\n" if usage else "")
+    ).encode()
+    for priority in (None, *PRIORITIES)
+    for usage in (False, True)
+}
+
+
+def own_lines(ctx: Context, usage: bool) -> bytes:
+    """The lines of an HTTP attempt's head that ``unit_fields(..., class_field=False)``
+    leaves out: with tenants the class the request settled on, and ``usage``: the
+    unit's usage asked for (``USAGE_HEADER``)."""
+    admission = ctx.admission
+    return _OWN_LINES[None if admission is None else admission.priority, usage]
 
 
 def for_tenant(want: Want, tenant: str, priority: str, cost: int) -> Want:

@@ -305,22 +305,31 @@ class Pool:
         self._waiters: list[asyncio.Future[None]] = []
         self._closed = False
 
-    def head_bytes(self, method: bytes, path: str, headers: dict[str, str], length: int) -> bytes:
-        lines = [b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
-                 % (method, path.encode(), self._host_header, length)]  # fmt: skip
-        lines += [f"{name}: {value}\r\n".encode() for name, value in headers.items()]
-        lines.append(b"\r\n")
-        return b"".join(lines)
+    def head_bytes(
+        self, method: bytes, path: str, headers: dict[str, str], length: int, own: bytes = b""
+    ) -> bytes:
+        first = (b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
+                 % (method, path.encode(), self._host_header, length))  # fmt: skip
+        # the fields as one text, encoded once (not a bytes object a field)
+        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        return b"".join((first, fields.encode(), own, b"\r\n"))
 
     async def request(
-        self, method: bytes, path: str, headers: dict[str, str], body: bytes = b""
+        self,
+        method: bytes,
+        path: str,
+        headers: dict[str, str],
+        body: bytes = b"",
+        own: bytes = b"",
     ) -> UnitConnection:
         """Send the request and wait for the response head; the caller reads the body
-        and then calls ``done()`` (or ``close()``) on the connection it gets.
+        and then calls ``done()`` (or ``close()``) on the connection it gets. ``own``:
+        head lines written as they are (``name: value\\r\\n`` each, names not among
+        ``headers``).
 
         A kept-alive connection the unit closed just as it was reused is replaced once by
         a new one: nothing of the request was answered on it."""
-        data = self.head_bytes(method, path, headers, len(body)) + body
+        data = self.head_bytes(method, path, headers, len(body), own) + body
         for _ in range(2):
             conn = await self._get()
             try:
