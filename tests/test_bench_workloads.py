@@ -199,6 +199,19 @@ def test_prefix_bound_policies_name_their_gateway_flags() -> None:
         run.parse_settings(["--policies", "prefix-bhigh"])
 
 
+def test_a_quick_run_through_prefix_measures_its_saturation_over_warm_caches() -> None:
+    from bench.routing import run
+
+    def window(*argv: str) -> float:
+        return run.parse_settings(["--quick", "--workload", "b2b", *argv]).saturation_window_s
+
+    assert window() == 4.0  # loads as % of lor's
+    assert window("--load-reference", "prefix") == run.QUICK_PREFIX_WINDOW_S
+    assert window("--load-reference", "prefix", "--saturation-window", "3") == 3.0
+    assert run.parse_settings(["--workload", "b2b", "--load-reference", "prefix"]
+                              ).saturation_window_s == 20.0  # fmt: skip
+
+
 def test_the_latency_policies_name_their_objective_and_the_goodput_switch() -> None:
     from bench.routing import run
     from proxy.cli import build_parser
