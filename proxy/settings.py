@@ -612,7 +612,7 @@ class GatewaySettings(_Section):
     tenants_poll_s: float = Field(
         1.0,
         gt=0,
-        description="How often the tenants file (and, with tenants_redis, Redis) is looked at for changes, in s. Default 1.",
+        description="How often the tenants file (and, with tenants_redis, Redis) is looked at for changes, in s; a changed file is read once two looks in a row find it the same (a file written in place is never read half written). Default 1.",
     )
     tenants_redis: bool = Field(
         False,

@@ -306,7 +306,10 @@ class TenantSource:
         self._redis = redis
         self._pattern = f"unitproxy:{cluster}:tenant:*"
         self._on_change = on_change
-        self._signature: tuple[int, int, int] | None = None
+        self._signature: tuple[int, int, int] | None = None  # the file's, as last read
+        # Its signature at the last look: a change is read once two looks agree on it
+        # (a file written in place is read whole, not while it is empty or half there).
+        self._seen: tuple[int, int, int] | None = None
         self._from_file: list[Tenant] | None = None  # the file's last good tenants
         self._wake = asyncio.Event()
         self.current = Tenants.build((), flat_keys)
@@ -355,13 +358,20 @@ class TenantSource:
                 forced = self._wake.is_set()
                 self._wake.clear()
                 try:
-                    changed = forced or await asyncio.to_thread(self._changed)
-                    if changed or self._redis is not None:
-                        await self.check(reread=changed)
+                    await self.look(forced)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     log.exception("tenants: reload failed")
+
+    async def look(self, forced: bool = False) -> bool:
+        """One look (``run`` makes one every ``poll_s``): the file read again where it
+        changed and has stayed the same since the look before, or where ``forced``
+        (SIGHUP); Redis read at every look. True when a new set is in force."""
+        changed = forced or await asyncio.to_thread(self._changed)
+        if changed or self._redis is not None:
+            return await self.check(reread=changed)
+        return False
 
     @contextlib.contextmanager
     def _sighup(self) -> Any:
@@ -377,8 +387,15 @@ class TenantSource:
             loop.remove_signal_handler(signal.SIGHUP)
 
     def _changed(self) -> bool:
-        """Blocking (a stat): run it in a thread."""
-        return self.path is not None and _signature(self.path) != self._signature
+        """Whether the file changed since it was read, and has stayed the same since the
+        look before (one poll interval): a file written in place passes through an empty
+        or partial text that may parse (an empty file is no tenants), which must not be
+        put in force for a moment. Blocking (a stat): run it in a thread."""
+        if self.path is None:
+            return False
+        now = _signature(self.path)
+        seen, self._seen = self._seen, now
+        return now != self._signature and now == seen
 
     async def _read(self, reread: bool = True) -> Tenants:
         if self.path is not None and (reread or self._from_file is None):

@@ -188,6 +188,32 @@ async def test_the_file_is_reloaded_when_it_changes_and_a_bad_one_keeps_the_last
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_file_written_in_place_is_read_once_whole(tmp_path: Path) -> None:
+    """An editor or ``write_text`` truncates the file, then writes it: a look between the
+    two finds it empty, which parses (no tenants). A change is put in force only once two
+    looks in a row find the file the same."""
+    path = tmp_path / "tenants.toml"
+    _write(path, FILE)
+    source = TenantSource(path, poll_s=3600)  # looks made by the test alone
+    await source.load()
+    _write(path, "")  # truncated: the new text not written yet
+    assert await source.look() is False
+    assert source.current.identify("Bearer sk-search-1").name == "search"
+    _write(path, FILE.replace("sk-search-1", "sk-search-new"))  # written
+    assert await source.look() is False  # first seen: it may still be being written
+    assert source.current.identify("Bearer sk-search-1").name == "search"
+    assert await source.look() is True  # the same at the next look: whole
+    assert source.reloads == 1 and source.rejected == 0
+    assert source.current.identify("Bearer sk-search-new").name == "search"
+    assert await source.look() is False  # unchanged since it was read
+
+    _write(path, "")  # emptied on purpose, and left so: no tenants but the flat keys
+    assert await source.look() is False
+    assert await source.look() is True
+    with pytest.raises(Unauthenticated):
+        source.current.identify("Bearer sk-search-new")
+
+
 async def test_sighup_reloads_at_once(tmp_path: Path) -> None:
     path = tmp_path / "tenants.toml"
     _write(path, FILE)
