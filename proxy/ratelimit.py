@@ -297,22 +297,30 @@ def header_block(
     reset = _DURATIONS.get(math.ceil((2.0 - frac) * MINUTE_S))
     if reset is None:
         reset = duration((2.0 - frac) * MINUTE_S)
-    block = ""
-    full = tenant.requests_per_minute
-    if full:
-        left = full - (rp * (1.0 - frac) + rc + 1.0)  # int(left): floor(left) where > 0
-        head, mid = tenant.request_lines
-        block = f"{head}{int(left) if left > 0 else 0}{mid}{reset}\r\n"
-    full = tenant.tokens_per_minute
-    if full:
-        cur = tc + (need if need < full else full)
-        left = full - (tp * (1.0 - frac) + cur)
-        head, mid = tenant.token_lines
-        block = (
-            f"{block}{head}{int(left) if left > 0 else 0}{mid}"
-            f"{reset if cur > 0 else _reset(tp, cur, frac)}\r\n"
-        )
-    return block
+    requests = tenant.requests_per_minute
+    r_left = 0
+    if requests:
+        left = requests - (rp * (1.0 - frac) + rc + 1.0)  # int(left): floor(left) where > 0
+        r_left = int(left) if left > 0 else 0
+    tokens = tenant.tokens_per_minute
+    t_left = 0
+    t_reset = reset
+    if tokens:
+        cur = tc + (need if need < tokens else tokens)
+        left = tokens - (tp * (1.0 - frac) + cur)
+        t_left = int(left) if left > 0 else 0
+        if cur <= 0:
+            t_reset = _reset(tp, cur, frac)
+    # one text built, not one a limit and then both
+    rh, rm = tenant.request_lines
+    th, tm = tenant.token_lines
+    if requests and tokens:
+        return f"{rh}{r_left}{rm}{reset}\r\n{th}{t_left}{tm}{t_reset}\r\n"
+    if requests:
+        return f"{rh}{r_left}{rm}{reset}\r\n"
+    if tokens:
+        return f"{th}{t_left}{tm}{t_reset}\r\n"
+    return ""
 
 
 def _reset(prev: float, cur: float, frac: float) -> str:

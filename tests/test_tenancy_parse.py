@@ -193,9 +193,18 @@ def test_prompts_counted_with_texts_kept_count_as_the_simulator(texts: list[str]
 @pytest.mark.parametrize(
     ("value", "counts"),
     [("3 8", (3, 8, True)), ("0 0", (0, 0, True)), ("3", (0, 0, False)), ("3 x", (0, 0, False)),
-     ("-1 2", (0, 0, False)), ("3  8", (0, 0, False)), ("\u0663 8", (0, 0, False))],
+     ("-1 2", (0, 0, False)), ("3  8", (0, 0, False)), ("\u0663 8", (0, 0, False)),
+     (" 8", (0, 0, False)), ("3 ", (0, 0, False)), ("+3 8", (0, 0, False)),
+     ("3 8 9", (0, 0, False)), ("1" * 19 + " 2", (0, 0, False))],
 )  # fmt: skip
 def test_a_usage_header_is_two_counts_or_nothing(value: str, counts: tuple[int, int, bool]) -> None:
     usage = Usage()
     assert usage.read_header(value) == counts[2]
     assert (usage.prompt, usage.completion, usage.reported) == counts
+
+
+@given(st.integers(0, 10**18 - 1), st.integers(0, 10**18 - 1))
+def test_a_usage_header_reads_back_the_counts_written(prompt: int, completion: int) -> None:
+    usage = Usage()
+    assert usage.read_header(f"{prompt} {completion}")
+    assert (usage.prompt, usage.completion) == (prompt, completion)

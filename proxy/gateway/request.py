@@ -35,7 +35,7 @@ from proxy.load import GATEWAY_HEADER
 from proxy.openai_api import USAGE_HEADER
 from proxy.pb.unitproxy.v1 import inference_pb2
 from proxy.resume import HintKey
-from proxy.tenants import PRIORITIES, PRIORITY_HEADER, PRIORITY_SIG_HEADER, RANK
+from proxy.tenants import PRIORITIES, PRIORITY_HEADER, PRIORITY_SIG_HEADER, RANK, Tenant
 from proxy.tracing import TRACEPARENT, TRACESTATE, Parent, parse_traceparent, trace_state
 
 STANDARD = RANK["standard"]
@@ -140,8 +140,8 @@ class Context:
     ``admission`` (with tenants) and ``want`` once the body is read."""
 
     __slots__ = ("admission", "headers", "invalid", "method", "migrate", "path", "priority",
-                 "request_id", "route", "stored", "timeout_s", "trace", "traceparent", "tracestate",
-                 "want")  # fmt: skip
+                 "request_id", "route", "stored", "tenant", "timeout_s", "trace", "traceparent",
+                 "tracestate", "want")  # fmt: skip
 
     def __init__(
         self,
@@ -170,6 +170,9 @@ class Context:
         # the body's own errors are).
         self.invalid: InvalidRequest | None = None
         self.admission: Admission | None = None  # its tenant's, with tenants configured
+        # Its tenant, where the key was checked from the head with tenants configured (the
+        # admission then takes it rather than look the key up again).
+        self.tenant: Tenant | None = None
         self.want = NO_WANT
 
     @property

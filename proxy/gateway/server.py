@@ -410,10 +410,9 @@ class Gateway(Service):
         stack.push_async_callback(runner.cleanup)
         assert runner.server is not None
         limits = Limits(s, self.wheel, self.ingress_metrics, "gateway", NO_UNIT)
-        keys = self.api_keys  # with tenants, their lookup
         http_front = front.Front(
             ROUTES, self._serve_front, runner.server, s.max_body_bytes, limits,
-            authorize=lambda head: keys.check(head.ctx.authorization),
+            authorize=self._authorize_head,
         )  # fmt: skip
         try:
             server = await asyncio.get_running_loop().create_server(
@@ -435,6 +434,16 @@ class Gateway(Service):
         # uvloop's sockets are a list, not the tuple the stubs say (compiled code checks)
         sockets: Any = getattr(server, "sockets")  # noqa: B009
         return int(sockets[0].getsockname()[1])
+
+    def _authorize_head(self, head: front.Head) -> None:
+        """The API key, from the head (the lean front's requests): with tenants, its
+        tenant, kept for the admission."""
+        ctx = head.ctx
+        tenancy = self.tenancy
+        if tenancy is None:
+            self.api_keys.check(ctx.authorization)
+        else:
+            ctx.tenant = tenancy.authorize(ctx.authorization)
 
     def _serve_front(
         self, response: front.Response, head: front.Head, body: bytes
@@ -465,7 +474,7 @@ class Gateway(Service):
                 elif ctx.stored is not None:  # a GET has no body to read a model from
                     ctx.admission = await tenancy.admit_stored(key, priority)
                 else:  # decided here, unless Redis has to say
-                    got = tenancy.try_admit_http(body, key, priority)
+                    got = tenancy.try_admit_http(body, key, priority, ctx.tenant)
                     ctx.admission = got if isinstance(got, Admission) else await got.admitted()
             if ctx.invalid is not None:
                 raise ctx.invalid

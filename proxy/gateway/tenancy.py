@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from json.scanner import make_scanner
@@ -76,6 +77,9 @@ prompt_count: Final = PromptCounts()
 # A unit's usage comment and the [DONE] after it end its stream within this many bytes
 # (the comment is about 100): a read is looked through for it here only.
 COMMENT_TAIL: Final = 512
+# How often the access log's level is asked again (a level set at run time takes effect
+# within this many seconds).
+LOG_LEVEL_CHECK_S: Final = 1.0
 # A request that ended so (HTTP status, gRPC code) had a unit work on its prompt.
 WORKED: Final = frozenset({"200", "499", "OK", "CANCELLED"})
 _DECODER = json.JSONDecoder()  # one, not one a call (json.loads builds none either)
@@ -87,6 +91,20 @@ _SCAN: Callable[[str, int], tuple[Any, int]] = make_scanner(_DECODER)  # type: i
 def parse_json(data: bytes) -> Any:
     """``json.loads(data)`` (``proxy.jsonio.loads``: orjson where it reads the body)."""
     return loads(data)
+
+
+def _decimal(text: str, start: int, end: int) -> int:
+    """The ASCII decimal number ``text[start:end]``, of 1 to 18 digits; -1 where it is
+    not one. (A loop over a few digits: ``int()`` of a slice costs several times more.)"""
+    if start < 0 or end - start < 1 or end - start > 18:
+        return -1
+    n = 0
+    for i in range(start, end):
+        digit = ord(text[i]) - 48
+        if digit < 0 or digit > 9:
+            return -1
+        n = n * 10 + digit
+    return n
 
 
 def _text(content: Any) -> str:
@@ -148,10 +166,12 @@ class Usage:
     def read_header(self, value: str) -> bool:
         """The unit's ``USAGE_HEADER`` on a whole answer ("PROMPT COMPLETION"); False
         where it is not that (``read_body`` then reads the answer)."""
-        prompt, _, completion = value.partition(" ")
-        if not (prompt.isdigit() and completion.isdigit() and value.isascii()):
+        at = value.find(" ")
+        prompt = _decimal(value, 0, at)
+        completion = _decimal(value, at + 1, len(value))
+        if prompt < 0 or completion < 0:
             return False
-        self.prompt, self.completion, self.reported = int(prompt), int(completion), True
+        self.prompt, self.completion, self.reported = prompt, completion, True
         return True
 
     def read_body(self, data: bytes) -> None:
@@ -335,20 +355,30 @@ class TenantGate:
         # Told what a request used against its estimate, once it ends: the wait queue's
         # count of tokens served per tenant (Router.charge).
         self.served = served
+        # Whether the access log writes INFO lines, as last asked (logging's own check is
+        # an interpreted call, a tenth of what settling a request costs).
+        self._log_on = False
+        self._log_checked_until = -math.inf
 
-    def authorize(self, authorization: str | None) -> None:
-        """From the request's head alone: raises Unauthenticated for an unknown key."""
-        self.source.current.identify(authorization)
+    def authorize(self, authorization: str | None) -> Tenant:
+        """From the request's head alone: the key's tenant; raises Unauthenticated for
+        an unknown key."""
+        return self.source.current.identify(authorization)
 
     def try_admit_http(
-        self, body: bytes, authorization: str | None, priority: str | None
+        self,
+        body: bytes,
+        authorization: str | None,
+        priority: str | None,
+        tenant: Tenant | None = None,
     ) -> Admission | Pending:
         """``admit_http`` where it is decided here, with no await (the tenant's
         allotment or this replica's own counts cover it, as nearly every request's
         do); a Pending where Redis has to say (``await pending.admitted()``). Raises
-        as it does."""
+        as it does. ``tenant``: the key's, where the head's check found it already."""
         started = self._clock()
-        tenant = self.source.current.identify(authorization)
+        if tenant is None:
+            tenant = self.source.current.identify(authorization)
         req, model, prompt, max_tokens = _http_request(body)
         got = self._try(tenant, model, priority, prompt, max_tokens, started)
         got.request = req
@@ -437,9 +467,12 @@ class TenantGate:
             completion.inc(u.completion)
         if u.attempted:
             m.waited(a.label).observe(max(0.0, u.attempted - a.started))
-        if not access_log.isEnabledFor(logging.INFO):
-            return  # the line is not built where it would not be written
         now = self._clock()
+        if now >= self._log_checked_until:  # the logger's level, asked once a second
+            self._log_on = access_log.isEnabledFor(logging.INFO)
+            self._log_checked_until = now + LOG_LEVEL_CHECK_S
+        if not self._log_on:
+            return  # the line is not built where it would not be written
         ttft = f"{u.first_byte - a.started:.4f}" if u.first_byte else "-"
         access_log.info(
             "tenant=%s model=%s unit=%s status=%s prompt_tokens=%d completion_tokens=%d "
