@@ -85,11 +85,54 @@ def test_the_report_gives_what_tenants_add_in_each_scenario() -> None:
         row(targets.COMPILED_TENANTS, "grpc", 440_000),
         row("unitproxy", "grpc", 500_000),
     ]
+    rows[0]["request_path"] = {"total": 60_000}
+    rows[1]["request_path"] = {"total": 72_000}
     lines = instructions.report(rows).splitlines()[1:]
-    added = {(line.split()[0], line.split()[1]): line.split()[-1] for line in lines}
+    added = {(line.split()[0], line.split()[1]): line.split()[-3] for line in lines}
     assert added[("completions", targets.COMPILED_TENANTS)] == "+25.0%"
     assert added[("grpc", targets.COMPILED_TENANTS)] == "+10.0%"
     assert added[("grpc", "unitproxy")] == "-"
+    # the request path, and what tenants add to it over the whole request without them
+    path = {(line.split()[0], line.split()[1]): line.split()[-2:] for line in lines}
+    assert path[("completions", targets.COMPILED_TENANTS)] == ["72,000", "+12.0%"]
+    assert path[("completions", targets.COMPILED)] == ["60,000", "-"]
+    assert path[("grpc", targets.COMPILED_TENANTS)] == ["-", "-"]
     # a request with the tenant's key: one Authorization line in the head
     assert instructions.http_request("sk-1").count(b"Authorization: Bearer sk-1\r\n") == 1
     assert b"Authorization" not in instructions.REQUEST
+
+
+# The shape of `callgrind_annotate --inclusive=yes --auto=no` over two dumps: a
+# function's code inlined from a header is a line of its own, within the function's own
+# line; a deeper recursion level (name'2) is within its first level's.
+SERVE = instructions.REQUEST_PATH["http"][1]
+READ = instructions.REQUEST_PATH["http"][0]
+INCLUSIVE = f"""\
+Ir
+--------------------------------------------------------------------------------
+2,000,000 (100.0%)  PROGRAM TOTALS
+
+--------------------------------------------------------------------------------
+Ir                    file:function
+--------------------------------------------------------------------------------
+900,000 (45.00%)  /tmp/build/__native_1a2b.c:{SERVE} [/tmp/build/1a2b__mypyc.so]
+ 40,000 ( 2.00%)  /root/include/python3.11/object.h:{SERVE}
+ 30,000 ( 1.50%)  /tmp/build/__native_1a2b.c:{SERVE}'2 [/tmp/build/1a2b__mypyc.so]
+500,000 (25.00%)  /tmp/build/__native_1a2b.c:{READ} [/tmp/build/1a2b__mypyc.so]
+ 70,000 ( 3.50%)  /tmp/build/__native_1a2b.c:CPyDef_front___Other [/tmp/build/1a2b__mypyc.so]
+--------------------------------------------------------------------------------
+Ir
+--------------------------------------------------------------------------------
+10,000 (100.0%)  PROGRAM TOTALS
+
+--------------------------------------------------------------------------------
+Ir                    file:function
+--------------------------------------------------------------------------------
+ 5,000 (50.00%)  /tmp/build/__native_1a2b.c:{SERVE} [/tmp/build/1a2b__mypyc.so]
+"""
+
+
+def test_the_request_path_is_each_function_s_own_line_summed_over_dumps() -> None:
+    names = instructions.REQUEST_PATH["http"]
+    assert instructions.inclusive_of(INCLUSIVE, names) == {SERVE: 905_000, READ: 500_000}
+    assert instructions.inclusive_of(LISTING, names) == {}  # an interpreted tree names none

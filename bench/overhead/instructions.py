@@ -13,6 +13,15 @@ start, stop, timers, health checks and load reports cancel out:
 
     instructions per request = (count with the requests - idle count) / requests
 
+For the compiled tree (``unitproxy+compiled``, ``+tenants``) the request's own path is
+counted apart too: the inclusive instructions of the functions that handle a request
+(``REQUEST_PATH``: the client connection's reads, the request's coroutine, the unit
+connection's reads; over gRPC, the Generate handler), the idle run subtracted. It leaves
+out the background work that the whole-process count carries and that the idle run
+does not cancel exactly (timers, load reports, a Redis loop), so what a change to the
+request's handling saves or adds shows there first. ``tenants add to it`` is that
+path's growth over the whole request without tenants.
+
 Kernel work (system calls, TCP on loopback) is not counted: bench/overhead's router
 CPU column has it. Threads are counted together, as the CPU is. Where the instructions
 go is shown too: each function's own instructions (not its callees'), the idle run
@@ -164,17 +173,74 @@ def rank(
 
 async def _by_function(out_dir: Path) -> dict[str, int]:
     """Each function's own instructions, summed over the dumps callgrind wrote there."""
+    return own_instructions(await _annotated(out_dir, False))
+
+
+# The request's own path in the compiled tree, by mypyc's names of the functions that
+# handle it: the client connection's reads (the head parsed, the key checked, the
+# request started), the request's coroutine (admission, routing, the attempt, the
+# answer written) and the unit connection's reads (its answer parsed). Each runs from
+# the event loop, none inside another, so their inclusive counts add up; what they
+# leave out (the loop itself, load reports, timers, the cycle collector where it ran
+# outside them) is the rest of the whole-process count. Interpreted functions have no
+# names of their own in callgrind's listing: the interpreted tree has no such column.
+REQUEST_PATH = {
+    "http": (
+        "CPyDef_front___ClientConnection___data_received",
+        "CPyDef_front____serve_ClientConnection_gen_____mypyc_generator_helper__",
+        "CPyDef_pool___UnitConnection___data_received",
+    ),
+    "grpc": ("CPyDef_grpc_proxy___generate_GenerateProxy_gen_____mypyc_generator_helper__",),
+}
+
+
+def inclusive_of(listing: str, names: Sequence[str]) -> dict[str, int]:
+    """The inclusive instructions of each of ``names`` (exact symbols) in
+    ``callgrind_annotate --inclusive=yes`` listings (one or more, joined): per listing,
+    the largest of a symbol's lines (code inlined from a header is a line of its own,
+    counted within the function's), summed over listings. A symbol at a deeper recursion
+    level (``name'2``) is counted within its first level's line, so it is not added."""
+    found: dict[str, int] = {}
+    for part in listing.split("PROGRAM TOTALS")[1:] or [listing]:
+        best: dict[str, int] = {}
+        for count, where, _obj in _FUNCTION_LINE.findall(part):
+            symbol = where.rpartition(":")[2].strip()
+            if symbol in names:
+                best[symbol] = max(best.get(symbol, 0), int(count.replace(",", "")))
+        for symbol, count in best.items():
+            found[symbol] = found.get(symbol, 0) + count
+    return found
+
+
+async def _annotated(out_dir: Path, inclusive: bool) -> str:
+    """callgrind_annotate's listings of every dump callgrind wrote there, joined."""
     listings = []
     for path in await asyncio.to_thread(_dumps, out_dir):
         annotate = await asyncio.create_subprocess_exec(
-            "callgrind_annotate", "--inclusive=no", "--threshold=100", "--auto=no", str(path),
+            "callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}",
+            "--threshold=100", "--auto=no", str(path),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         listing, _ = await annotate.communicate()
         if annotate.returncode != 0:
             raise targets.Unavailable(f"callgrind_annotate failed on {path}")
         listings.append(listing.decode(errors="replace"))
-    return own_instructions("\n".join(listings))
+    return "\n".join(listings)
+
+
+async def request_path(
+    busy: Path, idle: Path, requests: int, scenario: str
+) -> dict[str, float] | None:
+    """The request path's inclusive instructions a request (the idle run subtracted),
+    by function and in all (``total``); None where the listing names none of them (an
+    interpreted tree, or a router that is not unitproxy)."""
+    names = REQUEST_PATH["grpc" if scenario == "grpc" else "http"]
+    with_requests = inclusive_of(await _annotated(busy, True), names)
+    if not with_requests:
+        return None
+    idle_counts = inclusive_of(await _annotated(idle, True), names)
+    path = {n: (with_requests.get(n, 0) - idle_counts.get(n, 0)) / requests for n in names}
+    return {**{n: round(v) for n, v in path.items()}, "total": round(sum(path.values()))}
 
 
 async def top_functions(busy: Path, idle: Path, requests: int, top: int) -> list[dict[str, Any]]:
@@ -268,13 +334,15 @@ async def measure(
         "instructions_per_request": (busy - idle) / requests,
         "seconds_under_valgrind": round(took, 1),
     }
-    if top > 0 and shutil.which("callgrind_annotate") is not None:
-        row["top_functions"] = await top_functions(
-            _run_dir(work, name, False, load.scenario),
-            _run_dir(work, name, True, load.scenario),
-            requests,
-            top,
-        )
+    if shutil.which("callgrind_annotate") is not None:
+        busy_dir = _run_dir(work, name, False, load.scenario)
+        idle_dir = _run_dir(work, name, True, load.scenario)
+        if targets.is_compiled(name):
+            path = await request_path(busy_dir, idle_dir, requests, load.scenario)
+            if path is not None:
+                row["request_path"] = path
+        if top > 0:
+            row["top_functions"] = await top_functions(busy_dir, idle_dir, requests, top)
     return row
 
 
@@ -286,6 +354,11 @@ def _top_lines(row: dict[str, Any]) -> list[str]:
     ]
 
 
+def _path_line(path: dict[str, int]) -> str:
+    parts = ", ".join(f"{n.removeprefix('CPyDef_')} {v:,}" for n, v in path.items() if n != "total")
+    return f"{path['total']:,} ({parts})"
+
+
 # Each +tenants target and the same gateway without tenants: its A/B.
 TENANTS_OFF = {targets.TENANTS: "unitproxy", targets.COMPILED_TENANTS: targets.COMPILED}
 
@@ -295,7 +368,7 @@ def report(rows: Sequence[dict[str, Any]]) -> str:
     vllm-router's in the same scenario, and what tenants add over the same tree without."""
     lines = [
         f"{'scenario':<12} {'target':<27} {'instructions/request':>21} {'x vllm-router':>14}"
-        f" {'tenants add':>12}"
+        f" {'tenants add':>12} {'request path':>13} {'tenants add to it':>18}"
     ]
     for r in rows:
         scenario = r.get("scenario", "completions")
@@ -312,9 +385,20 @@ def report(rows: Sequence[dict[str, Any]]) -> str:
             if off and off["instructions_per_request"] > 0
             else "-"
         )
+        path = r.get("request_path", {}).get("total")
+        off_path = off.get("request_path", {}).get("total") if off else None
+        # what the request path gains, over the whole request without tenants
+        path_added = (
+            f"{(path - off_path) / off['instructions_per_request']:+.1%}"
+            if off
+            and path is not None
+            and off_path is not None
+            and off["instructions_per_request"] > 0
+            else "-"
+        )
         lines.append(
             f"{scenario:<12} {r['target']:<27} {r['instructions_per_request']:>21,.0f}"
-            f" {ratio:>14} {added:>12}"
+            f" {ratio:>14} {added:>12} {'-' if path is None else f'{path:,}':>13} {path_added:>18}"
         )
     return "\n".join(lines)
 
@@ -368,6 +452,10 @@ async def main(args: argparse.Namespace) -> int:
                 continue
             rows.append(row)
             print(f"instructions: {key}: {row['instructions_per_request']:,.0f} a request")
+            if row.get("request_path"):
+                print(
+                    f"  its request path (inclusive, a request): {_path_line(row['request_path'])}"
+                )
             if row.get("top_functions"):
                 print(
                     f"  its functions with the most own instructions a request (--top {args.top}):"
