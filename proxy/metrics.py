@@ -584,6 +584,21 @@ TENANT_LIMITS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "
 OTHER = "other"
 
 
+class TenantSeries:
+    """The series one request of a tenant and model counts into (``TenantMetrics.series``):
+    found with one lookup, not one a series."""
+
+    __slots__ = ("completion", "prompt", "requests", "wait")
+
+    def __init__(
+        self, requests: LoopCount, prompt: LoopCount, completion: LoopCount, wait: LoopBuckets
+    ) -> None:
+        self.requests = requests
+        self.prompt = prompt
+        self.completion = completion
+        self.wait = wait
+
+
 class TenantMetrics:
     """Usage per tenant and model, for cost (only with tenants configured). The tenant
     label takes the first ``max_tenants`` names seen and the model label the first
@@ -597,8 +612,11 @@ class TenantMetrics:
         # Labelled series, found once: as bounded as the labels. Loop series (updated on
         # the event loop only, as every request's accounting is): a float addition each,
         # where prometheus_client's took a lock and several calls, four times a request.
-        self._usage: dict[tuple[str, str], tuple[LoopCount, LoopCount, LoopCount]] = {}
-        self._waits: dict[str, LoopBuckets] = {}
+        self._usage: dict[tuple[str, str], TenantSeries] = {}
+        # By the names as requests give them (tenant, then model): at most max_tenants +
+        # 1 tenants and, per tenant, max_models + 1 models are kept (a model named by a
+        # client is looked up through the labels past that).
+        self._series: dict[str, dict[str, TenantSeries]] = {}
         labels = ["tenant", "model"]
         self.requests = LoopCounter(
             "tenant_requests", "Requests admitted, by tenant and model.", labels, registry
@@ -629,21 +647,32 @@ class TenantMetrics:
         """The label for tenant ``name``."""
         return _bounded(name, self._tenants, self._max_tenants)
 
-    def usage(self, tenant: str, model: str) -> tuple[LoopCount, LoopCount, LoopCount]:
-        """The requests, prompt tokens and completion tokens counters of these labels."""
+    def series(self, tenant: str, model: str) -> TenantSeries:
+        """The series a request of tenant ``tenant`` for ``model`` counts into (by their
+        names; the labels bounded as ``tenant`` and ``model`` say)."""
+        models = self._series.get(tenant)
+        if models is not None:
+            found = models.get(model)
+            if found is not None:
+                return found
+        found = self.usage(self.tenant(tenant), self.model(model))
+        if models is None:
+            if len(self._series) > self._max_tenants:
+                return found
+            models = self._series[tenant] = {}
+        if len(models) <= self._max_models:
+            models[model] = found
+        return found
+
+    def usage(self, tenant: str, model: str) -> TenantSeries:
+        """The series of these labels."""
         key = (tenant, model)
         found = self._usage.get(key)
         if found is None:
-            found = self._usage[key] = (self.requests.labels(tenant, model),
-                                        self.prompt_tokens.labels(tenant, model),
-                                        self.completion_tokens.labels(tenant, model))  # fmt: skip
-        return found
-
-    def waited(self, tenant: str) -> LoopBuckets:
-        """The wait histogram of this tenant label."""
-        found = self._waits.get(tenant)
-        if found is None:
-            found = self._waits[tenant] = self.wait.labels(tenant)
+            found = self._usage[key] = TenantSeries(
+                self.requests.labels(tenant, model), self.prompt_tokens.labels(tenant, model),
+                self.completion_tokens.labels(tenant, model), self.wait.labels(tenant),
+            )  # fmt: skip
         return found
 
     def model(self, name: str | None) -> str:

@@ -1169,7 +1169,8 @@ class Limiter:
         local = r._local
         if local is None:
             local = self._local_of(t.name)
-        local.roll(self._clock())
+        # Not rolled to now: ``add`` puts the difference into the reservation's own
+        # windows wherever they stand (the current one, the one before, or none).
         if local.concurrent > 0:
             local.concurrent -= 1
         if difference:

@@ -536,7 +536,7 @@ async def test_the_gate_decides_here_what_the_allotment_covers(
         assert a.allotment("acme")[0] == 10  # nothing counted for it
         admitted = gate.try_admit_http(body, "Bearer sk-a", "batch")
         assert isinstance(admitted, Admission) and len(sent) == 1
-        assert (admitted.priority, admitted.cost) == ("batch", admitted.prompt + 5)
+        assert (admitted.priority, admitted.cost) == ("batch", admitted.estimated + 5)
         assert admitted.take_request() == json.loads(body)
         assert "x-ratelimit-remaining-requests: 158\r\n" in admitted.header_block()
         assert a.allotment("acme")[0] == 9

@@ -121,7 +121,7 @@ def test_the_want_is_built_from_what_admission_parsed(tmp_path: Path) -> None:
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                            "max_tokens": 5}).encode()  # fmt: skip
         admission = await gate.admit_http(body, "Bearer sk-a", None)
-        assert admission.cost == admission.prompt + 5
+        assert admission.cost == admission.estimated + 5
         parsed = admission.take_request()
         assert parsed == json.loads(body)
         assert admission.take_request() is None, "taken once: not kept for the request's life"

@@ -26,6 +26,7 @@ of one line, as a FIFO.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -106,6 +107,9 @@ class FairQueue:
         self.max_wait_s = list(max_wait_s)
         self.max_total = max_total
         self._half_life_s = half_life_s
+        # A count decays by exp(age x this): 0.5 ** (age / half_life_s), one native call
+        # where ``**`` of floats is a generic one (compiled).
+        self._decay = -math.log(2.0) / half_life_s
         self._clock = clock
         # per class: tenant -> its waiters in arrival order
         self._classes: list[dict[str, deque[Waiter]]] = [{} for _ in PRIORITIES]
@@ -136,7 +140,7 @@ class FairQueue:
         now = self._clock()
         age = now - counter.at
         if age:
-            counter.value *= 0.5 ** (age / self._half_life_s)
+            counter.value *= math.exp(age * self._decay)
             counter.at = now
         return counter.value
 
@@ -152,7 +156,7 @@ class FairQueue:
         value = counter.value
         age = now - counter.at
         if age:
-            value *= 0.5 ** (age / self._half_life_s)
+            value *= math.exp(age * self._decay)
         value += tokens
         if value < 1e-3:  # forgotten: a tenant served long ago costs nothing to keep
             del self._served[tenant]

@@ -165,7 +165,7 @@ class Forwarder:
             self._gate.exit()
             self._duration[ctx.route].observe(time.monotonic() - started)
             if ctx.admission is not None:
-                job.measure(ctx.admission.usage)
+                job.measure(ctx.admission)
             usage = job.usage
             if job.reasons is not None and trace is not None and usage is not None:  # sampled
                 reported = usage.reported
@@ -219,7 +219,7 @@ class HttpJob:
         sampled = ctx.trace is not None and ctx.trace.sampled
         admission = ctx.admission
         self.usage: Usage | None = (
-            admission.usage if admission is not None else Usage() if sampled else None
+            admission if admission is not None else Usage() if sampled else None
         )
         self.reasons: list[str] | None = [] if sampled else None
 

@@ -212,7 +212,7 @@ class GenerateProxy:
             self.metrics.requests.labels(ROUTE, code).inc()
             self.metrics.request_duration.labels(ROUTE).observe(time.monotonic() - started)
             if admission is not None:
-                job.measure(admission.usage)
+                job.measure(admission)
                 admission.finish(code)  # settles its tokens, whatever ended it
             if trace is not None:
                 if trace.sampled:
@@ -362,7 +362,7 @@ class GrpcJob:
         request, hint = self._next
         admission = self._admission
         if admission is not None:
-            admission.usage.attempt(unit.id)
+            admission.attempt(unit.id)
         pool_for = self._proxy.pool_for
         if pool_for is not None and unit.id not in self._proxy.grpc_only:
             pool = pool_for(unit)
@@ -689,7 +689,7 @@ class GrpcJob:
     def _first_byte(self) -> None:
         admission = self._admission
         if admission is not None:
-            admission.usage.first_byte = time.monotonic()
+            admission.first_byte = time.monotonic()
 
 
 async def admit(

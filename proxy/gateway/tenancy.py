@@ -144,7 +144,8 @@ def max_tokens_of(req: dict[str, Any]) -> int | None:
 
 
 class Usage:
-    """What one request used, as the wire learns it. (A plain class: one per request.)"""
+    """What one request used, as the wire learns it: an Admission's (it is one), or a
+    sampled trace's where there are no tenants. (A plain class: one per request.)"""
 
     __slots__ = ("attempted", "completion", "first_byte", "prompt", "reported", "unit")
 
@@ -221,11 +222,12 @@ class Usage:
         self.unit = unit
 
 
-class Admission:
-    """One admitted request of a tenant."""
+class Admission(Usage):
+    """One admitted request of a tenant, and (a Usage) what it used: one object a
+    request, not two."""
 
-    __slots__ = ("_gate", "cost", "finished", "label", "model", "priority", "prompt",
-                 "request", "reservation", "started", "tenant", "usage")  # fmt: skip
+    __slots__ = ("_gate", "cost", "estimated", "finished", "model", "priority", "request",
+                 "reservation", "started", "tenant")  # fmt: skip
 
     def __init__(
         self,
@@ -238,20 +240,24 @@ class Admission:
         reservation: Reservation,
         started: float,
     ):
+        super().__init__()
         self._gate = gate
         self.tenant = tenant
-        self.label = gate.metrics.tenant(tenant.name)
         self.model = model
         self.priority = priority
-        self.prompt = prompt  # estimated prompt tokens
+        self.estimated = prompt  # prompt tokens, estimated (``prompt``: as used)
         self.cost = cost  # estimated tokens in all (prompt and completion)
         self.reservation = reservation
         self.started = started
-        self.usage = Usage()
         self.finished = False
         # The request as admission parsed it (a JSON body's dict, a GenerateRequest), for
         # the wire's Want to take (``take_request``) rather than parse the body again.
         self.request: Any = None
+
+    @property
+    def usage(self) -> Usage:
+        """What the request used: the admission itself."""
+        return self
 
     @property
     def headers(self) -> dict[str, str]:
@@ -278,18 +284,17 @@ class Admission:
         if self.finished:
             return
         self.finished = True
-        u = self.usage
-        if not u.reported:
+        if not self.reported:
             # No usage from the unit: the prompt as estimated if a unit worked on it
             # (it answered, or streamed some output, or the client left), and the output
             # that reached the client.
-            worked = status in WORKED or u.completion > 0
-            u.prompt = self.prompt if u.attempted and worked else 0
-        used = u.prompt + u.completion
+            worked = status in WORKED or self.completion > 0
+            self.prompt = self.estimated if self.attempted and worked else 0
+        used = self.prompt + self.completion
         self.reservation.settle(used)
         served = self._gate.served
         # Charged its cost when a unit took it: the difference, where there is one.
-        if served is not None and u.attempted and used != self.cost:
+        if served is not None and self.attempted and used != self.cost:
             served(self.tenant.name, used - self.cost)
         self._gate.account(self, status)
 
@@ -458,26 +463,25 @@ class TenantGate:
                         tenant.name, _field(model), limited.limit)  # fmt: skip
 
     def account(self, a: Admission, status: str) -> None:
-        m, u = self.metrics, a.usage
-        requests, prompt, completion = m.usage(a.label, m.model(a.model))
-        requests.inc()
-        if u.prompt:
-            prompt.inc(u.prompt)
-        if u.completion:
-            completion.inc(u.completion)
-        if u.attempted:
-            m.waited(a.label).observe(max(0.0, u.attempted - a.started))
+        series = self.metrics.series(a.tenant.name, a.model)
+        series.requests.inc()
+        if a.prompt:
+            series.prompt.inc(a.prompt)
+        if a.completion:
+            series.completion.inc(a.completion)
+        if a.attempted:
+            series.wait.observe(max(0.0, a.attempted - a.started))
         now = self._clock()
         if now >= self._log_checked_until:  # the logger's level, asked once a second
             self._log_on = access_log.isEnabledFor(logging.INFO)
             self._log_checked_until = now + LOG_LEVEL_CHECK_S
         if not self._log_on:
             return  # the line is not built where it would not be written
-        ttft = f"{u.first_byte - a.started:.4f}" if u.first_byte else "-"
+        ttft = f"{a.first_byte - a.started:.4f}" if a.first_byte else "-"
         access_log.info(
             "tenant=%s model=%s unit=%s status=%s prompt_tokens=%d completion_tokens=%d "
             "ttft_s=%s duration_s=%.4f priority=%s",
-            a.tenant.name, _field(a.model), u.unit or "-", status, u.prompt, u.completion,
+            a.tenant.name, _field(a.model), a.unit or "-", status, a.prompt, a.completion,
             ttft, now - a.started, a.priority,
         )  # fmt: skip
 
