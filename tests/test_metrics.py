@@ -8,7 +8,7 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from proxy.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram
+from proxy.metrics import LATENCY_BUCKETS, LoopCounter, LoopHistogram, TenantMetrics
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -91,3 +91,29 @@ def test_wrong_labels_and_duplicate_names_are_refused() -> None:
         LoopCounter("requests", "Doc.", ["route"], registry)
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         Counter("requests", "Doc.", namespace="unitproxy", registry=registry)
+
+
+def test_tenant_series_are_found_by_name_and_bounded_as_the_labels() -> None:
+    registry = CollectorRegistry()
+    m = TenantMetrics(registry, max_tenants=2, max_models=2)
+    first = m.series("alpha", "m1")
+    assert m.series("alpha", "m1") is first  # found again, not made again
+    first.requests.inc()
+    first.prompt.inc(7)
+    first.wait.observe(0.01)
+    assert m.series("alpha", "m2") is not first
+    # a third model and a third tenant count as "other"
+    assert m.series("alpha", "m3") is m.usage("alpha", "other")
+    assert m.series("beta", "m1") is m.usage("beta", "m1")
+    assert m.series("gamma", "m1") is m.series("delta", "m1") is m.usage("other", "m1")
+    # many names: the lookup by name keeps at most max + 1 of each, as the labels do
+    for i in range(50):
+        m.series(f"t{i}", f"model{i}").requests.inc()
+        m.series("alpha", f"model{i}").requests.inc()
+    assert len(m._series) <= 3 + 1
+    assert all(len(models) <= 2 + 1 for models in m._series.values())
+    value = registry.get_sample_value
+    assert value("unitproxy_tenant_requests_total", {"tenant": "alpha", "model": "m1"}) == 1
+    assert value("unitproxy_tenant_prompt_tokens_total", {"tenant": "alpha", "model": "m1"}) == 7
+    assert value("unitproxy_tenant_wait_seconds_count", {"tenant": "alpha"}) == 1
+    assert value("unitproxy_tenant_requests_total", {"tenant": "other", "model": "other"}) == 50
