@@ -334,6 +334,17 @@ def _reset(prev: float, cur: float, frac: float) -> str:
     return duration(reset_s(prev, cur, frac, MINUTE_S))
 
 
+def minute_of(now: float) -> int:
+    """``int(now // MINUTE_S)``: the minute ``now`` falls in. One division and a check,
+    where float ``//`` takes an ``fmod`` too (compiled, about a third of the cost): a
+    quotient rounded up to the next whole minute is stepped back, and ``int()`` of a
+    negative one (truncated toward zero) likewise."""
+    minute = int(now / MINUTE_S)
+    if minute * MINUTE_S > now:
+        minute -= 1
+    return minute
+
+
 class _Window:
     """One rate's local count: the current fixed window and the one before."""
 
@@ -387,7 +398,7 @@ class _Local:
     def roll(self, now: float) -> None:
         """The windows moved to ``now`` (a day's windows end where a minute's do: in the
         same minute, nothing moves)."""
-        minute = int(now // MINUTE_S)
+        minute = minute_of(now)
         if minute != self.minute:
             self.minute = minute
             self.rpm.move(now)
@@ -923,7 +934,7 @@ class Limiter:
             return None
         # One float division: a day's windows end where a minute's do, and ``now`` less
         # its minute's start is exact (so this is ``now % MINUTE_S``, which divides too).
-        minute = int(now // MINUTE_S)
+        minute = minute_of(now)
         day = minute // MINUTES_A_DAY
         frac = (now - minute * MINUTE_S) / MINUTE_S
         if minute != a.minute or day != a.day:

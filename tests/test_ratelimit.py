@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from proxy.ratelimit import (
     duration,
     header_block,
     header_pairs,
+    minute_of,
     sliding,
     wait_s,
 )
@@ -683,3 +685,17 @@ async def test_an_allotment_is_not_spent_while_redis_is_away_and_goes_back_after
     assert (await redis_counts(b))[0] == 1
     (await a.admit(t, 0)).settle(0)  # shared again, with a new allotment
     assert a.allotment("acme")[0] > 0
+
+
+@given(
+    st.floats(min_value=-1e10, max_value=1e10, allow_nan=False)
+    | st.integers(min_value=-(10**8), max_value=10**8).map(lambda m: m * 60.0)
+    | st.integers(min_value=-(10**8), max_value=10**8).map(
+        lambda m: math.nextafter(m * 60.0, -math.inf)
+    )
+    | st.integers(min_value=-(10**8), max_value=10**8).map(
+        lambda m: math.nextafter(m * 60.0, math.inf)
+    )
+)
+def test_the_minute_of_a_time_is_its_floor_division(now: float) -> None:
+    assert minute_of(now) == int(now // 60.0)
