@@ -46,6 +46,7 @@ COMPILED = [
     "proxy/gateway/units.py",
     "proxy/gateway/http1/front.py",
     "proxy/gateway/http1/pool.py",
+    "proxy/accesslog.py",
     "proxy/auth.py",
     "proxy/broadcast.py",
     "proxy/coalesce.py",

@@ -173,6 +173,7 @@ GATEWAY = (
     Flag("--tenants-file", "gateway.tenants_file", "PATH"),
     Flag("--tenants-poll", "gateway.tenants_poll_s", "SECONDS"),
     Flag("--tenants-redis", "gateway.tenants_redis", choices=("true", "false")),
+    Flag("--access-log", "gateway.access_log"),
     Flag("--max-tenant-labels", "gateway.max_tenant_labels", "N"),
     Flag("--tenant-estimate-max-tokens", "gateway.tenant_estimate_max_tokens", "TOKENS"),
     Flag("--replicas", "gateway.replicas", "N"),

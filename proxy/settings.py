@@ -618,6 +618,10 @@ class GatewaySettings(_Section):
         False,
         description="Also read tenants from Redis (keys unitproxy:CLUSTER:tenant:NAME, each a JSON object with the fields of a [[tenant]] table; one there replaces the file's of the same name), so every gateway replica has the same set. Needs redis.url. Default false.",
     )
+    access_log: Literal["stderr", "logging", "off"] = Field(
+        "stderr",
+        description="Where the access log's line a request of a tenant goes (tenant, model, unit, status, tokens, TTFT, duration, priority; never prompt text), written while the unitproxy.access logger is at info: stderr (in the log's format, gathered and written at most every 0.25 s), logging (a record of the unitproxy.access logger a line, for an application's own handlers; several times the CPU), off. Default stderr.",
+    )
     max_tenant_labels: int = Field(
         100,
         ge=1,

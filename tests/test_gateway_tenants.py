@@ -112,7 +112,8 @@ async def test_the_key_names_the_tenant_and_its_limit_answers_429(
     client: Client,
 ) -> None:
     caplog.set_level(logging.INFO, logger="unitproxy.access")
-    _, gw = await start(start_sidecar, start_gateway, tenants_file)
+    # each line a record of the unitproxy.access logger, for caplog to see
+    _, gw = await start(start_sidecar, start_gateway, tenants_file, access_log="logging")
     alpha = client(gw, "sk-alpha")
     raw = await alpha.chat.completions.with_raw_response.create(
         model="unitproxy-sim", max_tokens=5, **CHAT

@@ -18,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proxy import build, ingress, multipart, openai_api
+from proxy.accesslog import AccessLog
 from proxy.auth import ApiKeys, flat_keys
 from proxy.broadcast import Broadcast
 from proxy.errors import UnitProxyError
@@ -234,8 +235,10 @@ class Gateway(Service):
             log.info("gateway: tenant limits counted by this gateway alone (no Redis)")
         self._tasks.append(asyncio.create_task(source.run(), name="tenants"))
         self._tasks.append(asyncio.create_task(limiter.run(), name="tenant limits"))
+        access = AccessLog(s.gateway.access_log)
+        stack.callback(access.flush)  # what is gathered, written at the stop
         return TenantGate(source, limiter, metrics, s.gateway.tenant_estimate_max_tokens,
-                          served=self.router.charge)  # fmt: skip
+                          served=self.router.charge, access=access)  # fmt: skip
 
     # --- drain ----------------------------------------------------------------------
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from json.scanner import make_scanner
 from typing import Any, Final
 
 from engine import tokens
+from proxy.accesslog import AccessLog
 from proxy.errors import InvalidRequest, UnitProxyError
 from proxy.jsonio import loads
 from proxy.metrics import TenantMetrics
@@ -30,7 +30,6 @@ from proxy.ratelimit import Limiter, RateLimited, Reservation
 from proxy.tenants import Tenant, TenantSource
 
 log = logging.getLogger(__name__)
-access_log: Final = logging.getLogger("unitproxy.access")
 
 # As the simulator counts a chat: each message's content plus its template tokens, and
 # the opened assistant turn.
@@ -77,9 +76,6 @@ prompt_count: Final = PromptCounts()
 # A unit's usage comment and the [DONE] after it end its stream within this many bytes
 # (the comment is about 100): a read is looked through for it here only.
 COMMENT_TAIL: Final = 512
-# How often the access log's level is asked again (a level set at run time takes effect
-# within this many seconds).
-LOG_LEVEL_CHECK_S: Final = 1.0
 # A request that ended so (HTTP status, gRPC code) had a unit work on its prompt.
 WORKED: Final = frozenset({"200", "499", "OK", "CANCELLED"})
 _DECODER = json.JSONDecoder()  # one, not one a call (json.loads builds none either)
@@ -351,6 +347,7 @@ class TenantGate:
         estimate_max_tokens: int,
         clock: Callable[[], float] = time.monotonic,
         served: Callable[[str, int], None] | None = None,
+        access: AccessLog | None = None,
     ):
         self.source = source
         self.limiter = limiter
@@ -360,10 +357,8 @@ class TenantGate:
         # Told what a request used against its estimate, once it ends: the wait queue's
         # count of tokens served per tenant (Router.charge).
         self.served = served
-        # Whether the access log writes INFO lines, as last asked (logging's own check is
-        # an interpreted call, a tenth of what settling a request costs).
-        self._log_on = False
-        self._log_checked_until = -math.inf
+        # Where each request's line goes (None: through logging, a record a line).
+        self.access = access if access is not None else AccessLog("logging")
 
     def authorize(self, authorization: str | None) -> Tenant:
         """From the request's head alone: the key's tenant; raises Unauthenticated for
@@ -458,9 +453,10 @@ class TenantGate:
     def refused(self, tenant: Tenant, model: str, limited: RateLimited) -> None:
         """A request of ``tenant`` refused 429 ``rate_limited``: counted and logged."""
         self.metrics.limited.labels(self.metrics.tenant(tenant.name), limited.limit).inc()
-        access_log.info("tenant=%s model=%s unit=- status=429 prompt_tokens=0 "
-                        "completion_tokens=0 ttft_s=- duration_s=0 limit=%s",
-                        tenant.name, _field(model), limited.limit)  # fmt: skip
+        if self.access.enabled(self._clock()):
+            self.access.write(f"tenant={tenant.name} model={_field(model)} unit=- status=429 "
+                              f"prompt_tokens=0 completion_tokens=0 ttft_s=- duration_s=0 "
+                              f"limit={limited.limit}")  # fmt: skip
 
     def account(self, a: Admission, status: str) -> None:
         series = self.metrics.series(a.tenant.name, a.model)
@@ -472,18 +468,15 @@ class TenantGate:
         if a.attempted:
             series.wait.observe(max(0.0, a.attempted - a.started))
         now = self._clock()
-        if now >= self._log_checked_until:  # the logger's level, asked once a second
-            self._log_on = access_log.isEnabledFor(logging.INFO)
-            self._log_checked_until = now + LOG_LEVEL_CHECK_S
-        if not self._log_on:
+        access = self.access
+        if not access.enabled(now):
             return  # the line is not built where it would not be written
         ttft = f"{a.first_byte - a.started:.4f}" if a.first_byte else "-"
-        access_log.info(
-            "tenant=%s model=%s unit=%s status=%s prompt_tokens=%d completion_tokens=%d "
-            "ttft_s=%s duration_s=%.4f priority=%s",
-            a.tenant.name, _field(a.model), a.unit or "-", status, a.prompt, a.completion,
-            ttft, now - a.started, a.priority,
-        )  # fmt: skip
+        access.write(
+            f"tenant={a.tenant.name} model={_field(a.model)} unit={a.unit or '-'} "
+            f"status={status} prompt_tokens={a.prompt} completion_tokens={a.completion} "
+            f"ttft_s={ttft} duration_s={now - a.started:.4f} priority={a.priority}"
+        )
 
 
 def _http_request(body: bytes) -> tuple[dict[str, Any], str, int, int | None]:
