@@ -216,8 +216,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def configure_logging(level: str) -> None:
     """The process's log lines, in ``LOG_FORMAT`` at ``level``. A record does not look up
     what the format does not print (its caller's frame, thread, process and task: the
-    logging HOWTO's "Optimization"), which is a fifth of what a line costs; with tenants
-    the gateway writes one access line a request (``unitproxy.access``)."""
+    logging HOWTO's "Optimization"), which is a fifth of what a line costs. (The
+    gateway's access log writes its lines in the same format itself: proxy/accesslog.py.)"""
     logging._srcfile = None  # no findCaller per record
     logging.logThreads = False
     logging.logProcesses = False
