@@ -13,9 +13,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy import accesslog
 from proxy.accesslog import AccessLog
+from proxy.gateway.tenancy import seconds_text
 from tests.conftest import GatewayFactory, SidecarFactory
 
 pytestmark = pytest.mark.timeout(20)
@@ -119,3 +122,18 @@ async def test_a_gateway_writes_a_line_a_request_to_stderr_by_default(
         for line in lines
     ), lines
     assert "secret" not in err
+
+
+@given(st.floats(min_value=0.0, max_value=1e7, allow_nan=False))
+def test_seconds_are_written_as_with_four_decimals(x: float) -> None:
+    text = seconds_text(x)
+    assert re.fullmatch(r"\d+\.\d{4}", text), text
+    assert abs(float(text) - x) <= 0.00005 * (1 + 1e-9) + x * 1e-15
+    if abs(x * 10000 - round(x * 10000)) < 0.49:  # not at a tie: as the format spec rounds
+        assert text == f"{x:.4f}"
+
+
+def test_seconds_below_zero_are_zero() -> None:
+    assert seconds_text(-0.3) == "0.0000"
+    assert (seconds_text(0.0), seconds_text(0.01234), seconds_text(12.5)) == (
+        "0.0000", "0.0123", "12.5000")  # fmt: skip

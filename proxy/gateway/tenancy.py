@@ -103,6 +103,19 @@ def _decimal(text: str, start: int, end: int) -> int:
     return n
 
 
+def seconds_text(x: float) -> str:
+    """``f"{x:.4f}"`` for a time ``x`` of 0 s or more (below 0: "0.0000"), rounded half
+    up: two digits a lookup, where the format spec costs a ``str.format`` call (compiled)
+    and a float's decimal conversion, about four times as much."""
+    n = int(x * 10000.0 + 0.5) if x > 0.0 else 0
+    whole = n // 10000
+    rest = n - whole * 10000
+    return f"{whole}.{_TWO_DIGITS[rest // 100]}{_TWO_DIGITS[rest % 100]}"
+
+
+_TWO_DIGITS: Final = [f"{i:02d}" for i in range(100)]
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -471,11 +484,11 @@ class TenantGate:
         access = self.access
         if not access.enabled(now):
             return  # the line is not built where it would not be written
-        ttft = f"{a.first_byte - a.started:.4f}" if a.first_byte else "-"
+        ttft = seconds_text(a.first_byte - a.started) if a.first_byte else "-"
         access.write(
             f"tenant={a.tenant.name} model={_field(a.model)} unit={a.unit or '-'} "
             f"status={status} prompt_tokens={a.prompt} completion_tokens={a.completion} "
-            f"ttft_s={ttft} duration_s={now - a.started:.4f} priority={a.priority}"
+            f"ttft_s={ttft} duration_s={seconds_text(now - a.started)} priority={a.priority}"
         )
 
 
