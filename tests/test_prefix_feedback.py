@@ -116,11 +116,12 @@ async def test_a_unit_with_a_small_cache_is_trusted_with_fewer_prefixes(
     await wait_until(lambda: feedback.shrunk >= 1, what="the index shrunk for unit a")
     assert index.limit("a") < index.max_blocks
     assert any(v.found < v.expected for v in feedback.verdicts)
+    before = feedback.shrunk  # load reports go on arriving: it may shrink again meanwhile
     async with http.get(f"{gw.http_url}/metrics") as resp:  # what an operator sees
         exported = await resp.text()
     shrunk = re.search(r'^unitproxy_prefix_index_corrections_total\{action="shrunk"\} (\S+)$',
                        exported, re.M)  # fmt: skip
-    assert shrunk is not None and float(shrunk[1]) == feedback.shrunk
+    assert shrunk is not None and before <= float(shrunk[1]) <= feedback.shrunk
     assert 'unitproxy_prefix_index_corrections_total{action="forgotten"} 0.0' in exported
     async with http.get(f"{unit.http_url}/load") as resp:
         report = await resp.json()
